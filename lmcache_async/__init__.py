@@ -1,0 +1,74 @@
+"""lmcache_async: an asyncio-native tiered storage framework for LLM-inference caches."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from lmcache_async.backend import Presence, StorageBackend, register_backend
+from lmcache_async.config import LMCacheEngineConfig, load_ec_engine_config, load_engine_config
+from lmcache_async.errors import (
+    ConfigError,
+    DoubleReleaseError,
+    ForkedProcessError,
+    LoopThreadCallError,
+    ManagerClosedError,
+    MisuseError,
+    PoolSizeError,
+)
+from lmcache_async.keys import CacheEngineKey, stable_u64_from_str
+from lmcache_async.memory import MemoryFormat, MemoryObj
+from lmcache_async.metadata import LMCacheEngineMetadata
+from lmcache_async.storage_manager import StorageManager
+from lmcache_async.token_database import ChunkedTokenDatabase
+
+if TYPE_CHECKING:
+    from lmcache_async.engines.encoder_cache import ECCacheEngine
+    from lmcache_async.engines.hidden_states import HiddenStateStore
+    from lmcache_async.engines.kv import LMCacheEngine
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "LMCacheEngine": "lmcache_async.engines.kv",
+    "HiddenStateStore": "lmcache_async.engines.hidden_states",
+    "ECCacheEngine": "lmcache_async.engines.encoder_cache",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lmcache_async' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = [
+    "CacheEngineKey",
+    "ChunkedTokenDatabase",
+    "ConfigError",
+    "DoubleReleaseError",
+    "ECCacheEngine",
+    "ForkedProcessError",
+    "HiddenStateStore",
+    "LMCacheEngine",
+    "LMCacheEngineConfig",
+    "LMCacheEngineMetadata",
+    "LoopThreadCallError",
+    "ManagerClosedError",
+    "MemoryFormat",
+    "MemoryObj",
+    "MisuseError",
+    "PoolSizeError",
+    "Presence",
+    "StorageBackend",
+    "StorageManager",
+    "__version__",
+    "load_ec_engine_config",
+    "load_engine_config",
+    "register_backend",
+    "stable_u64_from_str",
+]

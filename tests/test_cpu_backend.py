@@ -1,0 +1,78 @@
+"""The CPU tier passes the conformance suite and keeps its own rules (LRU, held entries)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from lmcache_async.backend import BackendContext
+from lmcache_async.memory import MemoryFormat, PoolAllocator
+from lmcache_async.testing import BackendConformanceTests, make_key
+from lmcache_async.backends.cpu import CPUBackend
+
+
+class TestCPUConformance(BackendConformanceTests):
+    async def make_backend(self, ctx: BackendContext, location: Path) -> CPUBackend:
+        return CPUBackend(PoolAllocator(64 << 20, name="cpu-under-test", pretouch=False))
+
+
+def _fill(cpu: CPUBackend, key, n: int = 1024):
+    obj = cpu.allocate((n,), torch.float32, MemoryFormat.UNDEFINED)
+    assert obj is not None
+    obj.tensor.fill_(1.0)
+    assert cpu.insert(key, obj) is None
+    return obj
+
+
+def test_lru_evicts_least_recently_used_first():
+    pool = PoolAllocator(4 * 4096, name="t", pretouch=False, align=256)
+    cpu = CPUBackend(pool, "LRU")
+    keys = [make_key(i) for i in range(4)]
+    for k in keys:
+        _fill(cpu, k)
+    got = cpu.lookup(keys[0])  # touch key 0
+    got.ref_count_down()
+    _fill(cpu, make_key(99))
+    assert cpu.contains_nowait(keys[0])
+    assert not cpu.contains_nowait(keys[1])
+    assert cpu.evictions == 1
+
+
+def test_fifo_ignores_touches():
+    pool = PoolAllocator(4 * 4096, name="t", pretouch=False)
+    cpu = CPUBackend(pool, "FIFO")
+    keys = [make_key(i) for i in range(4)]
+    for k in keys:
+        _fill(cpu, k)
+    cpu.lookup(keys[0]).ref_count_down()
+    _fill(cpu, make_key(99))
+    assert not cpu.contains_nowait(keys[0])
+
+
+def test_entry_held_by_reader_is_never_evicted():
+    pool = PoolAllocator(2 * 4096, name="t", pretouch=False)
+    cpu = CPUBackend(pool)
+    a, b = make_key(1), make_key(2)
+    _fill(cpu, a)
+    _fill(cpu, b)
+    held = cpu.lookup(a)
+    held2 = cpu.lookup(b)
+    assert cpu.allocate((1024,), torch.float32) is None  # both held: nothing evictable
+    held2.ref_count_down()
+    obj = cpu.allocate((1024,), torch.float32)
+    assert obj is not None
+    assert cpu.contains_nowait(a) and not cpu.contains_nowait(b)
+    assert torch.all(held.tensor == 1.0)
+    obj.ref_count_down()
+    held.ref_count_down()
+
+
+def test_clear_returns_pool_to_zero():
+    pool = PoolAllocator(1 << 20, name="t", pretouch=False)
+    cpu = CPUBackend(pool)
+    for i in range(10):
+        _fill(cpu, make_key(i), 256)
+    cpu.clear_nowait()
+    assert pool.used_bytes == 0
+    assert cpu.bytes == 0
