@@ -284,6 +284,21 @@ class StorageManager:
                 return obj
         return self._staging_alloc(shape, dtype, fmt)
 
+    def allocate(
+        self, shape: Sequence[int], dtype: torch.dtype, fmt: MemoryFormat = MemoryFormat.UNDEFINED
+    ) -> MemoryObj | None:
+        """A CPU-pool block the caller owns (one reference), evicting entries nobody holds when
+        needed; None at once when it cannot fit (or there is no CPU tier).
+
+        Fill it and pass it to :meth:`put` (which borrows it: no second copy); keep the
+        reference while the entry must not be evicted, then release it. Any thread.
+        """
+        self._check_usable()
+        if self._cpu is None:
+            return None
+        obj: MemoryObj | None = self._cpu.allocate(shape, dtype, fmt)
+        return obj
+
     # ---- checks --------------------------------------------------------------------------------
     def _check_usable(self) -> None:
         if self._closed:

@@ -1,0 +1,64 @@
+"""Shared fixtures: small configs, metadata and managers that always close."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from lmcache_async import LMCacheEngineConfig, LMCacheEngineMetadata, StorageManager
+from lmcache_async.token_database import ChunkedTokenDatabase
+
+
+@pytest.fixture(autouse=True)
+def _isolated_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test sees the developer's LMCACHE_* variables."""
+    import os
+
+    for var in list(os.environ):
+        if var.startswith("LMCACHE_"):
+            monkeypatch.delenv(var)
+
+
+@pytest.fixture
+def metadata() -> LMCacheEngineMetadata:
+    return LMCacheEngineMetadata(model_name="test-model", world_size=1, worker_id=0, kv_dtype=torch.bfloat16)
+
+
+@pytest.fixture
+def small_config() -> Callable[..., LMCacheEngineConfig]:
+    """Config factory with a 64 MiB CPU pool and a 16 MiB staging area by default."""
+
+    def make(**overrides: Any) -> LMCacheEngineConfig:
+        base: dict[str, Any] = {"max_local_cpu_size": 1 / 16, "staging_size": 1 / 64, "blocking_timeout_secs": 10}
+        base.update(overrides)
+        return LMCacheEngineConfig.from_defaults(**base)
+
+    return make
+
+
+@pytest.fixture
+def make_manager(
+    small_config: Callable[..., LMCacheEngineConfig], metadata: LMCacheEngineMetadata
+) -> Iterator[Callable[..., StorageManager]]:
+    """Factory of StorageManagers closed at the end of the test."""
+    made: list[StorageManager] = []
+
+    def make(config: LMCacheEngineConfig | None = None, **overrides: Any) -> StorageManager:
+        sm = StorageManager(config if config is not None else small_config(**overrides), metadata)
+        made.append(sm)
+        return sm
+
+    yield make
+    for sm in made:
+        if not sm.closed:
+            sm.close_sync()
+    gc.collect()
+
+
+@pytest.fixture
+def token_db(metadata: LMCacheEngineMetadata) -> ChunkedTokenDatabase:
+    return ChunkedTokenDatabase(256, metadata=metadata)
