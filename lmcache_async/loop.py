@@ -134,19 +134,71 @@ class LoopThread:
         fut = self.submit(coro)
         return wait_future(fut, timeout, self.name)
 
-    async def run_async(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Await ``coro`` on this loop from whatever loop the caller runs on."""
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:  # pragma: no cover - only reachable when awaited oddly
-            running = None
+    async def run_async(
+        self, coro: Coroutine[Any, Any, T], orphan: Callable[[T], None] | None = None
+    ) -> T:
+        """Await ``coro`` on this loop from whatever loop the caller runs on.
+
+        Two thread crossings and no intermediate concurrent future. When the awaiting task is
+        cancelled the coroutine is cancelled too; a result it still produces after the caller
+        gave up is handed to ``orphan`` (so owned buffers can be released).
+        """
+        running = asyncio.get_running_loop()
         if running is self.loop:
             return await coro
-        fut = self.submit(coro)
         try:
-            return await asyncio.wrap_future(fut)
+            self.check_usable()
+        except BaseException:
+            _close_coro(coro)
+            raise
+        fut: asyncio.Future[T] = running.create_future()
+        state: dict[str, Any] = {}
+
+        def settle(task: asyncio.Task[T]) -> None:  # on the caller's loop
+            if fut.done():
+                if orphan is not None and not task.cancelled() and task.exception() is None:
+                    orphan(task.result())
+                return
+            if task.cancelled():
+                fut.cancel()
+            elif (exc := task.exception()) is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(task.result())
+
+        def done(task: asyncio.Task[T]) -> None:  # on this loop
+            try:
+                running.call_soon_threadsafe(settle, task)
+            except RuntimeError:  # the caller's loop is gone
+                if orphan is not None and not task.cancelled() and task.exception() is None:
+                    orphan(task.result())
+
+        def start() -> None:  # on this loop
+            if state.get("cancelled"):
+                _close_coro(coro)
+                return
+            task = self.loop.create_task(coro)
+            state["task"] = task
+            task.add_done_callback(done)
+
+        def cancel() -> None:  # on this loop, always after start()
+            task = state.get("task")
+            if task is not None:
+                task.cancel()
+
+        try:
+            self.loop.call_soon_threadsafe(start)
+        except RuntimeError:
+            _close_coro(coro)
+            raise ManagerClosedError(f"{self.name} is closed") from None
+        try:
+            return await fut
         except asyncio.CancelledError:
-            fut.cancel()
+            state["cancelled"] = True
+            try:
+                self.loop.call_soon_threadsafe(cancel)
+            except RuntimeError:
+                pass
             raise
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:

@@ -91,6 +91,12 @@ def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
 
 def validate_shape(shape: Any, what: str = "shape") -> tuple[int, ...]:
     """Normalise a shape to a tuple of non-negative ints (``TypeError``/``ValueError`` otherwise)."""
+    if type(shape) is tuple:
+        for d in shape:
+            if type(d) is not int or d < 0:
+                break
+        else:
+            return shape
     if isinstance(shape, torch.Size):
         return tuple(shape)
     if not isinstance(shape, (tuple, list)):
@@ -430,7 +436,9 @@ class PoolAllocator(_AllocatorBase):
         self, shape: Sequence[int], dtype: torch.dtype, fmt: MemoryFormat = MemoryFormat.UNDEFINED
     ) -> MemoryObj | None:
         """A block holding ``shape``/``dtype``, or ``None`` at once when none fits."""
-        shp = shape if type(shape) is tuple else validate_shape(shape)
+        shp = validate_shape(shape)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
         n = _nbytes(shp, dtype)
         units = max(1, -(-n // self.align))
         with self.lock:

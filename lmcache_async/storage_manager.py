@@ -251,7 +251,9 @@ class StorageManager:
             if tier_name == "cpu":
                 self._cpu = backend
             else:
-                timeout = self.config.remote_timeout_s if backend.is_remote else self._timeout
+                # Local lower tiers get half the sync bound so a stuck tier yields a miss,
+                # not a TimeoutError in the caller; remote/NIXL tiers use remote_timeout_s.
+                timeout = self.config.remote_timeout_s if backend.is_remote else self._timeout / 2
                 self._lower.append(_Tier(backend, timeout))
 
     async def _start_backends(self) -> None:
@@ -350,20 +352,7 @@ class StorageManager:
             raise
 
     async def _run_async(self, coro: Coroutine[Any, Any, T], orphan: Callable[[T], None] | None = None) -> T:
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:  # pragma: no cover
-            running = None
-        if running is self._loop:
-            return await coro
-        fut = self._lt.submit(coro)
-        try:
-            return await asyncio.wrap_future(fut)
-        except asyncio.CancelledError:
-            fut.cancel()
-            if orphan is not None:
-                _release_when_done(fut, orphan)
-            raise
+        return await self._lt.run_async(coro, orphan)
 
     # ---- put -----------------------------------------------------------------------------------
     def _put_front(self, key: CacheEngineKey, value: torch.Tensor | MemoryObj, fmt: MemoryFormat) -> bool:

@@ -1,0 +1,366 @@
+"""The encoder cache (EC): multimodal encoder outputs keyed by the item's ``mm_hash``.
+
+One entry is one tensor of any rank, dtype and shape (usually ``[num_tokens, hidden]``),
+stored as :attr:`MemoryFormat.EC_TD` in the engine's own :class:`StorageManager` (its own pool,
+its own loop thread, independent of the KV cache so neither evicts the other).
+
+Keys are rank- and KV-independent: ``CacheEngineKey(model_name, world_size=1, worker_id=0,
+chunk_hash=stable_u64_from_str(mm_hash), dtype=encoder_dtype)``. Every tensor-parallel rank
+computes the same encoder output, so all ranks share one entry; changing the KV dtype never
+changes an EC key. ``encoder_dtype`` is only the key's dtype field: an entry keeps the dtype
+and shape of the tensor that was put.
+
+Threads: the sync methods may be called from any thread except the manager's loop thread;
+CPU-tier hits and puts that fit are answered on the caller's thread without a hop. The ``a``
+twins are awaitable from any event loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from lmcache_async.config import LMCacheEngineConfig
+from lmcache_async.dtypes import dtype_name, parse_dtype
+from lmcache_async.keys import CacheEngineKey, stable_u64_from_str
+from lmcache_async.memory import MemoryFormat, MemoryObj
+from lmcache_async.metadata import NEUTRAL_METADATA, LMCacheEngineMetadata
+from lmcache_async.storage_manager import StorageManager
+
+logger = logging.getLogger(__name__)
+
+EC_KEY_WORLD_SIZE = 1
+"""Sentinel ``world_size`` of every EC key (encoder outputs are identical on every TP rank)."""
+EC_KEY_WORKER_ID = 0
+"""Sentinel ``worker_id`` of every EC key."""
+
+_KEY_CACHE_MAX = 1 << 16
+
+
+def _check_mm_hash(mm_hash: object) -> str:
+    if not isinstance(mm_hash, str):
+        raise TypeError(f"mm_hash must be a str, got {type(mm_hash).__name__}")
+    if not mm_hash:
+        raise ValueError("mm_hash must be a non-empty str")
+    return mm_hash
+
+
+def _check_tensor(tensor: object) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    return tensor
+
+
+def _check_device(device: object) -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    if not isinstance(device, (str, int)) or isinstance(device, bool):
+        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
+    try:
+        return torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(f"device {device!r} is not a valid torch device: {exc}") from None
+
+
+def ec_cache_key(model_name: str, mm_hash: str, encoder_dtype: torch.dtype) -> CacheEngineKey:
+    """The EC key of ``mm_hash`` (rank sentinels, ``stable_u64_from_str`` hash, encoder dtype)."""
+    return CacheEngineKey(
+        model_name,
+        EC_KEY_WORLD_SIZE,
+        EC_KEY_WORKER_ID,
+        stable_u64_from_str(_check_mm_hash(mm_hash)),
+        encoder_dtype,
+    )
+
+
+class ECCacheEngine:
+    """Encoder-output cache over its own :class:`StorageManager`; see the module docstring.
+
+    ``config`` is used as given (the EC overlay and EC defaults are applied by
+    :func:`~lmcache_async.config.load_ec_engine_config`, which the vLLM connector calls).
+    ``metadata`` supplies the model name (its ``world_size``/``worker_id``/``kv_dtype`` do not
+    enter EC keys); ``encoder_dtype`` (a ``torch.dtype`` or a name such as ``"bfloat16"``) is
+    the dtype field of every key.
+
+    Return values have one meaning each: ``put`` is False only under transient pool pressure,
+    ``get`` is None only on a miss (storage trouble and timeouts are misses, counted in
+    :meth:`stats`). Caller mistakes raise ``TypeError``/``ValueError``; any call after
+    :meth:`close` raises :class:`~lmcache_async.errors.ManagerClosedError`.
+    """
+
+    def __init__(
+        self,
+        config: LMCacheEngineConfig,
+        metadata: LMCacheEngineMetadata | None,
+        encoder_dtype: torch.dtype | str,
+    ) -> None:
+        if not isinstance(config, LMCacheEngineConfig):
+            raise TypeError(f"config must be an LMCacheEngineConfig, got {type(config).__name__}")
+        if metadata is None:
+            metadata = NEUTRAL_METADATA
+        if not isinstance(metadata, LMCacheEngineMetadata):
+            raise TypeError(
+                f"metadata must be an LMCacheEngineMetadata, got {type(metadata).__name__}"
+            )
+        if not isinstance(encoder_dtype, (torch.dtype, str)):
+            raise TypeError(
+                f"encoder_dtype must be a torch.dtype or a dtype name, got {type(encoder_dtype).__name__}"
+            )
+        try:
+            dtype = parse_dtype(encoder_dtype)
+            dtype_name(dtype)
+        except ValueError as exc:
+            raise ValueError(f"encoder_dtype: {exc}") from None
+        self.config = config
+        self.metadata = metadata
+        self.encoder_dtype = dtype
+        self.model_name = metadata.model_name
+        # The manager sees one logical rank, so a backend that namespaces by rank or KV dtype
+        # still lets every TP rank (and every KV setting) share the same EC entries.
+        sm_meta = dataclasses.replace(
+            metadata,
+            world_size=EC_KEY_WORLD_SIZE,
+            worker_id=EC_KEY_WORKER_ID,
+            kv_dtype=dtype,
+            kv_shape=None,
+        )
+        self._sm = StorageManager(config, sm_meta, name="ec")
+        self._keys: dict[str, CacheEngineKey] = {}
+        self._lock = threading.Lock()
+        self._puts = 0
+        self._puts_existing = 0
+        self._puts_rejected = 0
+        self._hits = 0
+        self._misses = 0
+        self._timeouts = 0
+        logger.info("encoder cache ready: tiers=%s model=%s dtype=%s", self._sm.tier_names, self.model_name, dtype)
+
+    # ---- keys ----------------------------------------------------------------------------------
+    def key(self, mm_hash: str) -> CacheEngineKey:
+        """The cache key of ``mm_hash`` (memoised; ``TypeError``/``ValueError`` for a bad hash)."""
+        if type(mm_hash) is str:
+            k = self._keys.get(mm_hash)
+            if k is not None:
+                return k
+        k = ec_cache_key(self.model_name, mm_hash, self.encoder_dtype)
+        keys = self._keys
+        if len(keys) >= _KEY_CACHE_MAX:
+            keys.clear()
+        keys[mm_hash] = k
+        return k
+
+    @property
+    def storage_manager(self) -> StorageManager:
+        """The engine's own manager (for flushing, stats and tools)."""
+        return self._sm
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` started."""
+        return self._sm.closed
+
+    # ---- put -----------------------------------------------------------------------------------
+    def _count_put(self, stored: bool, existed: bool) -> None:
+        with self._lock:
+            if existed:
+                self._puts_existing += 1
+            elif stored:
+                self._puts += 1
+            else:
+                self._puts_rejected += 1
+
+    def _source(self, tensor: object) -> torch.Tensor:
+        # detach(): the copy must never join an autograd graph (the pool buffer would).
+        return _check_tensor(tensor).detach()
+
+    def put(self, mm_hash: str, tensor: torch.Tensor) -> bool:
+        """Store ``tensor`` (any device, rank, shape, dtype) under ``mm_hash``.
+
+        One ``copy_`` into the pool (device→host included); the caller's tensor is not kept.
+        An ``mm_hash`` already present in any tier is not copied again (returns True).
+        Returns False only when the pool cannot take the entry right now (nothing evictable):
+        it never waits. ``TypeError`` for a non-tensor or a non-str hash.
+        """
+        key = self.key(mm_hash)
+        src = self._source(tensor)
+        sm = self._sm
+        if sm.has_lower_tiers and self._present_sync(key):
+            self._count_put(True, True)
+            return True
+        ok = sm.put_sync(key, src, MemoryFormat.EC_TD)
+        self._count_put(ok, False)
+        return ok
+
+    async def aput(self, mm_hash: str, tensor: torch.Tensor) -> bool:
+        """Async twin of :meth:`put`, awaitable from any event loop (the copy runs on the
+        caller's thread)."""
+        key = self.key(mm_hash)
+        src = self._source(tensor)
+        sm = self._sm
+        if sm.has_lower_tiers and await self._present_async(key):
+            self._count_put(True, True)
+            return True
+        ok = await sm.put(key, src, MemoryFormat.EC_TD)
+        self._count_put(ok, False)
+        return ok
+
+    def _present_sync(self, key: CacheEngineKey) -> bool:
+        try:
+            return self._sm.contains_sync(key)
+        except TimeoutError:
+            self._count_timeout()
+            return False
+
+    async def _present_async(self, key: CacheEngineKey) -> bool:
+        try:
+            return await self._sm.contains(key)
+        except TimeoutError:
+            self._count_timeout()
+            return False
+
+    def _count_timeout(self) -> None:
+        with self._lock:
+            self._timeouts += 1
+
+    # ---- get -----------------------------------------------------------------------------------
+    def _copy_out(self, obj: MemoryObj | None, device: torch.device) -> torch.Tensor | None:
+        """A fresh tensor on ``device`` with the entry's values; releases ``obj`` on every path."""
+        if obj is None:
+            with self._lock:
+                self._misses += 1
+            return None
+        try:
+            src = obj.tensor
+            # A fresh tensor filled by one copy (pool -> device directly). The copy is
+            # synchronous, so the pool block can be released as soon as it returns.
+            out = torch.empty(src.shape, dtype=src.dtype, device=device)
+            out.copy_(src)
+        finally:
+            obj.ref_count_down()
+        with self._lock:
+            self._hits += 1
+        return out
+
+    def get(self, mm_hash: str, device: str | torch.device = "cpu") -> torch.Tensor | None:
+        """The entry as a new tensor on ``device`` (its own dtype and shape), or None on a miss.
+
+        The result never aliases a pool buffer: keep it as long as you like. An entry that left
+        the CPU tier but lives in a lower tier (disk, remote, NIXL) is read from there (and
+        promoted). Storage trouble and timeouts are misses.
+        """
+        key = self.key(mm_hash)
+        dev = _check_device(device)
+        try:
+            obj = self._sm.get_sync(key)
+        except TimeoutError:
+            self._count_timeout()
+            obj = None
+        return self._copy_out(obj, dev)
+
+    async def aget(self, mm_hash: str, device: str | torch.device = "cpu") -> torch.Tensor | None:
+        """Async twin of :meth:`get`, awaitable from any event loop."""
+        key = self.key(mm_hash)
+        dev = _check_device(device)
+        try:
+            obj = await self._sm.get(key)
+        except TimeoutError:
+            self._count_timeout()
+            obj = None
+        return self._copy_out(obj, dev)
+
+    # ---- contains / delete ---------------------------------------------------------------------
+    def contains(self, mm_hash: str) -> bool:
+        """True when some tier holds ``mm_hash`` (a CPU hit answers in about a microsecond; a
+        tier that fails or times out counts as absent)."""
+        key = self._keys.get(mm_hash) if type(mm_hash) is str else None
+        if key is None:
+            key = self.key(mm_hash)
+        try:
+            return self._sm.contains_sync(key)
+        except TimeoutError:
+            self._count_timeout()
+            return False
+
+    async def acontains(self, mm_hash: str) -> bool:
+        """Async twin of :meth:`contains`."""
+        return await self._present_async(self.key(mm_hash))
+
+    def delete(self, mm_hash: str) -> bool:
+        """Remove ``mm_hash`` from every tier; True when some tier held it. Tensors returned by
+        :meth:`get` are unaffected."""
+        key = self.key(mm_hash)
+        try:
+            return self._sm.remove_sync(key)
+        except TimeoutError:
+            self._count_timeout()
+            return False
+
+    async def adelete(self, mm_hash: str) -> bool:
+        """Async twin of :meth:`delete`."""
+        key = self.key(mm_hash)
+        try:
+            return await self._sm.remove(key)
+        except TimeoutError:
+            self._count_timeout()
+            return False
+
+    # ---- flush / close / stats -------------------------------------------------------------------
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every lower-tier write queued so far finished (or failed); no-op without
+        lower tiers. ``TimeoutError`` when ``timeout`` passes."""
+        self._sm.flush_sync(timeout)
+
+    async def aflush(self) -> None:
+        """Async twin of :meth:`flush`."""
+        await self._sm.flush()
+
+    def close(self) -> None:
+        """Flush pending writes (bounded), close the tiers, stop the loop. Idempotent.
+
+        Tensors returned by :meth:`get` stay valid (they never alias the pool).
+        """
+        self._sm.close_sync()
+
+    async def aclose(self) -> None:
+        """Async twin of :meth:`close`, awaitable from any event loop."""
+        await self._sm.close()
+
+    def stats(self) -> dict[str, Any]:
+        """Engine counters plus the manager's per-tier stats under ``"storage"``."""
+        with self._lock:
+            engine = {
+                "puts": self._puts,
+                "puts_existing": self._puts_existing,
+                "puts_rejected": self._puts_rejected,
+                "hits": self._hits,
+                "misses": self._misses,
+                "timeouts": self._timeouts,
+            }
+        return {
+            "model_name": self.model_name,
+            "encoder_dtype": dtype_name(self.encoder_dtype),
+            **engine,
+            "storage": self._sm.stats(),
+        }
+
+    def __enter__(self) -> ECCacheEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> ECCacheEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return (
+            f"ECCacheEngine(model={self.model_name!r}, encoder_dtype={dtype_name(self.encoder_dtype)}, "
+            f"tiers={self._sm.tier_names}, closed={self.closed})"
+        )

@@ -1,0 +1,489 @@
+"""The hidden-state store: per-token activations cached beside the KV chunks they belong to.
+
+A downstream stage (a "talker") that consumes an upstream stage's ("thinker's") hidden states
+cannot rebuild them from KV. This store keeps them, chunked exactly like the KV cache:
+
+* **Keys.** Chunk keys come from the KV engine's token database, so HS chunk ``i`` has the same
+  :class:`CacheEngineKey` as KV chunk ``i``. One entry per ``(chunk, layer_idx)`` lives in the
+  store's own manager under :func:`hs_entry_key` — the KV key plus the tag
+  ``lmcache.tag.hs_layer`` (string form ``...@hs_layer%<layer>``), so it can never collide with a
+  KV entry even in a shared tier.
+* **Memory.** Its own CPU pool of ``max_hidden_state_cpu_size`` GiB (a separate
+  :class:`StorageManager` named ``hs`` without lower tiers): hidden states live in CPU memory
+  only. Pressure on it evicts hidden states only (its LRU), never KV.
+* **Coupled eviction, lazily.** A retrieve asks the KV manager (any tier) whether the KV of the
+  hit chunks is still there and stops at the first chunk where KV or HS is missing. An HS entry
+  whose KV is *definitely* gone is dropped; a tier that failed to answer means "unknown":
+  the prefix stops there and nothing is dropped.
+
+Thread-safe: worker threads may store while others retrieve. Every blocking method has an
+``a``-prefixed coroutine twin that runs it on a worker thread of the caller's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from lmcache_async.backend import Presence
+from lmcache_async.config import LMCacheEngineConfig
+from lmcache_async.engines._chunks import ChunkPlan, copy_in, copy_out, release_all, wait_copies
+from lmcache_async.errors import ManagerClosedError
+from lmcache_async.keys import TAG_PREFIX, CacheEngineKey
+from lmcache_async.memory import MemoryFormat, MemoryObj
+from lmcache_async.metadata import LMCacheEngineMetadata
+from lmcache_async.storage_manager import StorageManager
+from lmcache_async.token_database import ChunkedTokenDatabase
+
+logger = logging.getLogger(__name__)
+
+HS_LAYER_TAG = TAG_PREFIX + "hs_layer"
+"""``request_configs`` key of the tag that turns a KV chunk key into an HS entry key."""
+
+_STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def hs_entry_key(kv_key: CacheEngineKey, layer_idx: int) -> CacheEngineKey:
+    """The key under which layer ``layer_idx`` of the KV chunk ``kv_key`` is stored.
+
+    It is ``kv_key`` with the tag ``hs_layer=<layer_idx>`` added (string form
+    ``<kv key>@hs_layer%<layer_idx>``); KV keys never carry that tag, so the two never collide.
+    """
+    rc = kv_key.request_configs
+    if rc is None:
+        rc = {HS_LAYER_TAG: layer_idx}
+    else:
+        rc[HS_LAYER_TAG] = layer_idx
+    return CacheEngineKey(
+        kv_key.model_name, kv_key.world_size, kv_key.worker_id, kv_key.chunk_hash, kv_key.dtype, rc
+    )
+
+
+def _check_layer(layer_idx: object, what: str = "layer_idx") -> int:
+    if not isinstance(layer_idx, int) or isinstance(layer_idx, bool):
+        raise TypeError(f"{what} must be an int, got {type(layer_idx).__name__}")
+    if layer_idx < 0:
+        raise ValueError(f"{what} must be >= 0, got {layer_idx}")
+    return layer_idx
+
+
+class HiddenStateStore:
+    """Per-chunk hidden-state cache on its own CPU pool; see the module docstring.
+
+    ``config`` supplies ``chunk_size``, ``save_unfull_chunk``, ``max_hidden_state_cpu_size``
+    (GiB, must be > 0: ``ValueError`` naming the key otherwise), ``hidden_state_layers`` (an
+    optional allowlist) and ``hidden_state_storage_dtype``. ``token_database`` must be the KV
+    engine's (built from ``config``/``metadata`` when omitted) and ``kv_storage_manager`` the
+    KV engine's manager; without one, KV presence is not checked (HS-only prefixes).
+
+    :class:`~lmcache_async.engines.kv.LMCacheEngine` builds one as ``engine.hidden_state_store``
+    when ``enable_hidden_state_cache`` is true.
+    """
+
+    def __init__(
+        self,
+        config: LMCacheEngineConfig,
+        metadata: LMCacheEngineMetadata | None = None,
+        *,
+        token_database: ChunkedTokenDatabase | None = None,
+        kv_storage_manager: StorageManager | None = None,
+    ) -> None:
+        if not isinstance(config, LMCacheEngineConfig):
+            raise TypeError(f"config must be an LMCacheEngineConfig, got {type(config).__name__}")
+        size = config.max_hidden_state_cpu_size
+        if not size > 0:
+            raise ValueError(
+                f"max_hidden_state_cpu_size must be > 0 when the hidden-state cache is enabled "
+                f"(enable_hidden_state_cache), got {size!r}"
+            )
+        if token_database is None:
+            token_database = ChunkedTokenDatabase(config.chunk_size, config.save_unfull_chunk, metadata)
+        elif not isinstance(token_database, ChunkedTokenDatabase):
+            raise TypeError(
+                f"token_database must be a ChunkedTokenDatabase, got {type(token_database).__name__}"
+            )
+        if kv_storage_manager is not None and not isinstance(kv_storage_manager, StorageManager):
+            raise TypeError(
+                f"kv_storage_manager must be a StorageManager, got {type(kv_storage_manager).__name__}"
+            )
+        self.token_database = token_database
+        self.kv_storage_manager = kv_storage_manager
+        self.storage_dtype: torch.dtype = _STORAGE_DTYPES[config.hidden_state_storage_dtype]
+        layers = config.hidden_state_layers
+        self.layer_allowlist: frozenset[int] | None = None if layers is None else frozenset(layers)
+        # The HS pool is CPU memory whatever the KV tiers are: force the CPU tier on and keep
+        # the metrics server (if any) with the KV manager.
+        hs_config = config.clone()
+        hs_config.local_cpu = True
+        hs_config.metrics_port = None
+        self.storage_manager = StorageManager(
+            hs_config,
+            metadata if metadata is not None else token_database.metadata,
+            name="hs",
+            cpu_size_gib=size,
+            cpu_size_key="max_hidden_state_cpu_size",
+            lower_tiers=False,
+        )
+        self._lock = threading.Lock()
+        self._known_layers: set[int] = set()
+        self._closed = False
+        self._counts: dict[str, int] = dict.fromkeys(
+            (
+                "stores",
+                "chunks_stored",
+                "chunks_already_present",
+                "stores_truncated",
+                "filtered_by_allowlist",
+                "retrieves",
+                "retrieve_hits",
+                "hit_tokens",
+                "orphans_dropped",
+                "kv_unknown",
+            ),
+            0,
+        )
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ManagerClosedError("HiddenStateStore is closed")
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            c = self._counts
+            for k, v in deltas.items():
+                c[k] += v
+
+    def _kv_prefix(self, plan: ChunkPlan, m: int) -> int:
+        """How many of the first ``m`` chunks still have KV; drops the HS entries of the first
+        chunk whose KV is definitely gone (never on "unknown")."""
+        kv = self.kv_storage_manager
+        if kv is None or m == 0:
+            return m
+        keys = plan.keys
+        try:
+            n = kv.batched_contains_sync(keys[:m])
+        except TimeoutError:
+            self._count(kv_unknown=1)
+            logger.warning("hidden-state store: the KV manager did not answer in time; no prefix")
+            return 0
+        if n < m:
+            try:
+                presence = kv.presence_sync(keys[n])
+            except TimeoutError:
+                presence = Presence.UNKNOWN
+            if presence is Presence.ABSENT:
+                if self.drop_key(keys[n]):
+                    self._count(orphans_dropped=1)
+            elif presence is Presence.UNKNOWN:
+                self._count(kv_unknown=1)
+            else:  # it arrived meanwhile (a racing store): still a prefix boundary for this call
+                pass
+        return n
+
+    # ---- store --------------------------------------------------------------------------------
+    def store_hidden_states(
+        self,
+        token_ids: Any,
+        hidden_states: torch.Tensor,
+        layer_idx: int = 0,
+        token_offset: int = 0,
+    ) -> int:
+        """Store ``hidden_states`` for ``token_ids`` under the KV chunk keys; returns the number
+        of chunks this call wrote.
+
+        ``token_ids`` is the full prefix (1-D ints); ``hidden_states`` is 2-D
+        ``[len(token_ids) - token_offset, hidden_dim]`` (any device and floating dtype), row ``r``
+        belonging to token ``token_offset + r``. Only whole chunks that start at or after
+        ``token_offset`` are stored (a chunk straddling the offset is skipped); a chunk already
+        stored for this layer is not copied again (and not counted). A ``layer_idx`` outside
+        ``hidden_state_layers`` stores nothing and returns 0.
+
+        When the pool cannot hold every chunk, older hidden-state entries are evicted (never the
+        chunks this call stores or already found for this prompt) and the longest prefix of the
+        chunks that fits is stored. Raises ``TypeError``/``ValueError`` for bad arguments.
+        """
+        self._check_open()
+        layer_idx = _check_layer(layer_idx)
+        if self.layer_allowlist is not None and layer_idx not in self.layer_allowlist:
+            self._count(filtered_by_allowlist=1)
+            return 0
+        if not isinstance(hidden_states, torch.Tensor):
+            raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
+        if hidden_states.dim() != 2:
+            raise ValueError(
+                "hidden_states must be 2-D [num_tokens, hidden_dim], got shape "
+                f"{tuple(hidden_states.shape)}"
+            )
+        if not hidden_states.dtype.is_floating_point:
+            raise TypeError(f"hidden_states must be a floating-point tensor, got {hidden_states.dtype}")
+        if not isinstance(token_offset, int) or isinstance(token_offset, bool):
+            raise TypeError(f"token_offset must be an int, got {type(token_offset).__name__}")
+        plan = ChunkPlan(self.token_database, token_ids)
+        n_tokens = plan.n_tokens
+        if not 0 <= token_offset <= n_tokens:
+            raise ValueError(f"token_offset must be in [0, len(token_ids)={n_tokens}], got {token_offset}")
+        rows, hidden = hidden_states.shape
+        if rows != n_tokens - token_offset:
+            raise ValueError(
+                f"hidden_states has {rows} rows; expected len(token_ids) - token_offset = "
+                f"{n_tokens} - {token_offset} = {n_tokens - token_offset}"
+            )
+        with self._lock:
+            self._known_layers.add(layer_idx)
+        src = hidden_states.detach()
+        sm = self.storage_manager
+        cs = plan.chunk_size
+        first = -(-token_offset // cs)
+        held: list[MemoryObj] = []  # references keeping this call's chunks unevictable
+        new: list[tuple[CacheEngineKey, MemoryObj]] = []
+        order: list[CacheEngineKey] = []
+        in_flight = False
+        truncated = False
+        existing_count = 0
+        try:
+            for i in range(first, len(plan)):
+                start, end = plan.start(i), plan.end(i)
+                key = hs_entry_key(plan.keys[i], layer_idx)
+                old = sm.get_sync(key)
+                if old is not None:
+                    held.append(old)
+                    order.append(key)
+                    existing_count += 1
+                    continue
+                obj = sm.allocate((end - start, hidden), self.storage_dtype, MemoryFormat.HS_TD)
+                if obj is None:
+                    truncated = True
+                    break
+                held.append(obj)
+                in_flight |= copy_in(obj.tensor, src[start - token_offset : end - token_offset])
+                new.append((key, obj))
+                order.append(key)
+            if in_flight:
+                wait_copies(src)
+            stored = 0
+            for key, obj in new:
+                sm.put_sync(key, obj)
+                if obj.get_ref_count() > 1:  # the manager took its own reference: indexed
+                    stored += 1
+            # Newest-first touches make the prefix the most recently used: under pressure a
+            # prompt loses its suffix before its prefix.
+            sm.touch(order[::-1])
+        finally:
+            release_all(held)
+        self._count(
+            stores=1,
+            chunks_stored=stored,
+            chunks_already_present=existing_count,
+            stores_truncated=int(truncated),
+        )
+        if truncated:
+            logger.debug(
+                "hidden-state pool full: stored %d of %d chunks of layer %d",
+                stored + existing_count,
+                len(plan) - first,
+                layer_idx,
+            )
+        return stored
+
+    # ---- retrieve -------------------------------------------------------------------------------
+    def _hit_prefix(self, plan: ChunkPlan, layer_idx: int) -> list[MemoryObj]:
+        """References to the HS entries of the longest prefix with both KV and HS."""
+        sm = self.storage_manager
+        hits: list[MemoryObj] = []
+        hidden = -1
+        try:
+            for i, kv_key in enumerate(plan.keys):
+                obj = sm.get_sync(hs_entry_key(kv_key, layer_idx))
+                if obj is None:
+                    break
+                shape = obj.shape
+                if hidden < 0:
+                    hidden = shape[1]
+                if shape != (plan.end(i) - plan.start(i), hidden):
+                    obj.ref_count_down()
+                    break
+                hits.append(obj)
+            n = self._kv_prefix(plan, len(hits))
+        except BaseException:
+            release_all(hits)
+            raise
+        if n < len(hits):
+            release_all(hits[n:])
+            del hits[n:]
+        return hits
+
+    def retrieve_hidden_states(
+        self,
+        token_ids: Any,
+        layer_idx: int = 0,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """The cached hidden states of the longest prefix of ``token_ids`` whose chunks have
+        both KV (any tier) and HS for ``layer_idx``, as float32 ``[n_tokens, hidden_dim]``; None
+        when the first chunk already misses.
+
+        Without ``out`` the result is a fresh contiguous CPU tensor. With ``out`` (a float32
+        tensor with at least ``n_tokens`` rows and ``hidden_dim`` columns, on any device) the
+        rows are copied into it and the filled view ``out[:n_tokens]`` is returned; ``out`` is
+        untouched on a miss. The hit chunks are touched so a prefix outlives its suffix under
+        pressure. The caller never holds pool memory.
+        """
+        self._check_open()
+        layer_idx = _check_layer(layer_idx)
+        if out is not None:
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+            if out.dtype != torch.float32 or out.dim() != 2:
+                raise ValueError(
+                    f"out must be a 2-D float32 tensor, got {out.dtype} of shape {tuple(out.shape)}"
+                )
+        plan = ChunkPlan(self.token_database, token_ids)
+        hits = self._hit_prefix(plan, layer_idx)
+        if not hits:
+            self._count(retrieves=1)
+            return None
+        try:
+            n = len(hits)
+            total = plan.tokens_in(n)
+            hidden = hits[0].shape[1]
+            if out is None:
+                dest = torch.empty((total, hidden), dtype=torch.float32)
+            else:
+                if out.shape[0] < total or out.shape[1] != hidden:
+                    raise ValueError(
+                        f"out has shape {tuple(out.shape)}; expected at least {total} rows and "
+                        f"{hidden} columns for this prefix"
+                    )
+                dest = out[:total]
+            in_flight = False
+            for i, obj in enumerate(hits):
+                in_flight |= copy_out(dest[plan.start(i) : plan.end(i)], obj.tensor)
+            if in_flight:
+                wait_copies(dest)
+            self.storage_manager.touch([hs_entry_key(k, layer_idx) for k in reversed(plan.keys[:n])])
+        finally:
+            release_all(hits)
+        self._count(retrieves=1, retrieve_hits=1, hit_tokens=total)
+        return dest
+
+    def coverage(self, token_ids: Any, layer_idxs: Iterable[int] = (0,)) -> int:
+        """Tokens of the longest prefix of ``token_ids`` whose chunks have KV and HS for every
+        layer in ``layer_idxs`` (same rules as retrieve, orphans dropped the same way; nothing
+        is copied or touched). For schedulers that must know how far hidden states reach."""
+        self._check_open()
+        layers = [_check_layer(li, "layer_idxs entries") for li in layer_idxs]
+        if not layers:
+            raise ValueError("layer_idxs must name at least one layer")
+        plan = ChunkPlan(self.token_database, token_ids)
+        sm = self.storage_manager
+        m = 0
+        for kv_key in plan.keys:
+            if not all(sm.contains_sync(hs_entry_key(kv_key, li)) for li in layers):
+                break
+            m += 1
+        return plan.tokens_in(self._kv_prefix(plan, m))
+
+    # ---- per-key -------------------------------------------------------------------------------
+    def has_chunk(self, key: CacheEngineKey, layer_idx: int = 0) -> bool:
+        """True when hidden states of ``layer_idx`` are stored for the KV chunk key ``key``
+        (HS only: KV presence is not checked)."""
+        self._check_open()
+        if type(key) is not CacheEngineKey:
+            raise TypeError(f"key must be a CacheEngineKey, got {type(key).__name__}")
+        return self.storage_manager.contains_sync(hs_entry_key(key, _check_layer(layer_idx)))
+
+    def drop_key(self, key: CacheEngineKey) -> bool:
+        """Drop every layer stored for the KV chunk key ``key``; True when something was dropped."""
+        self._check_open()
+        if type(key) is not CacheEngineKey:
+            raise TypeError(f"key must be a CacheEngineKey, got {type(key).__name__}")
+        with self._lock:
+            layers = sorted(self._known_layers)
+        sm = self.storage_manager
+        removed = False
+        for li in layers:
+            removed = sm.remove_sync(hs_entry_key(key, li)) or removed
+        return removed
+
+    # ---- lifecycle / stats ---------------------------------------------------------------------
+    def clear(self) -> None:
+        """Drop every hidden-state entry (the pool returns to zero bytes in use)."""
+        self._check_open()
+        self.storage_manager.clear_sync()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters (stores, chunks stored, truncated stores, retrieves, hit tokens, orphans
+        dropped, KV answers that were unknown), the layers seen, and the pool/tier figures."""
+        with self._lock:
+            out: dict[str, Any] = dict(self._counts)
+            out["layers"] = sorted(self._known_layers)
+        sm_stats = self.storage_manager.stats()
+        cpu = sm_stats["tiers"].get("cpu", {})
+        out.update(
+            entries=cpu.get("entries", 0),
+            bytes=cpu.get("bytes", 0),
+            evictions=cpu.get("evictions", 0),
+            pool=sm_stats["pool"],
+            storage_dtype=str(self.storage_dtype).removeprefix("torch."),
+            layer_allowlist=None if self.layer_allowlist is None else sorted(self.layer_allowlist),
+        )
+        return out
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        return self._closed
+
+    def close(self) -> None:
+        """Free every entry and the pool; idempotent. The KV manager is not closed."""
+        if self._closed:
+            return
+        self._closed = True
+        self.storage_manager.close_sync()
+
+    def __enter__(self) -> HiddenStateStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- async twins (the blocking body runs on a worker thread of the caller's loop) ----------
+    async def astore_hidden_states(
+        self, token_ids: Any, hidden_states: torch.Tensor, layer_idx: int = 0, token_offset: int = 0
+    ) -> int:
+        """Coroutine twin of :meth:`store_hidden_states`."""
+        return await asyncio.to_thread(self.store_hidden_states, token_ids, hidden_states, layer_idx, token_offset)
+
+    async def aretrieve_hidden_states(
+        self, token_ids: Any, layer_idx: int = 0, out: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Coroutine twin of :meth:`retrieve_hidden_states`."""
+        return await asyncio.to_thread(self.retrieve_hidden_states, token_ids, layer_idx, out)
+
+    async def acoverage(self, token_ids: Any, layer_idxs: Sequence[int] = (0,)) -> int:
+        """Coroutine twin of :meth:`coverage`."""
+        return await asyncio.to_thread(self.coverage, token_ids, tuple(layer_idxs))
+
+    async def ahas_chunk(self, key: CacheEngineKey, layer_idx: int = 0) -> bool:
+        """Coroutine twin of :meth:`has_chunk` (answered on the caller's thread: no I/O)."""
+        return self.has_chunk(key, layer_idx)
+
+    async def adrop_key(self, key: CacheEngineKey) -> bool:
+        """Coroutine twin of :meth:`drop_key` (answered on the caller's thread: no I/O)."""
+        return self.drop_key(key)
+
+    async def aclose(self) -> None:
+        """Coroutine twin of :meth:`close`."""
+        await asyncio.to_thread(self.close)
+
+    def __repr__(self) -> str:
+        return (
+            f"HiddenStateStore(pool={self.storage_manager.pool.capacity if self.storage_manager.pool else 0}"
+            f" bytes, dtype={self.storage_dtype}, closed={self._closed})"
+        )

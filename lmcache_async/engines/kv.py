@@ -1,0 +1,279 @@
+"""The KV engine: a framework-neutral tensor API over a tiered StorageManager.
+
+``store(token_ids, kv)`` cuts ``kv`` (``[2, num_layers, num_tokens, hidden]``, any device and
+dtype) into chunks of ``chunk_size`` tokens, keyed by the prefix-chained chunk hashes of the
+shared :class:`ChunkedTokenDatabase`, and copies each chunk once into a block of the CPU pool
+(device→host in that one copy) that the manager then indexes without a second copy; lower
+tiers (disk, remote, NIXL) are written through in the background. ``retrieve`` returns the
+longest cached prefix as one tensor, ``lookup`` its length in tokens over all tiers.
+
+When ``enable_hidden_state_cache`` is set, ``engine.hidden_state_store`` is a
+:class:`~lmcache_async.engines.hidden_states.HiddenStateStore` sharing this engine's token
+database and asking this engine's manager whether KV is still present.
+
+Thread-safe. Every blocking method has an ``a``-prefixed coroutine twin (awaitable from any
+loop) that runs it on a worker thread of the caller's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import torch
+
+from lmcache_async.config import LMCacheEngineConfig
+from lmcache_async.engines._chunks import ChunkPlan, copy_in, copy_out, release_all, wait_copies
+from lmcache_async.engines.hidden_states import HiddenStateStore
+from lmcache_async.errors import ManagerClosedError
+from lmcache_async.keys import CacheEngineKey
+from lmcache_async.memory import MemoryFormat, MemoryObj
+from lmcache_async.metadata import NEUTRAL_METADATA, LMCacheEngineMetadata
+from lmcache_async.storage_manager import StorageManager
+from lmcache_async.token_database import ChunkedTokenDatabase, num_masked_prefix
+
+logger = logging.getLogger(__name__)
+
+
+class LMCacheEngine:
+    """KV cache engine; see the module docstring.
+
+    Attributes: ``config``, ``metadata``, ``token_database`` (shared with the hidden-state
+    store), ``storage_manager`` (named ``kv``), ``hidden_state_store`` (None unless
+    ``enable_hidden_state_cache``). Raises ``ValueError`` naming ``max_hidden_state_cpu_size``
+    when the hidden-state cache is enabled with a pool size <= 0.
+    """
+
+    def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata | None = None) -> None:
+        if not isinstance(config, LMCacheEngineConfig):
+            raise TypeError(f"config must be an LMCacheEngineConfig, got {type(config).__name__}")
+        if metadata is not None and not isinstance(metadata, LMCacheEngineMetadata):
+            raise TypeError(f"metadata must be an LMCacheEngineMetadata, got {type(metadata).__name__}")
+        if config.enable_hidden_state_cache and not config.max_hidden_state_cpu_size > 0:
+            raise ValueError(
+                "max_hidden_state_cpu_size must be > 0 when enable_hidden_state_cache is true, got "
+                f"{config.max_hidden_state_cpu_size!r}"
+            )
+        self.config = config
+        self.metadata = metadata if metadata is not None else NEUTRAL_METADATA
+        self.token_database = ChunkedTokenDatabase(config.chunk_size, config.save_unfull_chunk, self.metadata)
+        self._closed = False
+        self.storage_manager = StorageManager(config, self.metadata, name="kv")
+        self.hidden_state_store: HiddenStateStore | None = None
+        if config.enable_hidden_state_cache:
+            try:
+                self.hidden_state_store = HiddenStateStore(
+                    config,
+                    self.metadata,
+                    token_database=self.token_database,
+                    kv_storage_manager=self.storage_manager,
+                )
+            except BaseException:
+                self.storage_manager.close_sync()
+                raise
+
+    # ---- helpers --------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ManagerClosedError("LMCacheEngine is closed")
+
+    @staticmethod
+    def _check_kv(kv: object) -> torch.Tensor:
+        if not isinstance(kv, torch.Tensor):
+            raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+        if kv.dim() != 4 or kv.shape[0] != 2:
+            raise ValueError(
+                f"kv must have shape [2, num_layers, num_tokens, hidden], got {tuple(kv.shape)}"
+            )
+        return kv
+
+    # ---- store --------------------------------------------------------------------------------
+    def store(self, token_ids: Any, kv: torch.Tensor, *, mask: Any = None) -> int:
+        """Store the KV of ``token_ids``; returns the number of chunks this call wrote.
+
+        ``kv`` is ``[2, num_layers, num_tokens, hidden]`` on any device and of any dtype, its
+        token axis covering either all of ``token_ids`` or only the tokens after the masked
+        prefix. ``mask`` (optional, one bool per token) marks with leading False the tokens that
+        are already cached: their chunks are skipped. The masked prefix must be a multiple of
+        ``chunk_size`` and the rest all True (``ValueError`` otherwise). With
+        ``save_unfull_chunk`` false a trailing partial chunk is not stored.
+
+        Chunks already present in some tier are not copied again (and not counted). When the
+        CPU pool cannot take a chunk even after evicting what nobody holds, the chunks before it
+        are kept and the rest is skipped (never evicting a chunk this call wrote).
+        """
+        self._check_open()
+        kv = self._check_kv(kv)
+        plan = ChunkPlan(self.token_database, token_ids)
+        n_tokens = plan.n_tokens
+        skip = 0 if mask is None else num_masked_prefix(mask, n_tokens, plan.chunk_size)
+        rows = kv.shape[2]
+        if rows == n_tokens:
+            base = 0
+        elif rows == n_tokens - skip:
+            base = skip
+        else:
+            raise ValueError(
+                f"kv has {rows} tokens on axis 2; expected len(token_ids) = {n_tokens}"
+                + (f" or the {n_tokens - skip} unmasked tokens" if skip else "")
+            )
+        first = skip // plan.chunk_size
+        keys = plan.keys[first:]
+        if not keys:
+            return 0
+        sm = self.storage_manager
+        present = sm.batched_contains_sync(keys)
+        if present:
+            sm.touch(keys[:present][::-1])  # protect the cached prefix from this call's evictions
+        src = kv.detach()
+        if "cpu" not in sm.tier_names:  # no CPU pool: the manager stages and writes through
+            stored = 0
+            for i in range(first + present, len(plan)):
+                a, b = plan.start(i) - base, plan.end(i) - base
+                if sm.put_sync(plan.keys[i], src[:, :, a:b], MemoryFormat.KV_2LTD):
+                    stored += 1
+            return stored
+        layers, hidden = kv.shape[1], kv.shape[3]
+        held: list[MemoryObj] = []
+        pending: list[tuple[CacheEngineKey, MemoryObj]] = []
+        in_flight = False
+        stored = 0
+        try:
+            for i in range(first + present, len(plan)):
+                start, end = plan.start(i), plan.end(i)
+                obj = sm.allocate((2, layers, end - start, hidden), kv.dtype, MemoryFormat.KV_2LTD)
+                if obj is None:
+                    logger.debug("KV pool full: stored chunks up to token %d of %d", start, n_tokens)
+                    break
+                held.append(obj)
+                in_flight |= copy_in(obj.tensor, src[:, :, start - base : end - base])
+                pending.append((plan.keys[i], obj))
+            if in_flight:
+                wait_copies(src)
+            for key, obj in pending:
+                sm.put_sync(key, obj)
+                if obj.get_ref_count() > 1:  # the manager took its own reference: indexed
+                    stored += 1
+            # Newest-first touches keep a prompt's prefix the most recently used.
+            sm.touch([k for k, _ in reversed(pending)])
+        finally:
+            release_all(held)
+        return stored
+
+    # ---- retrieve / lookup ---------------------------------------------------------------------
+    def retrieve(
+        self, token_ids: Any, *, device: str | torch.device | None = None
+    ) -> tuple[int, torch.Tensor | None]:
+        """``(num_hit_tokens, kv_prefix)``: the KV of the longest cached prefix of ``token_ids``
+        as one tensor ``[2, num_layers, num_hit_tokens, hidden]`` (the stored dtype; on ``device``,
+        CPU by default), or ``(0, None)`` when the first chunk misses.
+
+        Chunks are searched in every tier (lower-tier hits are promoted into the CPU tier) and
+        touched so the prefix outlives its suffix under pressure. The result never aliases pool
+        memory.
+        """
+        self._check_open()
+        plan = ChunkPlan(self.token_database, token_ids)
+        sm = self.storage_manager
+        n = sm.batched_contains_sync(plan.keys) if len(plan) else 0
+        if n == 0:
+            return 0, None
+        objs = sm.batched_get_sync(plan.keys[:n])
+        try:
+            first = objs[0]
+            if first is None or len(first.shape) != 4:
+                return 0, None
+            _, layers, _, hidden = first.shape
+            dtype = first.dtype
+            hit = 0
+            for i, obj in enumerate(objs):
+                if obj is None or obj.dtype != dtype or obj.shape != (2, layers, plan.end(i) - plan.start(i), hidden):
+                    break
+                hit += 1
+            total = plan.tokens_in(hit)
+            out = torch.empty((2, layers, total, hidden), dtype=dtype, device=device)
+            in_flight = False
+            for i in range(hit):
+                obj = objs[i]
+                assert obj is not None
+                in_flight |= copy_out(out[:, :, plan.start(i) : plan.end(i)], obj.tensor)
+            if in_flight:
+                wait_copies(out)
+            sm.touch(plan.keys[:hit][::-1])
+        finally:
+            release_all(objs)
+        return total, out
+
+    def lookup(self, token_ids: Any) -> int:
+        """Length in tokens of the longest prefix of ``token_ids`` whose chunks are present in
+        some tier (nothing is read or touched)."""
+        self._check_open()
+        plan = ChunkPlan(self.token_database, token_ids)
+        if not len(plan):
+            return 0
+        return plan.tokens_in(self.storage_manager.batched_contains_sync(plan.keys))
+
+    # ---- lifecycle / stats ---------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """The KV manager's figures and, when enabled, the hidden-state store's."""
+        hs = self.hidden_state_store
+        return {
+            "kv": self.storage_manager.stats(),
+            "hidden_states": None if hs is None or hs.closed else hs.stats(),
+        }
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        return self._closed
+
+    def close(self) -> None:
+        """Close the hidden-state store and the KV manager (pending lower-tier writes are
+        flushed, bounded). Idempotent; later calls raise :class:`ManagerClosedError`."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.hidden_state_store is not None:
+                self.hidden_state_store.close()
+        finally:
+            self.storage_manager.close_sync()
+
+    def __enter__(self) -> LMCacheEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> LMCacheEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # ---- async twins ------------------------------------------------------------------------------
+    async def astore(self, token_ids: Any, kv: torch.Tensor, *, mask: Any = None) -> int:
+        """Coroutine twin of :meth:`store`."""
+        return await asyncio.to_thread(self.store, token_ids, kv, mask=mask)
+
+    async def aretrieve(
+        self, token_ids: Any, *, device: str | torch.device | None = None
+    ) -> tuple[int, torch.Tensor | None]:
+        """Coroutine twin of :meth:`retrieve`."""
+        return await asyncio.to_thread(self.retrieve, token_ids, device=device)
+
+    async def alookup(self, token_ids: Any) -> int:
+        """Coroutine twin of :meth:`lookup`."""
+        return await asyncio.to_thread(self.lookup, token_ids)
+
+    async def aclose(self) -> None:
+        """Coroutine twin of :meth:`close`."""
+        await asyncio.to_thread(self.close)
+
+    def __repr__(self) -> str:
+        return (
+            f"LMCacheEngine(model={self.metadata.model_name!r}, chunk_size={self.config.chunk_size}, "
+            f"tiers={self.storage_manager.tier_names}, hidden_states={self.hidden_state_store is not None}, "
+            f"closed={self._closed})"
+        )

@@ -1,0 +1,153 @@
+"""Memory pool: allocation, exhaustion, coalescing, ref counts, sizing checks."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from lmcache_async import DoubleReleaseError, MemoryFormat, PoolSizeError
+from lmcache_async.memory import GiB, HeapAllocator, PoolAllocator, memory_available_bytes
+
+
+def pool(size=1 << 20, **kw) -> PoolAllocator:
+    return PoolAllocator(size, name="test", pretouch=False, **kw)
+
+
+def test_allocation_is_a_typed_view_with_shape():
+    p = pool()
+    obj = p.allocate((3, 5, 7), torch.bfloat16, MemoryFormat.KV_2LTD)
+    assert obj is not None
+    assert obj.tensor.shape == (3, 5, 7) and obj.tensor.dtype == torch.bfloat16 and obj.tensor.is_contiguous()
+    assert obj.nbytes == 3 * 5 * 7 * 2 and obj.fmt == MemoryFormat.KV_2LTD and obj.is_pooled
+    obj.tensor.fill_(1.5)
+    assert bytes(obj.byte_view()) == obj.tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+    obj.ref_count_down()
+    assert p.used_bytes == 0
+
+
+def test_blocks_do_not_overlap():
+    p = pool(64 * 1024)
+    objs = [p.allocate((100,), torch.float32) for _ in range(20)]
+    for i, o in enumerate(objs):
+        o.tensor.fill_(i)
+    for i, o in enumerate(objs):
+        assert torch.all(o.tensor == i)
+
+
+def test_exhaustion_returns_none_promptly():
+    p = pool(1 << 20)
+    held = []
+    while (o := p.allocate((1024,), torch.float32)) is not None:
+        held.append(o)
+    assert len(held) == (1 << 20) // 4096
+    best = min(_time(lambda: p.allocate((1024,), torch.float32)) for _ in range(20))
+    assert best < 1e-3  # returns None at once: no sleeping, no spinning
+    assert p.allocate((1,), torch.uint8) is None
+    assert p.allocate((1 << 30,), torch.uint8) is None
+
+
+def _time(fn) -> float:
+    t0 = time.perf_counter()
+    assert fn() is None
+    return time.perf_counter() - t0
+
+
+def test_fragmentation_churn_keeps_pool_allocatable():
+    size = 8 << 20
+    p = pool(size)
+    rng = random.Random(0)
+    live = []
+    for _ in range(20_000):
+        if live and (rng.random() < 0.5 or p.free_bytes < 512 << 10):
+            live.pop(rng.randrange(len(live))).ref_count_down()
+        else:
+            n = rng.choice([256, 1000, 4096, 70_000, 300_000])
+            o = p.allocate((n,), torch.uint8)
+            if o is not None:
+                live.append(o)
+    for o in live:
+        o.ref_count_down()
+    assert p.used_bytes == 0
+    assert p.largest_free_block() >= 0.9 * size  # coalesced back (in fact one block)
+    big = p.allocate((int(0.9 * size),), torch.uint8)
+    assert big is not None
+
+
+def test_ref_counting_and_double_release():
+    p = pool()
+    o = p.allocate((10,), torch.float32)
+    o.ref_count_up()
+    assert o.get_ref_count() == 2
+    o.ref_count_down()
+    assert p.used_bytes > 0
+    o.ref_count_down()
+    assert p.used_bytes == 0 and o.get_ref_count() == 0
+    with pytest.raises(DoubleReleaseError):
+        o.ref_count_down()
+    with pytest.raises(DoubleReleaseError):
+        o.ref_count_up()
+    with pytest.raises(RuntimeError):
+        _ = o.tensor
+
+
+def test_context_manager_releases():
+    p = pool()
+    with p.allocate((10,), torch.float32) as o:
+        assert o.get_ref_count() == 1
+    assert p.used_bytes == 0
+
+
+def test_ref_counts_are_thread_safe():
+    p = pool()
+    o = p.allocate((10,), torch.float32)
+
+    def churn():
+        for _ in range(20_000):
+            o.ref_count_up()
+            o.ref_count_down()
+
+    ts = [threading.Thread(target=churn) for _ in range(8)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert o.get_ref_count() == 1
+    o.ref_count_down()
+    assert p.used_bytes == 0
+
+
+def test_pool_larger_than_available_memory_is_refused():
+    avail = memory_available_bytes()
+    if avail is None:
+        pytest.skip("MemAvailable not readable on this platform")
+    with pytest.raises(PoolSizeError, match="does not fit"):
+        PoolAllocator(avail + GiB, name="huge", pretouch=False)
+
+
+def test_pretouch_never_changes_contents():
+    p = PoolAllocator(64 << 20, name="touch", pretouch=True)
+    o = p.allocate((1 << 20,), torch.float32)
+    o.tensor.fill_(3.0)
+    assert p.wait_ready(30)
+    assert torch.all(o.tensor == 3.0)
+    o.ref_count_down()
+
+
+def test_heap_allocator_for_oversized_reads():
+    h = HeapAllocator("h", pin=False)
+    o = h.allocate((5, 3), torch.float16)
+    assert not o.is_pooled and o.tensor.shape == (5, 3)
+    o.tensor.fill_(2)
+    assert bytes(o.byte_view()) == o.tensor.numpy().tobytes()
+    o.ref_count_down()
+    assert h.used_bytes == 0
+
+
+@pytest.mark.parametrize(("shape", "exc"), [((-1, 2), ValueError), ((1.5,), TypeError), ("ab", TypeError)])
+def test_bad_shapes_raise(shape, exc):
+    with pytest.raises(exc):
+        pool().allocate(shape, torch.float32)
