@@ -29,7 +29,12 @@ def _ensure_redis(session: nox.Session) -> None:
     if shutil.which("apt-get") and os.geteuid() == 0:
         session.run("apt-get", "update", "-qq", external=True, success_codes=[0, 100])
         session.run(
-            "apt-get", "install", "-y", "-qq", "redis-server", external=True,
+            "apt-get",
+            "install",
+            "-y",
+            "-qq",
+            "redis-server",
+            external=True,
             env={"DEBIAN_FRONTEND": "noninteractive"},
         )
     else:

@@ -24,7 +24,6 @@ from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryFormat, MemoryObj, PoolAllocator
 
 
-
 class CPUBackend(StorageBackend):
     """LRU/FIFO over a :class:`PoolAllocator`; see the module docstring for the contract."""
 

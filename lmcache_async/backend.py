@@ -59,9 +59,7 @@ class Presence(enum.Enum):
 class Allocate(Protocol):
     """Allocates a buffer for a read: returns a MemoryObj the caller owns, or None."""
 
-    def __call__(
-        self, shape: Sequence[int], dtype: torch.dtype, fmt: MemoryFormat
-    ) -> MemoryObj | None: ...
+    def __call__(self, shape: Sequence[int], dtype: torch.dtype, fmt: MemoryFormat) -> MemoryObj | None: ...
 
 
 @dataclass
@@ -222,9 +220,7 @@ def get_backend_factory(name: str) -> BackendFactory:
     with _registry_lock:
         entry = _registry.get(name)
     if entry is None:
-        raise BackendUnavailableError(
-            f"unknown backend {name!r}; known: {', '.join(known_backends())}"
-        )
+        raise BackendUnavailableError(f"unknown backend {name!r}; known: {', '.join(known_backends())}")
     if isinstance(entry, str):
         module_name, _, attr = entry.partition(":")
         try:
@@ -234,5 +230,5 @@ def get_backend_factory(name: str) -> BackendFactory:
         factory = getattr(module, attr or "create")
         with _registry_lock:
             _registry[name] = factory
-        return factory  # type: ignore[no-any-return]
+        return factory
     return entry

@@ -32,31 +32,99 @@ DEFAULT_TIER_ORDER = ("cpu", "nixl", "disk", "remote")
 
 # LMCache keys we accept in a user's YAML without acting on them (no warning as unknown).
 LMCACHE_KEYS_WITHOUT_EFFECT = frozenset(
-    """
-    local_cpu_use_hugepages reserve_local_cpu_size local_disk_path_sharding use_layerwise
-    save_decode_cache pre_caching_hash_algorithm enable_blending blend_recompute_ratios
-    blend_thresholds blend_check_layers blend_min_tokens blend_special_str retrieve_locations
-    store_location enable_p2p p2p_host p2p_init_ports p2p_lookup_ports mp_host mp_port
-    enable_controller lmcache_instance_id controller_pull_url controller_reply_url
-    lmcache_worker_ports lmcache_worker_ids lmcache_worker_heartbeat_delay_time
-    lmcache_worker_heartbeat_time enable_pd pd_role pd_buffer_size pd_buffer_device pd_peer_host
-    pd_peer_init_port pd_peer_alloc_port pd_peer_query_port pd_proxy_host pd_proxy_port
-    pd_allocation_timeout_sec pd_shutdown_timeout_sec pd_condition_poll_interval_sec
-    pd_max_prefill_len pd_backend_mode pd_skip_proxy_notification pd_bidirectional
-    transfer_channel gds_path gds_path_sharding gds_buffer_size maru_path maru_pool_size use_gds
-    gds_backend audit_actual_remote_url internal_api_server_host external_lookup_client
-    py_enable_gc numa_mode enable_async_loading internal_api_server_enabled
-    internal_api_server_port_start priority_limit internal_api_server_include_index_list
-    internal_api_server_socket_path_prefix runtime_plugin_locations storage_plugins
-    remote_storage_plugins lookup_timeout_ms min_retrieve_tokens hit_miss_ratio
-    lookup_server_worker_ids enable_scheduler_bypass_lookup script_allowed_imports
-    run_script_api_enabled enable_lazy_memory_allocator lazy_memory_initial_ratio
-    lazy_memory_expand_trigger_ratio lazy_memory_step_ratio lazy_memory_safe_size
-    enable_chunk_statistics chunk_statistics_auto_start_statistics
-    chunk_statistics_auto_exit_timeout_hours chunk_statistics_auto_exit_target_unique_chunks
-    chunk_statistics_strategy enable_kv_events use_gpu_connector_v3 pin_timeout_sec
-    pin_check_interval_sec remote_config_url app_id hidden_states_retrieve_mode
-    """.split()
+    [
+        "local_cpu_use_hugepages",
+        "reserve_local_cpu_size",
+        "local_disk_path_sharding",
+        "use_layerwise",
+        "save_decode_cache",
+        "pre_caching_hash_algorithm",
+        "enable_blending",
+        "blend_recompute_ratios",
+        "blend_thresholds",
+        "blend_check_layers",
+        "blend_min_tokens",
+        "blend_special_str",
+        "retrieve_locations",
+        "store_location",
+        "enable_p2p",
+        "p2p_host",
+        "p2p_init_ports",
+        "p2p_lookup_ports",
+        "mp_host",
+        "mp_port",
+        "enable_controller",
+        "lmcache_instance_id",
+        "controller_pull_url",
+        "controller_reply_url",
+        "lmcache_worker_ports",
+        "lmcache_worker_ids",
+        "lmcache_worker_heartbeat_delay_time",
+        "lmcache_worker_heartbeat_time",
+        "enable_pd",
+        "pd_role",
+        "pd_buffer_size",
+        "pd_buffer_device",
+        "pd_peer_host",
+        "pd_peer_init_port",
+        "pd_peer_alloc_port",
+        "pd_peer_query_port",
+        "pd_proxy_host",
+        "pd_proxy_port",
+        "pd_allocation_timeout_sec",
+        "pd_shutdown_timeout_sec",
+        "pd_condition_poll_interval_sec",
+        "pd_max_prefill_len",
+        "pd_backend_mode",
+        "pd_skip_proxy_notification",
+        "pd_bidirectional",
+        "transfer_channel",
+        "gds_path",
+        "gds_path_sharding",
+        "gds_buffer_size",
+        "maru_path",
+        "maru_pool_size",
+        "use_gds",
+        "gds_backend",
+        "audit_actual_remote_url",
+        "internal_api_server_host",
+        "external_lookup_client",
+        "py_enable_gc",
+        "numa_mode",
+        "enable_async_loading",
+        "internal_api_server_enabled",
+        "internal_api_server_port_start",
+        "priority_limit",
+        "internal_api_server_include_index_list",
+        "internal_api_server_socket_path_prefix",
+        "runtime_plugin_locations",
+        "storage_plugins",
+        "remote_storage_plugins",
+        "lookup_timeout_ms",
+        "min_retrieve_tokens",
+        "hit_miss_ratio",
+        "lookup_server_worker_ids",
+        "enable_scheduler_bypass_lookup",
+        "script_allowed_imports",
+        "run_script_api_enabled",
+        "enable_lazy_memory_allocator",
+        "lazy_memory_initial_ratio",
+        "lazy_memory_expand_trigger_ratio",
+        "lazy_memory_step_ratio",
+        "lazy_memory_safe_size",
+        "enable_chunk_statistics",
+        "chunk_statistics_auto_start_statistics",
+        "chunk_statistics_auto_exit_timeout_hours",
+        "chunk_statistics_auto_exit_target_unique_chunks",
+        "chunk_statistics_strategy",
+        "enable_kv_events",
+        "use_gpu_connector_v3",
+        "pin_timeout_sec",
+        "pin_check_interval_sec",
+        "remote_config_url",
+        "app_id",
+        "hidden_states_retrieve_mode",
+    ]
 )
 
 _SIZE_FIELDS = (
@@ -92,14 +160,20 @@ class LMCacheEngineConfig(BaseModel):
     max_local_cpu_size: float = Field(5.0, ge=0, description="CPU tier pool size (GiB).")
     local_disk: str | None = Field(None, description="Directory of the disk tier (file:// accepted).")
     max_local_disk_size: float = Field(0.0, ge=0, description="Disk tier budget for the directory (GiB).")
-    remote_url: str | None = Field(None, description="Remote tier URL (redis://, rediss://, unix://, valkey://, redis+cluster://, fs://).")
-    remote_serde: str | None = Field("naive", description="Accepted for LMCache compatibility; records are always self-describing.")
+    remote_url: str | None = Field(
+        None, description="Remote tier URL (redis://, rediss://, unix://, valkey://, redis+cluster://, fs://)."
+    )
+    remote_serde: str | None = Field(
+        "naive", description="Accepted for LMCache compatibility; records are always self-describing."
+    )
     save_unfull_chunk: bool = Field(False, description="Also store a trailing partial chunk.")
     cache_policy: Literal["LRU", "FIFO"] = Field("LRU", description="Eviction order of every tier.")
     blocking_timeout_secs: float = Field(10.0, gt=0, description="Bound on one synchronous call (seconds).")
     enable_hidden_state_cache: bool = Field(False, description="Create the hidden-state store.")
     max_hidden_state_cpu_size: float = Field(2.0, ge=0, description="Hidden-state pool size (GiB, > 0 when enabled).")
-    hidden_state_layers: list[int] | None = Field(None, description="Allowlist of layer_idx values the hidden-state store accepts.")
+    hidden_state_layers: list[int] | None = Field(
+        None, description="Allowlist of layer_idx values the hidden-state store accepts."
+    )
     nixl_backend: str = Field("POSIX", description="NIXL plugin: POSIX, GDS, GDS_MT, OBJ.")
     nixl_backends: list[str] | None = Field(None, description="LMCache spelling; the first entry sets nixl_backend.")
     nixl_path: str | None = Field(None, description="Directory of NIXL file-backed storage; enables the NIXL tier.")
@@ -111,16 +185,27 @@ class LMCacheEngineConfig(BaseModel):
     extra_config: dict[str, Any] | None = Field(None, description="Free-form settings for backends and plugins.")
     # --- lmcache_async keys ---------------------------------------------------------------
     remote_timeout_s: float = Field(2.0, gt=0, description="Timeout of every remote/NIXL operation (seconds).")
-    local_disk_fsync: Literal["none", "data", "full"] = Field("none", description="Disk durability: none, data (fsync file), full (file + directory).")
-    tier_order: list[str] = Field(list(DEFAULT_TIER_ORDER), description="Order in which tiers are written and searched.")
+    local_disk_fsync: Literal["none", "data", "full"] = Field(
+        "none", description="Disk durability: none, data (fsync file), full (file + directory)."
+    )
+    tier_order: list[str] = Field(
+        list(DEFAULT_TIER_ORDER), description="Order in which tiers are written and searched."
+    )
     remote_key_prefix: str = Field("lmcache", description="Namespace prefix of remote keys.")
-    remote_part_size: int = Field(2 * 1024 * 1024, gt=0, description="Remote payloads above this many bytes are split into parts.")
+    remote_part_size: int = Field(
+        2 * 1024 * 1024, gt=0, description="Remote payloads above this many bytes are split into parts."
+    )
     remote_ttl_s: float | None = Field(None, gt=0, description="Optional expiry of remote entries (seconds).")
     staging_size: float = Field(0.25, ge=0, description="Staging area for lower-tier reads (GiB).")
-    hidden_state_storage_dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Dtype hidden states are stored in; retrieve returns float32.")
-    memory_reserve_size: float | None = Field(None, ge=0, description="Memory kept free when sizing pools (GiB; default: 5% of available, 0.5-2 GiB).")
+    hidden_state_storage_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Dtype hidden states are stored in; retrieve returns float32."
+    )
+    memory_reserve_size: float | None = Field(
+        None, ge=0, description="Memory kept free when sizing pools (GiB; default: 5% of available, 0.5-2 GiB)."
+    )
     executor_workers: int = Field(4, gt=0, le=256, description="Threads of each manager's I/O executor.")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Serve Prometheus metrics on this port.")
+    metrics_host: str = Field("127.0.0.1", description="Address the metrics server binds (loopback by default).")
 
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)
 
@@ -251,7 +336,8 @@ def _field_kind(key: str) -> tuple[str, bool]:
         return ("list_int" if item is int else "list_str"), optional
     if origin is dict:
         return "dict", optional
-    return {bool: "bool", int: "int", float: "float", str: "str"}.get(ann, "str"), optional  # type: ignore[call-overload]
+    kinds: dict[Any, str] = {bool: "bool", int: "int", float: "float", str: "str"}
+    return kinds.get(ann, "str"), optional
 
 
 def _clean_str(v: str) -> str:

@@ -85,6 +85,8 @@ class CacheEngineKey:
     chunk_hash: int
     dtype: torch.dtype
     tags: tuple[tuple[str, str], ...] | None
+    _hash: int
+    _str: str | None
 
     def __init__(
         self,

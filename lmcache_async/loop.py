@@ -128,15 +128,12 @@ class LoopThread:
         if self.in_loop_thread():
             _close_coro(coro)
             raise LoopThreadCallError(
-                f"a blocking call was made on {self.name}'s own loop thread; await the async "
-                "method instead"
+                f"a blocking call was made on {self.name}'s own loop thread; await the async method instead"
             )
         fut = self.submit(coro)
         return wait_future(fut, timeout, self.name)
 
-    async def run_async(
-        self, coro: Coroutine[Any, Any, T], orphan: Callable[[T], None] | None = None
-    ) -> T:
+    async def run_async(self, coro: Coroutine[Any, Any, T], orphan: Callable[[T], None] | None = None) -> T:
         """Await ``coro`` on this loop from whatever loop the caller runs on.
 
         Two thread crossings and no intermediate concurrent future. When the awaiting task is

@@ -354,9 +354,7 @@ class PoolAllocator(_AllocatorBase):
             self._insert_free(0, units)
         self._touched = threading.Event()
         if pretouch and size_bytes and not self.pinned:
-            threading.Thread(
-                target=self._pretouch, name=f"lmcache-async-pretouch-{name}", daemon=True
-            ).start()
+            threading.Thread(target=self._pretouch, name=f"lmcache-async-pretouch-{name}", daemon=True).start()
         else:
             self._touched.set()
 

@@ -32,9 +32,7 @@ class LMCacheEngineMetadata:
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {self.world_size!r}")
         if not isinstance(self.worker_id, int) or not 0 <= self.worker_id < self.world_size:
-            raise ValueError(
-                f"worker_id must be an int in [0, world_size={self.world_size}), got {self.worker_id!r}"
-            )
+            raise ValueError(f"worker_id must be an int in [0, world_size={self.world_size}), got {self.worker_id!r}")
         if not isinstance(self.kv_dtype, torch.dtype):
             raise TypeError(f"kv_dtype must be a torch.dtype, got {type(self.kv_dtype).__name__}")
         dtype_name(self.kv_dtype)  # raises ValueError for dtypes keys cannot carry

@@ -16,13 +16,24 @@ from lmcache_async.errors import BackendUnavailableError
 if TYPE_CHECKING:
     from lmcache_async.storage_manager import StorageManager
 
-_NUMERIC = ("entries", "bytes", "hits", "misses", "evictions", "errors", "timeouts", "skipped", "writes", "write_failures")
+_NUMERIC = (
+    "entries",
+    "bytes",
+    "hits",
+    "misses",
+    "evictions",
+    "errors",
+    "timeouts",
+    "skipped",
+    "writes",
+    "write_failures",
+)
 _servers: dict[int, _Exporter] = {}
 _lock = threading.Lock()
 
 
 class _Exporter:
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, host: str) -> None:
         try:
             import prometheus_client
             from prometheus_client.core import GaugeMetricFamily
@@ -33,8 +44,9 @@ class _Exporter:
         self._gauge = GaugeMetricFamily
         self.managers: weakref.WeakSet[StorageManager] = weakref.WeakSet()
         self.registry = prometheus_client.CollectorRegistry()
-        self.registry.register(self)  # type: ignore[arg-type]
-        self.server, self.thread = prometheus_client.start_http_server(port, registry=self.registry)
+        self.registry.register(self)
+        self.server, self.thread = prometheus_client.start_http_server(port, addr=host, registry=self.registry)
+        self.thread.name = f"lmcache-async-metrics-{port}"
         self.port = port
 
     def collect(self) -> Iterator[Any]:
@@ -74,11 +86,11 @@ class MetricsHandle:
             self._exporter.managers.discard(m)
 
 
-def start_metrics_server(port: int, manager: StorageManager) -> MetricsHandle:
-    """Serve ``manager``'s stats on ``port`` (starting the HTTP server on first use)."""
+def start_metrics_server(port: int, manager: StorageManager, host: str = "127.0.0.1") -> MetricsHandle:
+    """Serve ``manager``'s stats on ``host:port`` (starting the HTTP server on first use)."""
     with _lock:
         exp = _servers.get(port)
         if exp is None:
-            exp = _servers[port] = _Exporter(port)
+            exp = _servers[port] = _Exporter(port, host)
     exp.managers.add(manager)
     return MetricsHandle(exp, manager)

@@ -112,8 +112,22 @@ def encode_header(
     flags = FLAG_PARTS if num_parts > 1 else 0
     buf = bytearray(hlen)
     FIXED.pack_into(
-        buf, 0, MAGIC, VERSION, flags, hlen, n, checksum, HASH_SCHEME_ID, int(fmt),
-        dtype_code(dtype), len(shape), len(kb), num_parts, part_size, 0,
+        buf,
+        0,
+        MAGIC,
+        VERSION,
+        flags,
+        hlen,
+        n,
+        checksum,
+        HASH_SCHEME_ID,
+        int(fmt),
+        dtype_code(dtype),
+        len(shape),
+        len(kb),
+        num_parts,
+        part_size,
+        0,
     )
     off = FIXED.size
     if shape:
@@ -148,7 +162,20 @@ def decode_header(buf: bytes | bytearray | memoryview, expect_key: str | None = 
     if len(buf) < hlen:
         raise RecordError("record shorter than its header")
     (
-        _magic, _v, flags, _h, plen, csum, scheme, fmt, dcode, rank, klen, nparts, psize, hsum,
+        _magic,
+        _v,
+        flags,
+        _h,
+        plen,
+        csum,
+        scheme,
+        fmt,
+        dcode,
+        rank,
+        klen,
+        nparts,
+        psize,
+        hsum,
     ) = FIXED.unpack_from(buf, 0)
     hb = bytearray(buf[:hlen])
     hb[56:64] = b"\x00" * 8
@@ -184,8 +211,16 @@ def decode_header(buf: bytes | bytearray | memoryview, expect_key: str | None = 
     if expect_key is not None and key != expect_key:
         raise RecordError("record holds another key")
     return RecordHeader(
-        key=key, fmt=mfmt, dtype=dtype, shape=tuple(shape), payload_len=plen, checksum=csum,
-        header_len=hlen, num_parts=nparts, part_size=psize, hash_scheme=scheme,
+        key=key,
+        fmt=mfmt,
+        dtype=dtype,
+        shape=tuple(shape),
+        payload_len=plen,
+        checksum=csum,
+        header_len=hlen,
+        num_parts=nparts,
+        part_size=psize,
+        hash_scheme=scheme,
     )
 
 

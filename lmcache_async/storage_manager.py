@@ -94,19 +94,19 @@ class _Tier:
         """Run ``fn(*args)`` under the tier's timeout and breaker; ``_UNKNOWN`` on any failure."""
         if not self.breaker.allow():
             self.skipped += 1
-            return _UNKNOWN  # type: ignore[no-any-return]
+            return _UNKNOWN
         try:
             async with asyncio.timeout(self.timeout):
                 result = await fn(*args)
         except TimeoutError:
             self.timeouts += 1
             self._failed(op, f"timed out after {self.timeout}s")
-            return _UNKNOWN  # type: ignore[no-any-return]
+            return _UNKNOWN
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             self._failed(op, f"{type(exc).__name__}: {exc}")
-            return _UNKNOWN  # type: ignore[no-any-return]
+            return _UNKNOWN
         self.breaker.success()
         return result
 
@@ -184,7 +184,9 @@ class StorageManager:
                 gib_to_bytes(size_gib), name=f"{name} CPU pool ({cpu_size_key})", reserve_bytes=reserve
             )
         wants_lower = lower_tiers and bool(
-            config.local_disk or config.remote_url or config.nixl_path
+            config.local_disk
+            or config.remote_url
+            or config.nixl_path
             or any(t not in ("cpu", "nixl", "disk", "remote") for t in config.tier_order)
         )
         self.staging_pool: PoolAllocator | None = None
@@ -220,7 +222,7 @@ class StorageManager:
         if config.metrics_port is not None:
             from lmcache_async.metrics import start_metrics_server
 
-            self._metrics_server = start_metrics_server(config.metrics_port, self)
+            self._metrics_server = start_metrics_server(config.metrics_port, self, config.metrics_host)
 
     # ---- construction -------------------------------------------------------------------------
     def _build_tiers(self, lower_tiers: bool) -> None:
@@ -342,7 +344,9 @@ class StorageManager:
         return self._lt
 
     # ---- bridges --------------------------------------------------------------------------------
-    def _run_sync(self, coro: Coroutine[Any, Any, T], timeout: float | None, orphan: Callable[[T], None] | None = None) -> T:
+    def _run_sync(
+        self, coro: Coroutine[Any, Any, T], timeout: float | None, orphan: Callable[[T], None] | None = None
+    ) -> T:
         fut = self._lt.submit(coro)
         try:
             return wait_future(fut, timeout, f"StorageManager {self.name!r}")
@@ -563,7 +567,7 @@ class StorageManager:
         self._run_sync(self._flush(), timeout)
 
     # ---- get -----------------------------------------------------------------------------------
-    def _get_front(self, key: CacheEngineKey) -> MemoryObj | None | Any:
+    def _get_front(self, key: CacheEngineKey) -> MemoryObj | Any | None:
         self._check_usable()
         if type(key) is not CacheEngineKey:
             self._check_key(key)
@@ -602,10 +606,9 @@ class StorageManager:
         cpu = self._cpu
         if cpu is not None and obj.allocator is self.pool:
             existing = cpu.insert(key, obj, extra_refs=1)
-            if existing is not None:
-                if existing.try_ref_count_up():
-                    obj.ref_count_down()
-                    obj = existing
+            if existing is not None and existing.try_ref_count_up():
+                obj.ref_count_down()
+                obj = existing
         if tier_idx > 0:
             obj.ref_count_up()
             self._enqueue_write(key, obj, tuple(range(tier_idx)))
@@ -618,7 +621,7 @@ class StorageManager:
         """
         r = self._get_front(key)
         if r is not _UNKNOWN:
-            return r  # type: ignore[no-any-return]
+            return r
         return await self._run_async(self._get_lower(key), _release_obj)
 
     def get_sync(self, key: CacheEngineKey) -> MemoryObj | None:
@@ -626,7 +629,7 @@ class StorageManager:
         self._check_sync()
         r = self._get_front(key)
         if r is not _UNKNOWN:
-            return r  # type: ignore[no-any-return]
+            return r
         return self._run_sync(self._get_lower(key), self._timeout, _release_obj)
 
     def _batched_get_front(self, keys: Sequence[CacheEngineKey]) -> tuple[list[MemoryObj | None], list[int]]:
@@ -675,9 +678,7 @@ class StorageManager:
         self._check_sync()
         out, missing = self._batched_get_front(keys)
         if missing:
-            got = self._run_sync(
-                self._batched_get_lower([keys[i] for i in missing]), self._timeout, _release_objs
-            )
+            got = self._run_sync(self._batched_get_lower([keys[i] for i in missing]), self._timeout, _release_objs)
             for i, obj in zip(missing, got, strict=True):
                 out[i] = obj
         return out
@@ -767,10 +768,12 @@ class StorageManager:
         if n == len(keys) or not self._lower:
             return n, False
         need_loop = False
+        cpu = self._cpu
         while n < len(keys):
             k = keys[n]
-            found = False
-            for tier in self._lower:
+            # a later key may be local again (queued write-through, CPU) after a lower-tier hit
+            found = k in pending or (cpu is not None and cpu.contains_nowait(k))
+            for tier in () if found else self._lower:
                 r = tier.backend.contains_nowait(k)
                 if r is None:
                     need_loop = True
@@ -783,7 +786,11 @@ class StorageManager:
         return n, need_loop and n < len(keys)
 
     async def _prefix_lower(self, keys: list[CacheEngineKey]) -> int:
-        present = [False] * len(keys)
+        # Read-your-writes: a key whose write-through is still queued counts as present. Checked
+        # before asking the tiers: a key released from the pending map meanwhile is in its tier.
+        pending = self._pending
+        cpu = self._cpu
+        present = [k in pending or (cpu is not None and cpu.contains_nowait(k)) for k in keys]
         for tier in self._lower:
             todo = [i for i, p in enumerate(present) if not p]
             if not todo:
@@ -879,7 +886,9 @@ class StorageManager:
             async with asyncio.timeout(flush_timeout):
                 await self._flush()
         except TimeoutError:
-            logger.warning("StorageManager %r: pending writes did not finish in %.1fs; dropped", self.name, flush_timeout)
+            logger.warning(
+                "StorageManager %r: pending writes did not finish in %.1fs; dropped", self.name, flush_timeout
+            )
         tasks = list(self._wt_tasks)
         for t in tasks:
             t.cancel()
@@ -988,7 +997,7 @@ class StorageManager:
     def backend(self, name: str) -> StorageBackend | None:
         """The backend of tier ``name`` (None when not configured). For tests and tools."""
         if name == "cpu":
-            return self._cpu  # type: ignore[no-any-return]
+            return self._cpu
         for t in self._lower:
             if t.name == name:
                 return t.backend

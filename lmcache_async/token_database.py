@@ -117,10 +117,7 @@ class ChunkedTokenDatabase:
     def keys(self, token_ids: Any, request_configs: dict[str, Any] | None = None) -> list[CacheEngineKey]:
         """Keys of every chunk, in order."""
         model, world, worker, dtype = self._key_prefix
-        return [
-            CacheEngineKey(model, world, worker, h, dtype, request_configs)
-            for h in self.chunk_hashes(token_ids)
-        ]
+        return [CacheEngineKey(model, world, worker, h, dtype, request_configs) for h in self.chunk_hashes(token_ids)]
 
     def process_tokens(
         self,
@@ -145,9 +142,7 @@ class ChunkedTokenDatabase:
             start = i * cs
             if start < skip:
                 continue
-            yield start, min(start + cs, n_tokens), CacheEngineKey(
-                model, world, worker, h, dtype, request_configs
-            )
+            yield start, min(start + cs, n_tokens), CacheEngineKey(model, world, worker, h, dtype, request_configs)
 
 
 def num_masked_prefix(mask: Any, n_tokens: int, chunk_size: int) -> int:

@@ -3,13 +3,40 @@
 Every figure is the median over ``reps`` (>= 5) repetitions after a warm-up, printed beside a
 physical baseline measured in the same run, with the ratio. A suite is a module in
 :mod:`lmcache_async.bench` exposing ``run(opts: BenchOptions) -> list[Result]``.
+
+Baselines (SPEC §6), all measured in the same process and run as the figure they sit beside:
+
+* :class:`CopyBaseline` — ``copy_`` from rotating sources into pre-touched destinations rotating
+  over >= 128 MiB (DRAM-bound, like a pool);
+* :class:`CloneBaseline` — ``clone()`` whose results are kept, as many as the measured call keeps;
+* :class:`FileBaseline` — plain Python, one executor job per whole file, temp name + rename, same
+  fsync policy; reads with ``readinto`` into pre-touched buffers;
+* :class:`HopBaseline` — a bare ``run_coroutine_threadsafe(...).result()`` round trip;
+* the redis baseline (raw ``redis.asyncio`` SET/GET) lives with the remote suite.
+
+``Result.params`` convention (read by :mod:`lmcache_async.bench.plot` and by JSON consumers):
+
+* ``"size"``: entry size in bytes. A Result carrying it is a point of a throughput-vs-entry-size
+  curve; the plot converts a time per operation to GB/s with ``size`` (times ``"entries"``
+  when one operation moves several entries) and draws the baseline as a dashed line.
+* ``"series"``: the curve's label (default: the figure name); results of one series share it.
+* ``"panel"``: the plot panel (default: the suite name), e.g. ``"cpu tier"``, ``"disk tier"``.
+* ``"entries"``: entries moved by one timed operation (default 1).
+* ``"concurrency"``: number of concurrent tasks/threads; a Result carrying it (and no ``"size"``)
+  is a point of a throughput-vs-concurrency curve (its value must be a throughput).
+Other keys are free-form and land in the JSON output unchanged.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import os
 import statistics
+import threading
 import time
-from collections.abc import Callable, Iterable
+import uuid
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -55,6 +82,7 @@ class Result:
     target: float | None = None
     target_kind: str = "max"
     note: str = ""
+    params: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ratio(self) -> float | None:
@@ -119,6 +147,214 @@ class CopyBaseline:
         """Median seconds per copy."""
         inner = inner or max(len(self.dst), 16)
         return median_time(self.step, reps=reps, warmup=1, inner=inner)
+
+
+def alternate(
+    fns: Sequence[Callable[[], float]], reps: int = 5, warmup: int = 1
+) -> list[float]:
+    """Run each of ``fns`` (each returns seconds per operation for one repetition) ``reps``
+    times, interleaved A, B, ..., B, A, ... so drift and background noise hit all of them;
+    returns the median of each. ``warmup`` unrecorded rounds come first."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    samples: list[list[float]] = [[] for _ in fns]
+    order = list(range(len(fns)))
+    for r in range(max(reps, 1)):
+        for i in order if r % 2 == 0 else reversed(order):
+            samples[i].append(fns[i]())
+    return [statistics.median(s) for s in samples]
+
+
+class CloneBaseline:
+    """SPEC §6 clone baseline: ``clone()`` whose results are kept, as many as the measured call
+    keeps (``keep`` per repetition), from sources rotating over >= 64 MiB.
+
+    This is what a call that returns a fresh tensor the caller holds on to costs at least: the
+    allocation and first touch of new memory plus one copy.
+    """
+
+    def __init__(self, nbytes: int, keep: int, dtype: torch.dtype = torch.float32) -> None:
+        self.nbytes = nbytes
+        self.keep = max(int(keep), 1)
+        numel = max(nbytes // dtype.itemsize, 1)
+        nsrc = max(4, min(self.keep, (64 * MiB) // max(nbytes, 1)))
+        self.src = [torch.randn(numel).to(dtype) for _ in range(nsrc)]
+
+    def run_once(self) -> float:
+        """Seconds per clone for one repetition of ``keep`` kept clones (dropped afterwards)."""
+        kept: list[torch.Tensor] = []
+        src = self.src
+        n = len(src)
+        t0 = time.perf_counter()
+        for i in range(self.keep):
+            kept.append(src[i % n].clone())
+        dt = time.perf_counter() - t0
+        del kept
+        return dt / self.keep
+
+    def measure(self, reps: int = 5) -> float:
+        """Median seconds per kept clone."""
+        self.run_once()
+        return statistics.median(self.run_once() for _ in range(max(reps, 1)))
+
+
+class HopBaseline:
+    """SPEC §6 hop baseline: a bare ``asyncio.run_coroutine_threadsafe(...).result()`` round
+    trip to a loop running on its own thread (nothing else on it)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="bench-hop", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    async def _noop() -> None:
+        return None
+
+    def step(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._noop(), self.loop).result()
+
+    def measure(self, reps: int = 5, inner: int = 1000) -> float:
+        """Median seconds per round trip."""
+        return median_time(self.step, reps=reps, warmup=1, inner=inner)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+        self.loop.close()
+
+
+def evict_from_page_cache(paths: Iterable[str]) -> int:
+    """Write back and drop the page-cache pages of ``paths`` (``fdatasync`` +
+    ``POSIX_FADV_DONTNEED``), so the next read of them is a cold read from the device.
+
+    Per file, needs no privileges and leaves other processes' cached pages alone. Returns how
+    many files were dropped (missing files are skipped).
+    """
+    n = 0
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            n += 1
+        finally:
+            os.close(fd)
+    return n
+
+
+class FileBaseline:
+    """SPEC §6 file baseline: plain Python file I/O of ``count`` payloads of ``nbytes``.
+
+    Writes: one executor job per whole file (open a temp name, write the bytes from a
+    memoryview, fsync per ``fsync`` — ``"none"``, ``"data"`` (fdatasync) or ``"full"`` (fsync +
+    directory fsync) — then ``os.replace`` to the final name). Reads: one executor job per whole
+    file, ``readinto`` a pre-touched buffer. ``workers`` threads run the jobs (as many as the
+    measured tier's executor). Files live under ``directory`` (created), removed by :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        nbytes: int,
+        count: int,
+        *,
+        fsync: str = "none",
+        workers: int = 4,
+    ) -> None:
+        if fsync not in ("none", "data", "full"):
+            raise ValueError(f"fsync must be 'none', 'data' or 'full', got {fsync!r}")
+        self.dir = os.path.join(directory, f"file-baseline-{uuid.uuid4().hex[:8]}")
+        os.makedirs(self.dir, exist_ok=True)
+        self.nbytes = nbytes
+        self.count = max(int(count), 1)
+        self.fsync = fsync
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="bench-file")
+        nsrc = max(1, min(self.count, (64 * MiB) // max(nbytes, 1)))
+        self._src = [memoryview(torch.randint(0, 255, (nbytes,), dtype=torch.uint8).numpy()) for _ in range(nsrc)]
+        self._dst = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(min(self.count, max(4, (128 * MiB) // max(nbytes, 1))))]
+        self.paths = [os.path.join(self.dir, f"{i:06d}.bin") for i in range(self.count)]
+
+    def _write_one(self, i: int) -> None:
+        final = self.paths[i]
+        tmp = f"{final}.{os.getpid()}.{uuid.uuid4().hex[:6]}.tmp"
+        with open(tmp, "wb", buffering=0) as f:
+            f.write(self._src[i % len(self._src)])
+            if self.fsync != "none":
+                os.fdatasync(f.fileno()) if self.fsync == "data" else os.fsync(f.fileno())
+        os.replace(tmp, final)
+        if self.fsync == "full":
+            dfd = os.open(self.dir, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+
+    def _read_one(self, i: int) -> int:
+        buf = self._dst[i % len(self._dst)]
+        with open(self.paths[i], "rb", buffering=0) as f:
+            return f.readinto(memoryview(buf.numpy()))  # type: ignore[no-any-return]
+
+    def write_all(self) -> float:
+        """Seconds per file to write all ``count`` files (jobs submitted at once, all awaited)."""
+        t0 = time.perf_counter()
+        list(self._pool.map(self._write_one, range(self.count)))
+        return (time.perf_counter() - t0) / self.count
+
+    def read_all(self, cold: bool = False) -> float:
+        """Seconds per file to read all files back; ``cold`` drops them from the page cache first
+        (outside the timing)."""
+        if cold:
+            evict_from_page_cache(self.paths)
+        t0 = time.perf_counter()
+        got = list(self._pool.map(self._read_one, range(self.count)))
+        dt = time.perf_counter() - t0
+        if any(g != self.nbytes for g in got):
+            raise RuntimeError("file baseline: short read")
+        return dt / self.count
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for p in os.listdir(self.dir):
+            try:
+                os.unlink(os.path.join(self.dir, p))
+            except OSError:
+                pass
+        try:
+            os.rmdir(self.dir)
+        except OSError:
+            pass
+
+
+def throughput_gbs(r: Result) -> tuple[float | None, float | None]:
+    """``(value, baseline)`` of ``r`` as GB/s (10^9 bytes/s), using ``params["size"]`` (times
+    ``params["entries"]``) to convert a time per operation; ``(None, None)`` when ``r`` has no
+    size or an unknown unit."""
+    size = r.params.get("size")
+    if size is None:
+        return None, None
+    nbytes = float(size) * float(r.params.get("entries", 1))
+    scale = _TIME_UNITS.get(r.unit)
+
+    def conv(x: float | None) -> float | None:
+        if x is None:
+            return None
+        if r.unit == "GB/s":
+            return x
+        if r.unit == "MB/s":
+            return x / 1e3
+        if scale is None or x <= 0:
+            return None
+        return nbytes / (x * scale) / 1e9
+
+    return conv(r.value), conv(r.baseline)
+
+
+_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "µs": 1e-6, "us": 1e-6, "ns": 1e-9}
 
 
 def format_table(results: list[Result]) -> str:

@@ -63,8 +63,15 @@ def bench_put(opts: BenchOptions) -> list[Result]:
     import statistics
 
     return [
-        Result(SUITE, "put_sync 1 MiB float32", statistics.median(samples) * 1e6, "µs",
-               "copy_ 1 MiB (rotating)", statistics.median(base_samples) * 1e6, target=1.25),
+        Result(
+            SUITE,
+            "put_sync 1 MiB float32",
+            statistics.median(samples) * 1e6,
+            "µs",
+            "copy_ 1 MiB (rotating)",
+            statistics.median(base_samples) * 1e6,
+            target=1.25,
+        ),
     ]
 
 
@@ -77,8 +84,20 @@ def bench_lookups(opts: BenchOptions) -> list[Result]:
     hit, miss = keys[500], db.make_key(1 << 40)
     inner = 20_000 if not opts.quick else 2000
     out = [
-        Result(SUITE, "contains_sync hit", median_time(lambda: sm.contains_sync(hit), opts.reps, 1, inner) * 1e6, "µs", target=3.0),
-        Result(SUITE, "contains_sync miss", median_time(lambda: sm.contains_sync(miss), opts.reps, 1, inner) * 1e6, "µs", target=3.0),
+        Result(
+            SUITE,
+            "contains_sync hit",
+            median_time(lambda: sm.contains_sync(hit), opts.reps, 1, inner) * 1e6,
+            "µs",
+            target=3.0,
+        ),
+        Result(
+            SUITE,
+            "contains_sync miss",
+            median_time(lambda: sm.contains_sync(miss), opts.reps, 1, inner) * 1e6,
+            "µs",
+            target=3.0,
+        ),
     ]
 
     def get_release() -> None:
@@ -86,7 +105,9 @@ def bench_lookups(opts: BenchOptions) -> list[Result]:
         assert obj is not None
         obj.ref_count_down()
 
-    out.append(Result(SUITE, "get_sync hit (+release)", median_time(get_release, opts.reps, 1, inner) * 1e6, "µs", target=5.0))
+    out.append(
+        Result(SUITE, "get_sync hit (+release)", median_time(get_release, opts.reps, 1, inner) * 1e6, "µs", target=5.0)
+    )
     batch = keys[:256]
     per_key = median_time(lambda: sm.batched_contains_sync(batch), opts.reps, 1, inner // 50) / 256
     out.append(Result(SUITE, "batched_contains_sync 256 keys, per key", per_key * 1e6, "µs", target=1.0))
@@ -129,8 +150,28 @@ def bench_lookups(opts: BenchOptions) -> list[Result]:
         return statistics.median(samples_hit), statistics.median(samples_hop)
 
     hit_t, bridge_t = asyncio.run(foreign())
-    out.append(Result(SUITE, "await get (hit) from a foreign loop", hit_t * 1e6, "µs", "bare run_coroutine_threadsafe hop", hop_t * 1e6, target=1.2))
-    out.append(Result(SUITE, "await bridge to the manager loop", bridge_t * 1e6, "µs", "bare run_coroutine_threadsafe hop", hop_t * 1e6, target=1.2))
+    out.append(
+        Result(
+            SUITE,
+            "await get (hit) from a foreign loop",
+            hit_t * 1e6,
+            "µs",
+            "bare run_coroutine_threadsafe hop",
+            hop_t * 1e6,
+            target=1.2,
+        )
+    )
+    out.append(
+        Result(
+            SUITE,
+            "await bridge to the manager loop",
+            bridge_t * 1e6,
+            "µs",
+            "bare run_coroutine_threadsafe hop",
+            hop_t * 1e6,
+            target=1.2,
+        )
+    )
     sm.close_sync()
     return out
 
@@ -141,7 +182,17 @@ def bench_hashing(opts: BenchOptions) -> list[Result]:
     db = ChunkedTokenDatabase(256)
     t = median_time(lambda: list(db.process_tokens(tokens)), opts.reps, 1, 1)
     rate = len(tokens) / t / 1e6
-    return [Result(SUITE, "token hashing, chunk 256, list input", rate, "M tokens/s", higher_is_better=True, target=10.0, target_kind="min")]
+    return [
+        Result(
+            SUITE,
+            "token hashing, chunk 256, list input",
+            rate,
+            "M tokens/s",
+            higher_is_better=True,
+            target=10.0,
+            target_kind="min",
+        )
+    ]
 
 
 def run(opts: BenchOptions) -> list[Result]:

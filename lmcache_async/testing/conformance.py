@@ -66,12 +66,7 @@ def make_obj(
 
 
 def _same(a: MemoryObj, b: MemoryObj) -> bool:
-    return (
-        a.shape == b.shape
-        and a.dtype == b.dtype
-        and a.fmt == b.fmt
-        and bytes(a.byte_view()) == bytes(b.byte_view())
-    )
+    return a.shape == b.shape and a.dtype == b.dtype and a.fmt == b.fmt and bytes(a.byte_view()) == bytes(b.byte_view())
 
 
 class BackendConformanceTests:
@@ -135,7 +130,12 @@ class BackendConformanceTests:
         ],
     )
     async def test_put_then_get_returns_exact_bytes(
-        self, backend: StorageBackend, src_pool: PoolAllocator, shape: tuple[int, ...], dtype: torch.dtype, fmt: MemoryFormat
+        self,
+        backend: StorageBackend,
+        src_pool: PoolAllocator,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        fmt: MemoryFormat,
     ) -> None:
         key = make_key(1)
         src = make_obj(src_pool, shape, dtype, fmt, seed=7)
@@ -204,7 +204,9 @@ class BackendConformanceTests:
         got.ref_count_down()
         src.ref_count_down()
 
-    async def test_keys_differing_in_one_field_are_distinct(self, backend: StorageBackend, src_pool: PoolAllocator) -> None:
+    async def test_keys_differing_in_one_field_are_distinct(
+        self, backend: StorageBackend, src_pool: PoolAllocator
+    ) -> None:
         base = make_key(7)
         variants = [
             base,
@@ -229,7 +231,9 @@ class BackendConformanceTests:
         "model",
         ["../../etc/passwd", "a/b/c", "weird%40@name", "x" * 2000, "nul\x00byte", "unicodé-模型", ".."],
     )
-    async def test_odd_model_names_round_trip(self, backend: StorageBackend, src_pool: PoolAllocator, model: str) -> None:
+    async def test_odd_model_names_round_trip(
+        self, backend: StorageBackend, src_pool: PoolAllocator, model: str
+    ) -> None:
         key = make_key(9, model=model)
         src = make_obj(src_pool, (8, 8), seed=9)
         assert await backend.put(key, src)
@@ -250,7 +254,9 @@ class BackendConformanceTests:
         src.ref_count_down()
 
     # ---- batched --------------------------------------------------------------------------------
-    async def test_batched_put_get_contains_one_result_per_key(self, backend: StorageBackend, src_pool: PoolAllocator) -> None:
+    async def test_batched_put_get_contains_one_result_per_key(
+        self, backend: StorageBackend, src_pool: PoolAllocator
+    ) -> None:
         keys = [make_key(100 + i) for i in range(12)]
         objs = [make_obj(src_pool, (32, 32), seed=i) for i in range(12)]
         stored = keys[::2]
@@ -275,7 +281,9 @@ class BackendConformanceTests:
         assert await backend.batched_contains([]) == []
 
     # ---- concurrency -----------------------------------------------------------------------------
-    async def test_concurrent_puts_of_one_key_store_one_entry(self, backend: StorageBackend, src_pool: PoolAllocator) -> None:
+    async def test_concurrent_puts_of_one_key_store_one_entry(
+        self, backend: StorageBackend, src_pool: PoolAllocator
+    ) -> None:
         key = make_key(11)
         src = make_obj(src_pool, (64, 64), seed=11)
         res = await asyncio.gather(*(backend.put(key, src) for _ in range(16)))
@@ -285,7 +293,9 @@ class BackendConformanceTests:
         got.ref_count_down()
         src.ref_count_down()
 
-    async def test_concurrent_mixed_operations_stay_consistent(self, backend: StorageBackend, src_pool: PoolAllocator) -> None:
+    async def test_concurrent_mixed_operations_stay_consistent(
+        self, backend: StorageBackend, src_pool: PoolAllocator
+    ) -> None:
         keys = [make_key(200 + i) for i in range(24)]
         objs = [make_obj(src_pool, (16, 64), seed=100 + i) for i in range(24)]
 

@@ -294,3 +294,9 @@ def test_ec_loads_base_from_env_file_when_not_given(tmp_path, monkeypatch):
     monkeypatch.setenv("LMCACHE_CONFIG_FILE", str(p))
     ec = load_ec_engine_config()
     assert ec.chunk_size == 512
+
+
+def test_configuration_doc_lists_every_key():
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    for key in LMCacheEngineConfig.model_fields:
+        assert f"`{key}`" in doc, key

@@ -121,7 +121,10 @@ def test_chunk_hashes_equal_across_processes():
         "from lmcache_async import ChunkedTokenDatabase;"
         "print(ChunkedTokenDatabase(64, True).chunk_hashes([i*31 % 5000 for i in range(300)]))"
     )
-    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout for _ in range(2)}
+    outs = {
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        for _ in range(2)
+    }
     assert len(outs) == 1
     assert outs.pop().strip() == str(ChunkedTokenDatabase(64, True).chunk_hashes([i * 31 % 5000 for i in range(300)]))
 
@@ -163,7 +166,13 @@ def test_bad_mask_raises(mask):
 
 @pytest.mark.parametrize(
     ("tokens", "exc"),
-    [("abc", TypeError), ([1.5, 2.0], TypeError), ([1 << 70], ValueError), (torch.zeros(2, 2, dtype=torch.long), ValueError), (torch.zeros(4), TypeError)],
+    [
+        ("abc", TypeError),
+        ([1.5, 2.0], TypeError),
+        ([1 << 70], ValueError),
+        (torch.zeros(2, 2, dtype=torch.long), ValueError),
+        (torch.zeros(4), TypeError),
+    ],
 )
 def test_bad_token_input(tokens, exc):
     with pytest.raises(exc):

@@ -6,10 +6,10 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from support import membackend
 
 from lmcache_async import LMCacheEngineConfig, LMCacheEngineMetadata, StorageManager
 from lmcache_async.testing import make_key
-from support import membackend
 
 KEYS = [make_key(i) for i in range(12)]
 SIZES = [16, 1000, 40_000, 200_000]  # float32 elements: 64 B .. 800 KiB

@@ -11,9 +11,9 @@ import time
 
 import pytest
 import torch
+from support import membackend
 
 from lmcache_async import (
-    CacheEngineKey,
     ForkedProcessError,
     LoopThreadCallError,
     ManagerClosedError,
@@ -22,8 +22,6 @@ from lmcache_async import (
     StorageManager,
 )
 from lmcache_async.testing import make_key
-
-from support import membackend
 
 MiB = 1 << 20
 
@@ -255,7 +253,7 @@ def test_full_cpu_tier_serves_lower_hits_from_staging(make_manager):
     sm.put_sync(make_key(2), t1m(2))
     held = sm.get_sync(make_key(2))  # CPU now full of a held entry
     with sm.get_sync(make_key(1)) as obj:
-        assert not obj.allocator is sm.pool
+        assert obj.allocator is not sm.pool
         assert torch.equal(obj.tensor, t1m(1))
     held.ref_count_down()
     assert sm.staging_pool.used_bytes == 0
