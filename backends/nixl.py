@@ -1,0 +1,867 @@
+"""The ``nixl`` tier: entries move between the registered pool and storage through a NIXL agent.
+
+Deployments that already run NIXL (GPUDirect Storage, object stores) keep using it: the tier
+stores self-describing, checksummed records (:mod:`lmcache_async.records`) through the plugin
+named by ``nixl_backend`` — ``POSIX`` (files; works on CPU-only hosts), ``GDS``/``GDS_MT``
+(files through cuFile on GPU hosts) or ``OBJ`` (S3-compatible object stores).
+
+Contract (beyond :class:`~lmcache_async.backend.StorageBackend`):
+
+* Memory is registered with the agent once: the manager's CPU pool and staging area, plus a
+  small scratch area of the tier (record headers, and a bounce area for blocks that are not in
+  registered memory). Reads land in the buffer from ``alloc`` when it is registered memory,
+  else in a staging block, else through the bounce area into the buffer ``alloc`` gave.
+* Transfers run on the tier's own worker threads (named ``lmcache-async-<cache>-nixl``), one
+  job per batch; coroutines on the loop only plan, account and wait. A cancelled call (the
+  manager's ``remote_timeout_s``) never frees a buffer a job still writes: the job finishes
+  and its result is released then.
+* Every record is verified on read (magic, version, header checksum, key, shape, dtype,
+  format, sizes, xxh3-64 of the payload). A bad record is a miss, is removed and is counted;
+  a NIXL failure is a miss/False plus a counter and a rate-limited log line.
+* Capacity: ``nixl_max_size`` GiB of records (header + payload), LRU (or FIFO per
+  ``cache_policy``), entries being read are never evicted; bytes are accounted on every
+  removal path (eviction, ``remove``, ``clear``, corrupt record).
+* File-backed storage is owned by one tier instance: the directory is locked (``flock``) and
+  the index is rebuilt from it at start, so a restarted process reuses the entries. The
+  factory uses ``<nixl_path>/<cache>-<worker_id>``; when another live process holds it, the
+  tier is left out with a warning instead of sharing it unsafely.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import fcntl
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from lmcache_async.backend import Allocate, BackendContext, StorageBackend
+from lmcache_async.backends.nixl_agent import (
+    HEADER_SCRATCH_BYTES,
+    INSTALL_HINT,
+    NixlAgent,
+    NixlSettings,
+    NixlTransferError,
+    load_nixl,
+    nixl_available,
+)
+from lmcache_async.backends.nixl_io import (
+    EntryMeta,
+    KeyFileLayout,
+    Layout,
+    ObjectLayout,
+    Scanned,
+    Scratch,
+    SlotFileLayout,
+    read_record,
+    write_record,
+)
+from lmcache_async.errors import BackendUnavailableError
+from lmcache_async.keys import CacheEngineKey
+from lmcache_async.memory import MemoryObj, PoolAllocator
+from lmcache_async.records import MAX_KEY_LEN, MAX_RANK, RecordError, header_length
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "INSTALL_HINT",
+    "DirectoryInUseError",
+    "NixlBackend",
+    "NixlSettings",
+    "create",
+    "load_nixl",
+    "nixl_available",
+]
+
+_LOG_BURST_S = 5.0
+T = TypeVar("T")
+X = TypeVar("X")
+
+
+class DirectoryInUseError(BackendUnavailableError):
+    """The storage directory is locked by another tier instance (this or another process)."""
+
+
+@dataclass
+class _Entry:
+    meta: EntryMeta
+    location: str | int
+    readers: int = 0
+    removed: bool = False
+
+    @property
+    def size(self) -> int:
+        return self.meta.total_len
+
+
+@dataclass
+class _Plan:
+    key: CacheEngineKey
+    obj: MemoryObj
+    meta: EntryMeta
+    location: str | int
+    future: asyncio.Future[bool]
+    registered: bool
+    recycle: list[str | int]
+
+
+class _ReadBatch:
+    """Results of one ``batched_get``; buffers arriving after the caller gave up go back."""
+
+    def __init__(self, results: list[MemoryObj | None]) -> None:
+        self.results = results
+        self.abandoned = False
+
+    def deliver(self, index: int, obj: MemoryObj) -> None:
+        if self.abandoned:
+            obj.ref_count_down()
+        else:
+            self.results[index] = obj
+
+    def abandon(self) -> None:
+        self.abandoned = True
+        for i, obj in enumerate(self.results):
+            if obj is not None:
+                obj.ref_count_down()
+                self.results[i] = None
+
+
+@dataclass
+class _ReadJob:
+    index: int
+    key: CacheEngineKey
+    entry: _Entry
+    dst: MemoryObj
+    registered: bool
+    batch: _ReadBatch
+
+
+@dataclass
+class _Counters:
+    writes: int = 0
+    write_failures: int = 0
+    reads: int = 0
+    read_failures: int = 0
+    corrupt: int = 0
+    io_errors: int = 0
+    evictions: int = 0
+    too_large: int = 0
+    no_space: int = 0
+    no_buffer: int = 0
+    bounced: int = 0
+    staged: int = 0
+    scanned: int = 0
+    reaped: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class _RateLimitedLog:
+    """One warning per burst window; the rest are counted and summarised."""
+
+    def __init__(self) -> None:
+        self._last = 0.0
+        self._suppressed = 0
+
+    def warn(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last >= _LOG_BURST_S:
+            extra = f" ({self._suppressed} similar messages not logged)" if self._suppressed else ""
+            logger.warning(msg + "%s", *args, extra)
+            self._last = now
+            self._suppressed = 0
+        else:
+            self._suppressed += 1
+
+
+def _lock_directory(root: Path) -> int:
+    fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+        finally:
+            os.close(fd)
+        raise DirectoryInUseError(
+            f"NIXL storage directory {str(root)!r} is in use (lock held by pid {holder}); "
+            "give each process its own nixl_path"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+    return fd
+
+
+class NixlBackend(StorageBackend):
+    """A storage tier over one NIXL agent; see the module docstring for the contract.
+
+    ``root`` is the storage directory for file-backed plugins (default ``settings.path``) or
+    the object-name prefix for ``OBJ``. Construction creates the agent and registers memory
+    (it raises :class:`BackendUnavailableError` when NIXL or the plugin is unavailable and
+    :class:`DirectoryInUseError` when the directory is locked). :meth:`start` rebuilds the
+    index from storage; operations issued before it finishes wait for it.
+    """
+
+    name = "nixl"
+
+    def __init__(self, ctx: BackendContext, settings: NixlSettings, root: str | Path | None = None) -> None:
+        self._ctx = ctx
+        self.settings = settings
+        self._lru = settings.policy == "LRU"
+        self._closed = False
+        self._lock_fd: int | None = None
+        self._regions: list[Any] = []
+        self._scratch: Scratch | None = None
+        self._layout: Layout | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        target = str(root) if root is not None else settings.path
+        self.root: Path | None = None
+        self._agent = None
+        try:
+            if not settings.is_object_store:
+                self.root = Path(target)
+                try:
+                    self.root.mkdir(parents=True, exist_ok=True)
+                except OSError as exc:
+                    raise BackendUnavailableError(
+                        f"nixl_path directory {target!r} cannot be created: {exc}"
+                    ) from exc
+                self._lock_fd = _lock_directory(self.root)
+            self._agent = NixlAgent(f"lmcache-async-{ctx.cache_name}", settings.plugin, settings.params)
+            self._registered: tuple[PoolAllocator, ...] = tuple(
+                p for p in (ctx.pool, ctx.staging_pool) if p is not None and p.capacity > 0
+            )
+            for p in self._registered:
+                self._regions.append(self._agent.register_dram(p.base_ptr, p.capacity))
+            self._scratch = Scratch(self._agent, settings.workers, settings.chunk_bytes)
+            if settings.is_object_store:
+                self._layout = ObjectLayout(self._agent, target)
+            elif settings.pool_size:
+                assert self.root is not None
+                self._layout = SlotFileLayout(self._agent, self.root, settings.pool_size)
+            else:
+                assert self.root is not None
+                self._layout = KeyFileLayout(self._agent, self.root)
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                settings.workers, thread_name_prefix=f"lmcache-async-{ctx.cache_name}-nixl"
+            )
+        except BaseException:
+            self._teardown()
+            raise
+        self._index: collections.OrderedDict[CacheEngineKey, _Entry] = collections.OrderedDict()
+        self._bytes = 0
+        self._reserved = 0
+        self._writing: dict[CacheEngineKey, asyncio.Future[bool]] = {}
+        self._tasks: set[asyncio.Future[Any]] = set()
+        self._free_slots: list[int] = []
+        self._ready = asyncio.Event()
+        self._start_task: asyncio.Task[None] | None = None
+        self.counters = _Counters()
+        self._log = _RateLimitedLog()
+
+    # ---- capabilities -----------------------------------------------------------------------------
+    @property
+    def persistent(self) -> bool:
+        return not self.settings.is_object_store
+
+    @property
+    def is_remote(self) -> bool:
+        return True
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The ``nixl_max_size`` budget in bytes."""
+        return self.settings.max_bytes
+
+    @property
+    def layout_name(self) -> str:
+        """``files``, ``slots`` or ``objects``."""
+        return {KeyFileLayout: "files", SlotFileLayout: "slots", ObjectLayout: "objects"}[
+            type(self._layout)
+        ]
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Rebuild the index from storage (idempotent; operations wait for it)."""
+        if self._closed:
+            return
+        if self._start_task is None:
+            self._start_task = asyncio.get_running_loop().create_task(self._scan())
+            self._track(self._start_task)
+        await asyncio.shield(self._start_task)
+
+    async def _ensure_ready(self) -> bool:
+        if self._closed:
+            return False
+        if not self._ready.is_set():
+            await self.start()
+        return not self._closed
+
+    async def _scan(self) -> None:
+        assert self._layout is not None
+        try:
+            found, reaped = await self._run(self._layout.scan)
+        except Exception as exc:
+            logger.warning("nixl: rebuilding the index failed (%s: %s); starting empty", type(exc).__name__, exc)
+            found, reaped = [], 0
+        self.counters.reaped += reaped
+        for s in found:  # oldest first, so the LRU order follows the files' ages
+            self._admit_scanned(s)
+        if isinstance(self._layout, SlotFileLayout):
+            used = {e.location for e in self._index.values()}
+            self._free_slots = [i for i in reversed(range(self._layout.count)) if i not in used]
+        # Over budget after a restart with a smaller nixl_max_size: drop the oldest.
+        self._make_room(0)
+        self._ready.set()
+
+    def _admit_scanned(self, s: Scanned) -> None:
+        try:
+            key = CacheEngineKey.from_string(s.meta.key)
+        except (ValueError, TypeError):
+            self.counters.reaped += 1
+            self._discard_storage(s.location)
+            return
+        old = self._index.pop(key, None)
+        if old is not None:  # two records of one key: keep the newer
+            self._bytes -= old.size
+            self.counters.reaped += 1
+            self._discard_storage(old.location)
+        entry = _Entry(s.meta, s.location)
+        self._index[key] = entry
+        self._bytes += entry.size
+        self.counters.scanned += 1
+
+    async def close(self) -> None:
+        """Wait for in-flight transfers, then release registrations, files and the lock."""
+        if self._closed:
+            return
+        self._closed = True
+        self._ready.set()  # waiters see the tier closed
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        for fut in self._writing.values():
+            if not fut.done():
+                fut.set_result(False)
+        self._teardown()
+
+    def _teardown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+        if self._layout is not None:
+            self._layout.close()
+            self._layout = None
+        if self._scratch is not None:
+            self._scratch.close()
+            self._scratch = None
+        if self._agent is not None:
+            for h in self._regions:
+                self._agent.deregister(h)
+            self._regions.clear()
+            self._agent.close()
+            self._agent = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # ---- helpers --------------------------------------------------------------------------------
+    def _track(self, fut: asyncio.Future[Any]) -> None:
+        self._tasks.add(fut)
+        fut.add_done_callback(self._tasks.discard)
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` on a worker thread (index scans, file deletions)."""
+        executor = self._executor
+        if executor is None:
+            raise NixlTransferError("the nixl tier is closed")
+        return await asyncio.wrap_future(executor.submit(fn, *args))
+
+    def _submit(
+        self,
+        fn: Callable[[list[X]], list[BaseException | None]],
+        items: list[X],
+        finish: Callable[[list[X], list[BaseException | None]], None],
+        orphan: Callable[[list[X]], None],
+    ) -> asyncio.Future[None]:
+        """Run ``fn(items)`` (one outcome per item) on a worker thread, then ``finish(items,
+        outcomes)`` on the loop. The returned future is done once ``finish`` ran.
+
+        No task waits on the worker: the job's completion schedules ``finish``, so a caller
+        that is cancelled (timeout) cannot make anything skip it. Should the loop be gone by
+        then, ``orphan(items)`` runs on the worker thread instead (give memory back only).
+        """
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        self._track(done)
+
+        def run_finish(outcomes: list[BaseException | None]) -> None:
+            try:
+                finish(items, outcomes)
+            finally:
+                if not done.done():
+                    done.set_result(None)
+
+        def on_job_done(cf: concurrent.futures.Future[list[BaseException | None]]) -> None:
+            try:
+                outcomes = cf.result()
+            except BaseException as exc:  # cancelled at shutdown, or a bug in the job
+                outcomes = [exc] * len(items)
+            try:
+                loop.call_soon_threadsafe(run_finish, outcomes)
+            except RuntimeError:
+                orphan(items)
+
+        executor = self._executor
+        try:
+            if executor is None:
+                raise NixlTransferError("the nixl tier is closed")
+            cf = executor.submit(fn, items)
+        except (RuntimeError, NixlTransferError) as exc:
+            run_finish([exc] * len(items))
+        else:
+            cf.add_done_callback(on_job_done)
+        return done
+
+    def _groups(self, items: list[X], nbytes: Callable[[X], int]) -> list[list[X]]:
+        """Up to ``workers`` jobs of similar byte counts (one can checksum while another
+        transfers); one job when there is too little work to share."""
+        if not items:
+            return []
+        return _split(items, self.settings.workers, nbytes, 2 * self.settings.chunk_bytes)
+
+    def _is_registered(self, obj: MemoryObj) -> bool:
+        alloc = obj.allocator
+        return any(alloc is p for p in self._registered)
+
+    def _make_room(self, size: int, recycle: list[str | int] | None = None) -> bool:
+        """Evict unread entries (LRU/FIFO order) until ``size`` more bytes (and, for slots, a
+        slot) fit. False when they cannot. With ``recycle``, the victims' record files are
+        handed over for the coming write to reuse instead of being deleted now."""
+        cap = self.settings.max_bytes
+        slots = isinstance(self._layout, SlotFileLayout)
+        files = isinstance(self._layout, KeyFileLayout)
+        while self._bytes + self._reserved + size > cap or (slots and size and not self._free_slots):
+            victim = next(((k, e) for k, e in self._index.items() if e.readers == 0), None)
+            if victim is None:
+                return False
+            key, entry = victim
+            if recycle is not None and files:
+                del self._index[key]
+                self._bytes -= entry.size
+                entry.removed = True
+                recycle.append(entry.location)
+            else:
+                self._drop(key, entry)
+            self.counters.evictions += 1
+        return True
+
+    def _drop(self, key: CacheEngineKey, entry: _Entry) -> None:
+        """Remove ``key`` from the index and account its bytes; storage goes once unread."""
+        if entry.removed:
+            return
+        if self._index.get(key) is entry:
+            del self._index[key]
+            self._bytes -= entry.size
+        entry.removed = True
+        if entry.readers == 0:
+            self._release_location(entry.location)
+
+    def _release_location(self, location: str | int) -> None:
+        """Delete what ``location`` holds and make it reusable."""
+        self._discard_storage(location)
+        if isinstance(self._layout, SlotFileLayout):
+            self._free_slots.append(int(location))
+
+    def _discard_storage(self, location: str | int) -> None:
+        layout = self._layout
+        if layout is None or isinstance(layout, ObjectLayout):
+            return
+        if isinstance(layout, SlotFileLayout):
+            try:
+                layout.delete(location)  # an 8-byte pwrite on an open fd
+            except OSError as exc:
+                self._log.warn("nixl: invalidating slot %s failed: %s", location, exc)
+            return
+        task = asyncio.get_running_loop().create_task(self._unlink(layout, location))
+        self._track(task)
+
+    async def _unlink(self, layout: KeyFileLayout, location: str | int) -> None:
+        try:
+            await self._run(layout.delete, location)
+        except Exception as exc:
+            self._log.warn("nixl: deleting %s failed: %s", location, exc)
+
+    def _failed(self, what: str, key: CacheEngineKey, exc: BaseException) -> None:
+        self.counters.io_errors += 1
+        self._log.warn("nixl: %s of %s failed: %s: %s", what, key, type(exc).__name__, exc)
+
+    # ---- contains -------------------------------------------------------------------------------
+    def contains_nowait(self, key: CacheEngineKey) -> bool | None:
+        """Index lookup on the caller's thread (None until the index was rebuilt)."""
+        if self._closed:
+            return False
+        if not self._ready.is_set():
+            return None
+        return key in self._index
+
+    async def contains(self, key: CacheEngineKey) -> bool:
+        if not await self._ensure_ready():
+            return False
+        return key in self._index
+
+    async def batched_contains(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
+        if not await self._ensure_ready():
+            return [False] * len(keys)
+        idx = self._index
+        return [k in idx for k in keys]
+
+    # ---- put ----------------------------------------------------------------------------------
+    async def put(self, key: CacheEngineKey, obj: MemoryObj) -> bool:
+        return (await self.batched_put([(key, obj)]))[0]
+
+    async def batched_put(self, items: Sequence[tuple[CacheEngineKey, MemoryObj]]) -> list[bool]:
+        """Store each entry; one worker job writes the whole batch. A key already present or
+        being written is not written again (True, or the in-flight write's result)."""
+        if not items:
+            return []
+        if not await self._ensure_ready():
+            return [False] * len(items)
+        answers: list[bool | asyncio.Future[bool]] = []
+        plans: list[_Plan] = []
+        loop = asyncio.get_running_loop()
+        for key, obj in items:
+            if key in self._index:
+                answers.append(True)
+                continue
+            fut = self._writing.get(key)
+            if fut is not None:
+                answers.append(fut)
+                continue
+            plan = self._plan_write(key, obj, loop)
+            if plan is None:
+                answers.append(False)
+                continue
+            plans.append(plan)
+            answers.append(plan.future)
+        for group in self._groups(plans, lambda p: p.meta.total_len):
+            self._submit(self._write_job, group, self._finish_writes, _release_sources)
+        out: list[bool] = []
+        for a in answers:
+            out.append(a if isinstance(a, bool) else await asyncio.shield(a))
+        return out
+
+    def _plan_write(
+        self, key: CacheEngineKey, obj: MemoryObj, loop: asyncio.AbstractEventLoop
+    ) -> _Plan | None:
+        kstr = key.to_string()
+        klen = len(kstr.encode("utf-8"))
+        hlen = header_length(klen, len(obj.shape))
+        if klen > MAX_KEY_LEN or len(obj.shape) > MAX_RANK or hlen > HEADER_SCRATCH_BYTES:
+            self.counters.too_large += 1
+            return None
+        meta = EntryMeta(kstr, tuple(obj.shape), obj.dtype, obj.fmt, hlen, obj.nbytes)
+        if meta.total_len > self.settings.max_bytes:
+            self.counters.too_large += 1
+            return None
+        recycle: list[str | int] = []
+        if not self._make_room(meta.total_len, recycle):
+            for loc in recycle:  # nothing will reuse them
+                self._discard_storage(loc)
+            self.counters.no_space += 1
+            return None
+        layout = self._layout
+        assert layout is not None
+        slots = isinstance(layout, SlotFileLayout)
+        location: str | int = self._free_slots.pop() if slots else layout.new_location(kstr)
+        registered = self._is_registered(obj)
+        if not registered:
+            if layout.piecewise:
+                self.counters.bounced += 1
+            else:
+                self.counters.staged += 1
+        self._reserved += meta.total_len
+        obj.ref_count_up()  # held until the job is done, whatever happens to the caller
+        fut: asyncio.Future[bool] = loop.create_future()
+        self._writing[key] = fut
+        return _Plan(key, obj, meta, location, fut, registered, recycle)
+
+    def _finish_writes(self, plans: list[_Plan], outcomes: list[BaseException | None]) -> None:
+        """On the loop, after a write job: index what was written, count what failed."""
+        for plan, failure in zip(plans, outcomes, strict=True):
+            plan.obj.ref_count_down()
+            self._reserved -= plan.meta.total_len
+            if failure is None:
+                entry = _Entry(plan.meta, plan.location)
+                self._index[plan.key] = entry
+                self._bytes += entry.size
+                self.counters.writes += 1
+            else:
+                self.counters.write_failures += 1
+                self._failed("write", plan.key, failure)
+                if isinstance(self._layout, SlotFileLayout):
+                    # A failed slot write may have left part of a record: invalidate, reuse.
+                    self._release_location(plan.location)
+            del self._writing[plan.key]
+            if not plan.future.done():
+                plan.future.set_result(failure is None)
+
+    def _write_job(self, plans: list[_Plan]) -> list[BaseException | None]:
+        """Worker thread: write every planned record; one outcome per plan."""
+        layout, scratch, agent = self._layout, self._scratch, self._agent
+        assert layout is not None and scratch is not None and agent is not None
+        out: list[BaseException | None] = []
+        chunk = self.settings.chunk_bytes
+        with scratch.slot() as slot:
+            for plan in plans:
+                src, registered = plan.obj, plan.registered
+                staged: MemoryObj | None = None
+                try:
+                    if not registered and not layout.piecewise:
+                        staged = self._stage_copy(src)
+                        src, registered = staged, True
+                    with layout.open_write(plan.location, plan.meta, plan.recycle) as loc:
+                        write_record(agent, slot, loc, plan.meta, src, registered, chunk, layout.piecewise)
+                    out.append(None)
+                except Exception as exc:
+                    out.append(exc)
+                finally:
+                    if staged is not None:
+                        staged.ref_count_down()
+        return out
+
+    def _stage_copy(self, src: MemoryObj) -> MemoryObj:
+        """A registered copy of ``src`` for one-piece writes (object stores)."""
+        pool = self._ctx.staging_pool
+        staged = None
+        if pool is not None and any(pool is p for p in self._registered):
+            staged = pool.allocate(src.shape, src.dtype, src.fmt)
+        if staged is None:
+            raise NixlTransferError("no registered staging room for an unregistered source")
+        staged.tensor.copy_(src.tensor)
+        return staged
+
+    # ---- get ----------------------------------------------------------------------------------
+    async def get(self, key: CacheEngineKey, alloc: Allocate | None = None) -> MemoryObj | None:
+        return (await self.batched_get([key], alloc))[0]
+
+    async def batched_get(
+        self, keys: Sequence[CacheEngineKey], alloc: Allocate | None = None
+    ) -> list[MemoryObj | None]:
+        """One result per key; one worker job reads every entry found. The caller owns one
+        reference to each returned object."""
+        results: list[MemoryObj | None] = [None] * len(keys)
+        if not keys or not await self._ensure_ready():
+            return results
+        reads: list[tuple[int, CacheEngineKey, _Entry]] = []
+        for i, key in enumerate(keys):
+            entry = self._index.get(key)
+            if entry is None:
+                continue
+            if self._lru:
+                self._index.move_to_end(key)
+            entry.readers += 1
+            reads.append((i, key, entry))
+        if not reads:
+            return results
+        alloc = alloc or self._ctx.staging
+        batch = _ReadBatch(results)
+        jobs: list[_ReadJob] = []
+        for i, key, entry in reads:
+            buf = self._read_buffer(entry.meta, alloc)
+            if buf is None:
+                self._reader_done(entry)
+                continue
+            jobs.append(_ReadJob(i, key, entry, buf[0], buf[1], batch))
+        if not jobs:
+            return results
+        futs = [
+            self._submit(self._read_job, g, self._finish_reads, _release_read_buffers)
+            for g in self._groups(jobs, lambda j: j.entry.size)
+        ]
+        try:
+            await asyncio.shield(futs[0] if len(futs) == 1 else asyncio.gather(*futs))
+        except asyncio.CancelledError:
+            batch.abandon()  # what already arrived goes back now, the rest when it arrives
+            raise
+        return results
+
+    def _finish_reads(self, jobs: list[_ReadJob], outcomes: list[BaseException | None]) -> None:
+        """On the loop, after a read job: deliver, or drop bad records and count."""
+        for job, failure in zip(jobs, outcomes, strict=True):
+            self._reader_done(job.entry)
+            if failure is None:
+                self.counters.reads += 1
+                job.batch.deliver(job.index, job.dst)
+                continue
+            job.dst.ref_count_down()
+            self.counters.read_failures += 1
+            if isinstance(failure, (RecordError, FileNotFoundError)):
+                self.counters.corrupt += 1
+                self._log.warn("nixl: dropping bad record of %s: %s", job.key, failure)
+                self._drop(job.key, job.entry)
+            else:
+                self._failed("read", job.key, failure)
+
+    def _readers_done(self, entries: list[_Entry]) -> None:
+        for e in entries:
+            self._reader_done(e)
+
+    def _reader_done(self, entry: _Entry) -> None:
+        entry.readers -= 1
+        if entry.removed and entry.readers == 0:
+            self._release_location(entry.location)
+
+    def _read_buffer(self, meta: EntryMeta, alloc: Allocate) -> tuple[MemoryObj, bool] | None:
+        """Where a read lands: ``alloc``'s buffer when registered, else a staging block, else
+        ``alloc``'s buffer through the bounce area. None when no memory is available."""
+        try:
+            obj = alloc(meta.shape, meta.dtype, meta.fmt)
+        except Exception as exc:
+            logger.debug("nixl: read allocation failed: %s", exc)
+            obj = None
+        if obj is not None and self._is_registered(obj):
+            return obj, True
+        pool = self._ctx.staging_pool
+        if pool is not None and any(pool is p for p in self._registered):
+            staged = pool.allocate(meta.shape, meta.dtype, meta.fmt)
+            if staged is not None:
+                if obj is not None:
+                    obj.ref_count_down()
+                return staged, True
+        if obj is None:
+            self.counters.no_buffer += 1
+            return None
+        self.counters.bounced += 1
+        return obj, False
+
+    def _read_job(self, jobs: list[_ReadJob]) -> list[BaseException | None]:
+        """Worker thread: read and verify every record; one outcome per job."""
+        layout, scratch, agent = self._layout, self._scratch, self._agent
+        assert layout is not None and scratch is not None and agent is not None
+        chunk = self.settings.chunk_bytes
+        out: list[BaseException | None] = []
+        with scratch.slot() as slot:
+            for job in jobs:
+                try:
+                    with layout.open_read(job.entry.location, job.entry.meta) as loc:
+                        read_record(agent, slot, loc, job.entry.meta, job.dst, job.registered, chunk)
+                    out.append(None)
+                except Exception as exc:
+                    out.append(exc)
+        return out
+
+    # ---- remove / clear -------------------------------------------------------------------------
+    async def remove(self, key: CacheEngineKey) -> bool:
+        if not await self._ensure_ready():
+            return False
+        fut = self._writing.get(key)
+        if fut is not None:
+            await asyncio.shield(fut)
+        entry = self._index.get(key)
+        if entry is None:
+            return False
+        self._drop(key, entry)
+        return True
+
+    async def clear(self) -> None:
+        if not await self._ensure_ready():
+            return
+        if self._writing:
+            await asyncio.gather(*self._writing.values(), return_exceptions=True)
+        for key, entry in list(self._index.items()):
+            self._drop(key, entry)
+
+    # ---- stats ----------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        c = self.counters
+        return {
+            "entries": len(self._index),
+            "bytes": self._bytes,
+            "reserved_bytes": self._reserved,
+            "capacity_bytes": self.settings.max_bytes,
+            "evictions": c.evictions,
+            "writes": c.writes,
+            "write_failures": c.write_failures,
+            "reads": c.reads,
+            "read_failures": c.read_failures,
+            "corrupt": c.corrupt,
+            "io_errors": c.io_errors,
+            "too_large": c.too_large,
+            "no_space": c.no_space,
+            "no_buffer": c.no_buffer,
+            "bounced": c.bounced,
+            "staged": c.staged,
+            "scanned": c.scanned,
+            "reaped": c.reaped,
+            "plugin": self.settings.plugin,
+            "layout": self.layout_name if self._layout is not None else "closed",
+            "free_slots": len(self._free_slots) if isinstance(self._layout, SlotFileLayout) else None,
+        }
+
+    def __repr__(self) -> str:
+        where = self.root if self.root is not None else self.settings.path
+        return f"NixlBackend(plugin={self.settings.plugin}, where={str(where)!r}, entries={len(self._index)})"
+
+
+def _split(items: list[X], parts: int, nbytes: Callable[[X], int], min_bytes: int) -> list[list[X]]:
+    """``items`` in at most ``parts`` contiguous groups of similar byte counts (one group
+    when there is too little work to share)."""
+    total = sum(nbytes(i) for i in items)
+    parts = min(parts, len(items), max(1, total // max(min_bytes, 1)))
+    if parts <= 1:
+        return [items]
+    groups: list[list[X]] = [[]]
+    acc = 0
+    share = total / parts
+    for it in items:
+        if groups[-1] and acc >= share * len(groups) and len(groups) < parts:
+            groups.append([])
+        groups[-1].append(it)
+        acc += nbytes(it)
+    return groups
+
+
+def _release_sources(plans: list[_Plan]) -> None:
+    for p in plans:
+        p.obj.ref_count_down()
+
+
+def _release_read_buffers(jobs: list[_ReadJob]) -> None:
+    for j in jobs:
+        j.dst.ref_count_down()
+
+
+def storage_root(ctx: BackendContext, settings: NixlSettings) -> str:
+    """Where a manager's tier keeps its records: ``<nixl_path>/<cache>-<worker_id>`` (a
+    directory, or an object-name prefix for OBJ), so the KV, hidden-state and encoder caches
+    and the workers of one host never share one."""
+    leaf = f"{ctx.cache_name}-{ctx.metadata.worker_id}"
+    if settings.is_object_store:
+        return f"{settings.path.rstrip('/')}/{leaf}"
+    return str(Path(settings.path) / leaf)
+
+
+def create(ctx: BackendContext) -> NixlBackend | None:
+    """Registry factory: the NIXL tier when ``nixl_path`` is set.
+
+    Raises :class:`BackendUnavailableError` naming ``pip install 'lmcache-async[nixl]'``
+    when NIXL is missing, and :class:`~lmcache_async.errors.ConfigError` for invalid
+    ``nixl_*`` values. Returns None (with a warning) when another process holds the directory.
+    """
+    if not ctx.config.nixl_path:
+        return None
+    settings = NixlSettings.from_config(ctx.config)
+    load_nixl()
+    try:
+        return NixlBackend(ctx, settings, storage_root(ctx, settings))
+    except DirectoryInUseError as exc:
+        logger.warning("the nixl tier is disabled in this process: %s", exc)
+        return None

@@ -1,0 +1,547 @@
+"""Blocking record I/O of the ``nixl`` tier: where records live and how their bytes move.
+
+Everything here runs on the tier's worker threads, never on the event loop.
+
+A stored entry is one self-describing record (:mod:`lmcache_async.records`): header, then
+payload. Both travel through NIXL: the header from a small registered scratch area, the payload
+straight from/to the registered pool block (or through a registered bounce area when the block
+is not registered memory). Payloads move in pieces of ``chunk_bytes``; each piece is
+checksummed (xxh3-64) right before it is written or right after it was read, while it is still
+in the CPU cache. The header rides in the same request as the last piece written (its checksum
+is known only then) and the first piece read (so a wrong record is rejected early).
+
+Layouts:
+
+* :class:`KeyFileLayout` — one file per entry (``<hash>.<token>.lmcr``), written under a
+  temporary name and renamed, so a name only ever holds a complete record;
+* :class:`SlotFileLayout` — ``nixl_pool_size`` pre-created slot files, opened and registered
+  once; an entry occupies one slot;
+* :class:`ObjectLayout` — two objects per entry (``<name>.hdr`` and ``<name>``) in an
+  S3-compatible store; OBJ writes whole objects only, so the payload is written in one piece.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import queue
+import secrets
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import xxhash
+
+from lmcache_async.backends.nixl_agent import HEADER_SCRATCH_BYTES, NixlAgent, NixlTransferError
+from lmcache_async.memory import MemoryFormat, MemoryObj, address_view, populate_pages
+from lmcache_async.records import (
+    PROBE_LEN,
+    RecordError,
+    RecordHeader,
+    decode_header,
+    encode_header,
+    peek_header_len,
+)
+
+logger = logging.getLogger(__name__)
+
+RECORD_SUFFIX = ".lmcr"
+TMP_SUFFIX = ".tmp"
+SLOT_PREFIX = "slot-"
+EMPTY_MAGIC = bytes(8)
+"""What an unused or invalidated slot holds where a record's magic would be."""
+
+
+# ---- registered scratch ------------------------------------------------------------------------
+@dataclass
+class ScratchSlot:
+    """One worker's registered scratch: a header area and a bounce area."""
+
+    index: int
+    header_ptr: int
+    bounce: torch.Tensor
+
+    @property
+    def bounce_ptr(self) -> int:
+        return int(self.bounce.data_ptr())
+
+
+class Scratch:
+    """``slots`` scratch areas in one buffer registered with the agent once."""
+
+    def __init__(self, agent: NixlAgent, slots: int, bounce_bytes: int) -> None:
+        self.stride = HEADER_SCRATCH_BYTES + bounce_bytes
+        self.buffer = torch.zeros(slots * self.stride, dtype=torch.uint8)
+        populate_pages(self.buffer.data_ptr(), self.buffer.numel())
+        base = int(self.buffer.data_ptr())
+        self._agent = agent
+        self.handle = agent.register_dram(base, self.buffer.numel())
+        self._free: queue.SimpleQueue[ScratchSlot] = queue.SimpleQueue()
+        for i in range(slots):
+            off = i * self.stride
+            bounce = self.buffer[off + HEADER_SCRATCH_BYTES : off + self.stride]
+            self._free.put(ScratchSlot(i, base + off, bounce))
+
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[ScratchSlot]:
+        """A scratch area for the duration of one job (jobs never outnumber slots)."""
+        s = self._free.get(timeout=60.0)
+        try:
+            yield s
+        finally:
+            self._free.put(s)
+
+    def close(self) -> None:
+        self._agent.deregister(self.handle)
+
+
+# ---- where the record's bytes are ---------------------------------------------------------------
+@dataclass(frozen=True)
+class Loc:
+    """Registered targets of one record: header at ``(header_dev, header_off)``, payload at
+    ``(payload_dev, payload_off)``."""
+
+    header_dev: int
+    header_off: int
+    payload_dev: int
+    payload_off: int
+
+
+@dataclass(frozen=True)
+class EntryMeta:
+    """What the index knows of a record (enough to read it without a probe)."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    fmt: MemoryFormat
+    header_len: int
+    payload_len: int
+
+    @property
+    def total_len(self) -> int:
+        return self.header_len + self.payload_len
+
+    @classmethod
+    def from_header(cls, h: RecordHeader) -> EntryMeta:
+        return cls(h.key, h.shape, h.dtype, h.fmt, h.header_len, h.payload_len)
+
+
+def _pieces(n: int, chunk: int) -> list[tuple[int, int]]:
+    return [(off, min(chunk, n - off)) for off in range(0, n, chunk)]
+
+
+def _flat(obj: MemoryObj) -> torch.Tensor:
+    t = obj.tensor
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return t.reshape(-1).view(torch.uint8)
+
+
+def write_record(
+    agent: NixlAgent,
+    slot: ScratchSlot,
+    loc: Loc,
+    meta: EntryMeta,
+    src: MemoryObj,
+    src_registered: bool,
+    chunk: int,
+    piecewise: bool = True,
+) -> None:
+    """Write ``src``'s bytes as a record at ``loc`` (blocking). ``piecewise=False`` writes the
+    payload in one request (object stores), which needs ``src_registered``."""
+    n = meta.payload_len
+    pieces = _pieces(n, chunk) if piecewise else ([(0, n)] if n else [])
+    if not src_registered and not piecewise:
+        raise ValueError("a one-piece write needs a registered source")
+    hasher = xxhash.xxh3_64()
+    flat = None if src_registered else _flat(src)
+    header_desc: tuple[int, int] | None = None
+    if not pieces:
+        pieces_iter: list[tuple[int, int] | None] = [None]
+    else:
+        pieces_iter = list(pieces)
+    last = len(pieces_iter) - 1
+    for i, piece in enumerate(pieces_iter):
+        local: list[tuple[int, int]] = []
+        remote: list[tuple[int, int, int]] = []
+        if piece is not None:
+            off, ln = piece
+            if flat is None:
+                ptr = src.data_ptr + off
+            else:
+                slot.bounce[:ln].copy_(flat[off : off + ln])
+                ptr = slot.bounce_ptr
+            hasher.update(address_view(ptr, ln))
+            local.append((ptr, ln))
+            remote.append((loc.payload_off + off, ln, loc.payload_dev))
+        if i == last:
+            header = encode_header(meta.key, meta.shape, meta.dtype, meta.fmt, hasher.intdigest())
+            if len(header) != meta.header_len or len(header) > HEADER_SCRATCH_BYTES:
+                raise RecordError("header length differs from the planned one")
+            address_view(slot.header_ptr, len(header))[:] = header
+            header_desc = (slot.header_ptr, len(header))
+            local.append(header_desc)
+            remote.append((loc.header_off, len(header), loc.header_dev))
+        agent.transfer("WRITE", local, remote)
+
+
+def read_record(
+    agent: NixlAgent,
+    slot: ScratchSlot,
+    loc: Loc,
+    meta: EntryMeta,
+    dst: MemoryObj,
+    dst_registered: bool,
+    chunk: int,
+) -> None:
+    """Read the record at ``loc`` into ``dst`` and verify it (blocking).
+
+    Raises :class:`RecordError` when the header does not match ``meta`` (another key, another
+    shape) or the payload checksum differs; :class:`NixlTransferError` when NIXL fails.
+    """
+    n = meta.payload_len
+    if meta.header_len > HEADER_SCRATCH_BYTES:
+        raise RecordError("header larger than the scratch area")
+    pieces: list[tuple[int, int] | None] = list(_pieces(n, chunk)) or [None]
+    flat = None if dst_registered else _flat(dst)
+    hasher = xxhash.xxh3_64()
+    header: RecordHeader | None = None
+    for i, piece in enumerate(pieces):
+        local: list[tuple[int, int]] = []
+        remote: list[tuple[int, int, int]] = []
+        if i == 0:
+            local.append((slot.header_ptr, meta.header_len))
+            remote.append((loc.header_off, meta.header_len, loc.header_dev))
+        ptr = 0
+        if piece is not None:
+            off, ln = piece
+            ptr = dst.data_ptr + off if flat is None else slot.bounce_ptr
+            local.append((ptr, ln))
+            remote.append((loc.payload_off + off, ln, loc.payload_dev))
+        agent.transfer("READ", local, remote)
+        if i == 0:
+            header = decode_header(address_view(slot.header_ptr, meta.header_len), expect_key=meta.key)
+            if EntryMeta.from_header(header) != meta:
+                raise RecordError("record header does not match the index")
+        if piece is not None:
+            off, ln = piece
+            hasher.update(address_view(ptr, ln))
+            if flat is not None:
+                flat[off : off + ln].copy_(slot.bounce[:ln])
+    assert header is not None
+    if hasher.intdigest() != header.checksum:
+        raise RecordError("payload checksum mismatch")
+
+
+def probe_file(fd: int) -> RecordHeader:
+    """Decode the header of the record file ``fd`` with plain reads (index rebuild)."""
+    head = os.pread(fd, PROBE_LEN, 0)
+    hlen = peek_header_len(head)
+    if hlen > len(head):
+        head = os.pread(fd, hlen, 0)
+    return decode_header(head)
+
+
+@dataclass
+class Scanned:
+    """One record found by a layout scan."""
+
+    location: str | int
+    meta: EntryMeta
+    mtime: float
+
+
+# ---- layouts -----------------------------------------------------------------------------------
+class KeyFileLayout:
+    """One file per entry in ``root``; see the module docstring."""
+
+    persistent = True
+    piecewise = True
+
+    def __init__(self, agent: NixlAgent, root: Path) -> None:
+        self.agent = agent
+        self.root = root
+
+    @staticmethod
+    def new_location(key: str) -> str:
+        """A fresh file stem for ``key`` (never reused, so a late delete can't hit a rewrite)."""
+        digest = hashlib.blake2b(key.encode("utf-8"), digest_size=16).hexdigest()
+        return f"{digest}.{secrets.token_hex(4)}"
+
+    def _path(self, stem: str, suffix: str = RECORD_SUFFIX) -> Path:
+        return self.root / (stem + suffix)
+
+    @contextlib.contextmanager
+    def open_write(self, location: str | int, meta: EntryMeta, recycle: Sequence[str | int] = ()) -> Iterator[Loc]:
+        """A registered temporary file for the record, renamed to its name on success.
+
+        ``recycle`` lists record files of entries evicted to make room: the first is renamed
+        into the temporary name and overwritten (its pages are already in the page cache,
+        which makes the write several times faster than into a fresh file), the rest are
+        deleted.
+        """
+        tmp = self._path(str(location), f".{os.getpid()}{TMP_SUFFIX}")
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+        reused = False
+        for old in recycle:
+            if not reused:
+                try:
+                    os.rename(self._path(str(old)), tmp)
+                    reused = True
+                    continue
+                except OSError:
+                    pass
+            self.delete(old)
+        fd = os.open(tmp, flags if reused else flags | os.O_TRUNC, 0o644)
+        handle = None
+        ok = False
+        try:
+            dev, handle = self.agent.register_target(fd=fd)
+            yield Loc(dev, 0, dev, meta.header_len)
+            if reused and os.fstat(fd).st_size > meta.total_len:
+                os.ftruncate(fd, meta.total_len)
+            ok = True
+        finally:
+            if handle is not None:
+                self.agent.deregister(handle)
+            os.close(fd)
+            if ok:
+                os.replace(tmp, self._path(str(location)))
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+
+    @contextlib.contextmanager
+    def open_read(self, location: str | int, meta: EntryMeta) -> Iterator[Loc]:
+        fd = os.open(self._path(str(location)), os.O_RDONLY | os.O_CLOEXEC)
+        handle = None
+        try:
+            size = os.fstat(fd).st_size
+            if size != meta.total_len:
+                raise RecordError(f"record file has {size} bytes, expected {meta.total_len}")
+            dev, handle = self.agent.register_target(fd=fd)
+            yield Loc(dev, 0, dev, meta.header_len)
+        finally:
+            if handle is not None:
+                self.agent.deregister(handle)
+            os.close(fd)
+
+    def delete(self, location: str | int) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path(str(location)))
+
+    def scan(self) -> tuple[list[Scanned], int]:
+        """Records in ``root`` (newest last) and how many leftovers/corrupt files were removed."""
+        found: list[Scanned] = []
+        removed = 0
+        for entry in os.scandir(self.root):
+            name = entry.name
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            if name.endswith(TMP_SUFFIX) or name.startswith(SLOT_PREFIX):
+                # The directory lock is ours: any temporary file's writer is gone.
+                removed += _unlink(entry.path)
+                continue
+            if not name.endswith(RECORD_SUFFIX):
+                continue
+            try:
+                fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    st = os.fstat(fd)
+                    header = probe_file(fd)
+                finally:
+                    os.close(fd)
+                if st.st_size != header.total_len:
+                    raise RecordError("size differs from the header")
+            except (OSError, RecordError) as exc:
+                logger.info("nixl: removing unreadable record %s (%s)", name, exc)
+                removed += _unlink(entry.path)
+                continue
+            stem = name[: -len(RECORD_SUFFIX)]
+            found.append(Scanned(stem, EntryMeta.from_header(header), st.st_mtime))
+        found.sort(key=lambda s: s.mtime)
+        return found, removed
+
+    def close(self) -> None:
+        pass
+
+
+class SlotFileLayout:
+    """``count`` slot files, opened and registered once; location = slot index."""
+
+    persistent = True
+    piecewise = True
+
+    def __init__(self, agent: NixlAgent, root: Path, count: int) -> None:
+        self.agent = agent
+        self.root = root
+        self.count = count
+        self.fds: list[int] = []
+        self.devs: list[int] = []
+        self.handles: list[object] = []
+        try:
+            for i in range(count):
+                fd = os.open(self.slot_path(i), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                self.fds.append(fd)
+                dev, handle = agent.register_target(fd=fd)
+                self.devs.append(dev)
+                self.handles.append(handle)
+        except BaseException:
+            self.close()
+            raise
+
+    def slot_path(self, i: int) -> Path:
+        return self.root / f"{SLOT_PREFIX}{i:06d}{RECORD_SUFFIX}"
+
+    @contextlib.contextmanager
+    def open_write(self, location: str | int, meta: EntryMeta, recycle: Sequence[str | int] = ()) -> Iterator[Loc]:
+        i = int(location)
+        dev = self.devs[i]
+        yield Loc(dev, 0, dev, meta.header_len)
+        fd = self.fds[i]
+        if os.fstat(fd).st_size > meta.total_len:
+            os.ftruncate(fd, meta.total_len)  # a shorter record: give the tail back
+
+    @contextlib.contextmanager
+    def open_read(self, location: str | int, meta: EntryMeta) -> Iterator[Loc]:
+        i = int(location)
+        size = os.fstat(self.fds[i]).st_size
+        if size < meta.total_len:
+            raise RecordError(f"slot file has {size} bytes, expected {meta.total_len}")
+        dev = self.devs[i]
+        yield Loc(dev, 0, dev, meta.header_len)
+
+    def delete(self, location: str | int) -> None:
+        """Invalidate the slot (zero its magic) so a restart does not find the old record.
+
+        A few bytes at offset 0 of an open file: cheap enough for the event loop. The bytes
+        are reclaimed when the next record of the slot is shorter (``open_write`` truncates).
+        """
+        os.pwrite(self.fds[int(location)], EMPTY_MAGIC, 0)
+
+    def scan(self) -> tuple[list[Scanned], int]:
+        found: list[Scanned] = []
+        removed = 0
+        for entry in os.scandir(self.root):
+            name = entry.name
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            if name.endswith(TMP_SUFFIX):
+                removed += _unlink(entry.path)
+            elif name.endswith(RECORD_SUFFIX) and not name.startswith(SLOT_PREFIX):
+                removed += _unlink(entry.path)  # a per-key record from another mode
+            elif name.startswith(SLOT_PREFIX) and name.endswith(RECORD_SUFFIX):
+                try:
+                    idx = int(name[len(SLOT_PREFIX) : -len(RECORD_SUFFIX)])
+                except ValueError:
+                    continue
+                if idx >= self.count:
+                    removed += _unlink(entry.path)  # the pool shrank
+        for i, fd in enumerate(self.fds):
+            try:
+                st = os.fstat(fd)
+                if st.st_size == 0 or os.pread(fd, len(EMPTY_MAGIC), 0) == EMPTY_MAGIC:
+                    continue  # never used, or invalidated
+                header = probe_file(fd)
+                if st.st_size < header.total_len:
+                    raise RecordError("slot shorter than its record")
+            except (OSError, RecordError) as exc:
+                logger.info("nixl: clearing unreadable slot %d (%s)", i, exc)
+                with contextlib.suppress(OSError):
+                    os.pwrite(fd, EMPTY_MAGIC, 0)
+                removed += 1
+                continue
+            found.append(Scanned(i, EntryMeta.from_header(header), st.st_mtime))
+        found.sort(key=lambda s: s.mtime)
+        return found, removed
+
+    def close(self) -> None:
+        for h in self.handles:
+            self.agent.deregister(h)
+        self.handles.clear()
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds.clear()
+
+
+class ObjectLayout:
+    """Two objects per entry under ``prefix``: ``<name>.hdr`` (header) and ``<name>``."""
+
+    persistent = False
+    piecewise = False
+
+    def __init__(self, agent: NixlAgent, prefix: str) -> None:
+        self.agent = agent
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+
+    @staticmethod
+    def new_location(key: str) -> str:
+        # Objects cannot be deleted through NIXL: a key always maps to the same names, so a
+        # rewrite replaces the old objects instead of leaking new ones.
+        return hashlib.blake2b(key.encode("utf-8"), digest_size=16).hexdigest()
+
+    @contextlib.contextmanager
+    def _open(self, location: str | int) -> Iterator[Loc]:
+        name = self.prefix + str(location)
+        hdev, hh = self.agent.register_target(object_name=name + ".hdr")
+        try:
+            pdev, ph = self.agent.register_target(object_name=name)
+            try:
+                yield Loc(hdev, 0, pdev, 0)
+            finally:
+                self.agent.deregister(ph)
+        finally:
+            self.agent.deregister(hh)
+
+    @contextlib.contextmanager
+    def open_write(self, location: str | int, meta: EntryMeta, recycle: Sequence[str | int] = ()) -> Iterator[Loc]:
+        with self._open(location) as loc:
+            yield loc
+
+    @contextlib.contextmanager
+    def open_read(self, location: str | int, meta: EntryMeta) -> Iterator[Loc]:
+        with self._open(location) as loc:
+            yield loc
+
+    def delete(self, location: str | int) -> None:
+        """NIXL cannot delete objects: the entry leaves the index; its objects are replaced
+        when the key is written again (use bucket lifecycle rules to expire the rest)."""
+
+    def scan(self) -> tuple[list[Scanned], int]:
+        return [], 0
+
+    def close(self) -> None:
+        pass
+
+
+Layout = KeyFileLayout | SlotFileLayout | ObjectLayout
+
+
+def _unlink(path: str) -> int:
+    try:
+        os.unlink(path)
+    except OSError:
+        return 0
+    return 1
+
+
+__all__ = [
+    "EntryMeta",
+    "KeyFileLayout",
+    "Layout",
+    "Loc",
+    "NixlTransferError",
+    "ObjectLayout",
+    "Scanned",
+    "Scratch",
+    "ScratchSlot",
+    "SlotFileLayout",
+    "probe_file",
+    "read_record",
+    "write_record",
+]

@@ -1,0 +1,33 @@
+"""The NIXL tier (POSIX plugin, real files) passes the backend conformance suite in each layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lmcache_async.backend import BackendContext
+from lmcache_async.backends.nixl import NixlBackend, NixlSettings
+from lmcache_async.testing import BackendConformanceTests
+
+pytestmark = pytest.mark.nixl
+
+
+class TestNixlPosixFilesConformance(BackendConformanceTests):
+    """One file per entry (``nixl_pool_size: 0``)."""
+
+    persistent = True
+
+    async def make_backend(self, ctx: BackendContext, location: Path) -> NixlBackend:
+        return NixlBackend(ctx, NixlSettings(plugin="POSIX", path=str(location), max_bytes=256 << 20))
+
+
+class TestNixlPosixSlotsConformance(BackendConformanceTests):
+    """Pre-created slot files (``nixl_pool_size: 64``)."""
+
+    persistent = True
+
+    async def make_backend(self, ctx: BackendContext, location: Path) -> NixlBackend:
+        return NixlBackend(
+            ctx, NixlSettings(plugin="POSIX", path=str(location), pool_size=64, max_bytes=256 << 20)
+        )
