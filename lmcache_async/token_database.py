@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
+from lmcache_async.dtypes import dtype_name
 from lmcache_async.keys import CacheEngineKey
+from lmcache_async.memory import address_view
 from lmcache_async.metadata import NEUTRAL_METADATA, LMCacheEngineMetadata
 
 HASH_SCHEME_ID = 1
@@ -38,14 +40,13 @@ def tokens_to_int64_bytes(token_ids: Any) -> bytes:
         if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
             raise TypeError(f"token_ids must hold integers, got dtype {token_ids.dtype}")
         t = token_ids.detach().to(device="cpu", dtype=torch.int64).contiguous()
-        buf = bytearray(t.numel() * 8)
-        if t.numel():
-            torch.frombuffer(buf, dtype=torch.int64).copy_(t)
+        n = t.numel() * 8
+        data = bytes(address_view(t.data_ptr(), n)) if n else b""  # one copy, no per-item work
         if _BIG_ENDIAN_HOST:  # pragma: no cover - little-endian hosts only in CI
-            a = array("q", bytes(buf))
+            a = array("q", data)
             a.byteswap()
             return a.tobytes()
-        return bytes(buf)
+        return data
     if isinstance(token_ids, (list, tuple)):
         seq: Sequence[Any] = token_ids
     elif hasattr(token_ids, "tolist") and hasattr(token_ids, "ndim"):
@@ -104,11 +105,21 @@ class ChunkedTokenDatabase:
         self.metadata = metadata if metadata is not None else NEUTRAL_METADATA
         m = self.metadata
         self._key_prefix = (m.model_name, m.world_size, m.worker_id, m.kv_dtype)
+        self._dname = dtype_name(m.kv_dtype)
 
     def make_key(self, chunk_hash: int, request_configs: dict[str, Any] | None = None) -> CacheEngineKey:
         """The key this database gives a chunk whose chained hash is ``chunk_hash``."""
         model, world, worker, dtype = self._key_prefix
+        if request_configs is None and type(chunk_hash) is int and 0 <= chunk_hash < 1 << 64:
+            return CacheEngineKey._trusted(model, world, worker, chunk_hash, dtype, self._dname)
         return CacheEngineKey(model, world, worker, chunk_hash, dtype, request_configs)
+
+    def make_keys(self, hashes: list[int]) -> list[CacheEngineKey]:
+        """Keys of chained hashes as produced by :meth:`chunk_hashes` (no tags)."""
+        model, world, worker, dtype = self._key_prefix
+        trusted = CacheEngineKey._trusted
+        dname = self._dname
+        return [trusted(model, world, worker, h, dtype, dname) for h in hashes]
 
     def chunk_hashes(self, token_ids: Any) -> list[int]:
         """The chained hash of every chunk (the partial tail only with ``save_unfull_chunk``)."""

@@ -182,3 +182,12 @@ def test_bad_token_input(tokens, exc):
 def test_bad_chunk_size():
     with pytest.raises(ValueError, match="chunk_size"):
         ChunkedTokenDatabase(0)
+
+
+def test_database_keys_equal_validated_keys():
+    md = LMCacheEngineMetadata("mdl", world_size=2, worker_id=1, kv_dtype=torch.float16)
+    db = ChunkedTokenDatabase(4, metadata=md)
+    for h, k in zip(db.chunk_hashes(list(range(12))), db.keys(list(range(12))), strict=True):
+        ref = CacheEngineKey("mdl", 2, 1, h, torch.float16)
+        assert k == ref and hash(k) == hash(ref) and k.to_string() == ref.to_string()
+        assert CacheEngineKey.from_string(k.to_string()) == k
