@@ -1,42 +1,77 @@
 """Helpers shared by the KV engine and the hidden-state store: chunk keys and copies.
 
 Keys are exactly those of :meth:`ChunkedTokenDatabase.process_tokens` (same normative chain
-hash, same identity fields). Token tensors are turned into int64 bytes through one zero-copy
-view instead of the database's generic path, because an engine hashes every prompt on its hot
-path (131,072 tokens: ~30 µs here instead of milliseconds).
+hash, same identity fields). Building a key costs a good fraction of hashing its chunk, so each
+token database gets a bounded map chunk hash -> key of recently seen chunks (all fields but the
+hash are fixed per database): looking up a prompt whose chunks were stored or looked up before
+costs a dict probe per chunk instead.
 """
 
 from __future__ import annotations
 
-import sys
+import itertools
+import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from lmcache_async.keys import CacheEngineKey
-from lmcache_async.memory import MemoryObj, address_view
+from lmcache_async.memory import MemoryObj
 from lmcache_async.token_database import ChunkedTokenDatabase, chain_hashes, tokens_to_int64_bytes
 
-_LITTLE_ENDIAN = sys.byteorder == "little"
+KEY_CACHE_SIZE = 1 << 16
+"""Keys remembered per token database (~250 bytes each; 16 Mi tokens at chunk_size 256)."""
 
 
-def token_bytes(token_ids: Any) -> bytes:
-    """Token ids as int64 little-endian bytes (the input of the chunk hash).
+class KeyCache:
+    """Bounded chunk hash -> key map of one token database; thread-safe, oldest dropped first."""
 
-    Accepts what :func:`~lmcache_async.token_database.tokens_to_int64_bytes` accepts and raises
-    the same ``TypeError``/``ValueError`` for anything else.
-    """
-    if isinstance(token_ids, torch.Tensor) and _LITTLE_ENDIAN:
-        if token_ids.dim() != 1:
-            raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
-        dt = token_ids.dtype
-        if dt.is_floating_point or dt.is_complex or dt == torch.bool:
-            raise TypeError(f"token_ids must hold integers, got dtype {dt}")
-        t = token_ids.detach().to(device="cpu", dtype=torch.int64).contiguous()
-        n = t.numel() * 8
-        return bytes(address_view(t.data_ptr(), n)) if n else b""
-    return tokens_to_int64_bytes(token_ids)
+    def __init__(self, db: ChunkedTokenDatabase, capacity: int = KEY_CACHE_SIZE) -> None:
+        self._make = db.make_keys
+        self._map: dict[int, CacheEngineKey] = {}
+        self._lock = threading.Lock()
+        self.capacity = capacity
+
+    def keys(self, hashes: Sequence[int]) -> list[CacheEngineKey]:
+        """The key of every chunk hash, in order."""
+        get = self._map.get
+        out = [get(h) for h in hashes]
+        missing = [i for i, k in enumerate(out) if k is None]
+        if missing:
+            fresh = list(zip((hashes[i] for i in missing), self._make([hashes[i] for i in missing]), strict=True))
+            with self._lock:
+                m = self._map
+                for i, (h, k) in zip(missing, fresh, strict=True):
+                    out[i] = m.setdefault(h, k)
+                if len(m) > self.capacity:
+                    for h in list(itertools.islice(m, len(m) - self.capacity * 3 // 4)):
+                        del m[h]
+        return out  # type: ignore[return-value]
+
+    def clear(self) -> None:
+        """Forget every remembered key (for benchmarks of the cold path)."""
+        with self._lock:
+            self._map.clear()
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+
+_key_caches: weakref.WeakKeyDictionary[ChunkedTokenDatabase, KeyCache] = weakref.WeakKeyDictionary()
+_key_caches_lock = threading.Lock()
+
+
+def key_cache(db: ChunkedTokenDatabase) -> KeyCache:
+    """The key cache of ``db`` (shared by every engine and store using that database)."""
+    kc = _key_caches.get(db)
+    if kc is None:
+        with _key_caches_lock:
+            kc = _key_caches.get(db)
+            if kc is None:
+                kc = _key_caches[db] = KeyCache(db)
+    return kc
 
 
 class ChunkPlan:
@@ -49,13 +84,11 @@ class ChunkPlan:
     __slots__ = ("chunk_size", "keys", "n_tokens")
 
     def __init__(self, db: ChunkedTokenDatabase, token_ids: Any) -> None:
-        data = token_bytes(token_ids)
+        data = tokens_to_int64_bytes(token_ids)
         self.n_tokens = len(data) // 8
         self.chunk_size = db.chunk_size
-        make = db.make_key
-        self.keys: list[CacheEngineKey] = [
-            make(h) for h in chain_hashes(data, db.chunk_size, db.save_unfull_chunk)
-        ]
+        hashes = chain_hashes(data, db.chunk_size, db.save_unfull_chunk)
+        self.keys: list[CacheEngineKey] = key_cache(db).keys(hashes)
 
     def __len__(self) -> int:
         return len(self.keys)

@@ -54,11 +54,8 @@ def hs_entry_key(kv_key: CacheEngineKey, layer_idx: int) -> CacheEngineKey:
     It is ``kv_key`` with the tag ``hs_layer=<layer_idx>`` added (string form
     ``<kv key>@hs_layer%<layer_idx>``); KV keys never carry that tag, so the two never collide.
     """
-    rc = kv_key.request_configs
-    if rc is None:
-        rc = {HS_LAYER_TAG: layer_idx}
-    else:
-        rc[HS_LAYER_TAG] = layer_idx
+    rc = kv_key.request_configs or {}
+    rc[HS_LAYER_TAG] = str(layer_idx)
     return CacheEngineKey(
         kv_key.model_name, kv_key.world_size, kv_key.worker_id, kv_key.chunk_hash, kv_key.dtype, rc
     )
@@ -177,13 +174,12 @@ class HiddenStateStore:
                 presence = kv.presence_sync(keys[n])
             except TimeoutError:
                 presence = Presence.UNKNOWN
+            # PRESENT means a racing store just wrote it: still this call's prefix boundary.
             if presence is Presence.ABSENT:
                 if self.drop_key(keys[n]):
                     self._count(orphans_dropped=1)
             elif presence is Presence.UNKNOWN:
                 self._count(kv_unknown=1)
-            else:  # it arrived meanwhile (a racing store): still a prefix boundary for this call
-                pass
         return n
 
     # ---- store --------------------------------------------------------------------------------
@@ -271,8 +267,9 @@ class HiddenStateStore:
                 sm.put_sync(key, obj)
                 if obj.get_ref_count() > 1:  # the manager took its own reference: indexed
                     stored += 1
-            # Newest-first touches make the prefix the most recently used: under pressure a
-            # prompt loses its suffix before its prefix.
+            # Newest-first touches make the prefix (also the part before token_offset) the most
+            # recently used: under pressure a prompt loses its suffix before its prefix.
+            order[:0] = [hs_entry_key(k, layer_idx) for k in plan.keys[:first]]
             sm.touch(order[::-1])
         finally:
             release_all(held)
@@ -292,14 +289,16 @@ class HiddenStateStore:
         return stored
 
     # ---- retrieve -------------------------------------------------------------------------------
-    def _hit_prefix(self, plan: ChunkPlan, layer_idx: int) -> list[MemoryObj]:
-        """References to the HS entries of the longest prefix with both KV and HS."""
+    def _hit_prefix(self, plan: ChunkPlan, layer_idx: int) -> tuple[list[MemoryObj], list[CacheEngineKey]]:
+        """References to the HS entries of the longest prefix with both KV and HS, and their keys."""
         sm = self.storage_manager
         hits: list[MemoryObj] = []
+        hkeys: list[CacheEngineKey] = []
         hidden = -1
         try:
             for i, kv_key in enumerate(plan.keys):
-                obj = sm.get_sync(hs_entry_key(kv_key, layer_idx))
+                hkey = hs_entry_key(kv_key, layer_idx)
+                obj = sm.get_sync(hkey)
                 if obj is None:
                     break
                 shape = obj.shape
@@ -309,14 +308,15 @@ class HiddenStateStore:
                     obj.ref_count_down()
                     break
                 hits.append(obj)
+                hkeys.append(hkey)
             n = self._kv_prefix(plan, len(hits))
         except BaseException:
             release_all(hits)
             raise
         if n < len(hits):
             release_all(hits[n:])
-            del hits[n:]
-        return hits
+            del hits[n:], hkeys[n:]
+        return hits, hkeys
 
     def retrieve_hidden_states(
         self,
@@ -344,7 +344,7 @@ class HiddenStateStore:
                     f"out must be a 2-D float32 tensor, got {out.dtype} of shape {tuple(out.shape)}"
                 )
         plan = ChunkPlan(self.token_database, token_ids)
-        hits = self._hit_prefix(plan, layer_idx)
+        hits, hkeys = self._hit_prefix(plan, layer_idx)
         if not hits:
             self._count(retrieves=1)
             return None
@@ -366,7 +366,7 @@ class HiddenStateStore:
                 in_flight |= copy_out(dest[plan.start(i) : plan.end(i)], obj.tensor)
             if in_flight:
                 wait_copies(dest)
-            self.storage_manager.touch([hs_entry_key(k, layer_idx) for k in reversed(plan.keys[:n])])
+            self.storage_manager.touch(hkeys[::-1])
         finally:
             release_all(hits)
         self._count(retrieves=1, retrieve_hits=1, hit_tokens=total)

@@ -99,9 +99,10 @@ class LMCacheEngine:
         ``chunk_size`` and the rest all True (``ValueError`` otherwise). With
         ``save_unfull_chunk`` false a trailing partial chunk is not stored.
 
-        Chunks already present in some tier are not copied again (and not counted). When the
-        CPU pool cannot take a chunk even after evicting what nobody holds, the chunks before it
-        are kept and the rest is skipped (never evicting a chunk this call wrote).
+        The prefix already cached in some tier is skipped; chunks present are never stored twice
+        (entries are content-addressed) and are not counted. When the CPU pool cannot take a
+        chunk even after evicting what nobody holds, the chunks before it are kept and the rest
+        is skipped (never evicting a chunk this call wrote).
         """
         self._check_open()
         kv = self._check_kv(kv)
@@ -124,12 +125,13 @@ class LMCacheEngine:
             return 0
         sm = self.storage_manager
         present = sm.batched_contains_sync(keys)
-        if present:
-            sm.touch(keys[:present][::-1])  # protect the cached prefix from this call's evictions
+        cached = first + present
+        # Keep the already cached prefix (masked or found) from this call's own evictions.
+        sm.touch(plan.keys[:cached][::-1])
         src = kv.detach()
         if "cpu" not in sm.tier_names:  # no CPU pool: the manager stages and writes through
             stored = 0
-            for i in range(first + present, len(plan)):
+            for i in range(cached, len(plan)):
                 a, b = plan.start(i) - base, plan.end(i) - base
                 if sm.put_sync(plan.keys[i], src[:, :, a:b], MemoryFormat.KV_2LTD):
                     stored += 1
@@ -140,7 +142,7 @@ class LMCacheEngine:
         in_flight = False
         stored = 0
         try:
-            for i in range(first + present, len(plan)):
+            for i in range(cached, len(plan)):
                 start, end = plan.start(i), plan.end(i)
                 obj = sm.allocate((2, layers, end - start, hidden), kv.dtype, MemoryFormat.KV_2LTD)
                 if obj is None:
@@ -155,8 +157,9 @@ class LMCacheEngine:
                 sm.put_sync(key, obj)
                 if obj.get_ref_count() > 1:  # the manager took its own reference: indexed
                     stored += 1
-            # Newest-first touches keep a prompt's prefix the most recently used.
-            sm.touch([k for k, _ in reversed(pending)])
+            # Newest-first touches keep a prompt's prefix the most recently used: under
+            # pressure a prompt loses its suffix before its prefix.
+            sm.touch(plan.keys[: cached + len(pending)][::-1])
         finally:
             release_all(held)
         return stored
