@@ -40,12 +40,11 @@ from lmcache_async.bench.common import (
 )
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.engines._chunks import key_cache
-from lmcache_async.token_database import tokens_to_int64_bytes
 from lmcache_async.engines.hidden_states import hs_entry_key
 from lmcache_async.engines.kv import LMCacheEngine
 from lmcache_async.memory import GiB
 from lmcache_async.metadata import LMCacheEngineMetadata
-from lmcache_async.token_database import chain_hashes
+from lmcache_async.token_database import chain_hashes, tokens_to_int64_bytes
 
 SUITE = "kv_hs"
 CHUNK = 256

@@ -103,13 +103,9 @@ class ECCacheEngine:
         if metadata is None:
             metadata = NEUTRAL_METADATA
         if not isinstance(metadata, LMCacheEngineMetadata):
-            raise TypeError(
-                f"metadata must be an LMCacheEngineMetadata, got {type(metadata).__name__}"
-            )
+            raise TypeError(f"metadata must be an LMCacheEngineMetadata, got {type(metadata).__name__}")
         if not isinstance(encoder_dtype, (torch.dtype, str)):
-            raise TypeError(
-                f"encoder_dtype must be a torch.dtype or a dtype name, got {type(encoder_dtype).__name__}"
-            )
+            raise TypeError(f"encoder_dtype must be a torch.dtype or a dtype name, got {type(encoder_dtype).__name__}")
         try:
             dtype = parse_dtype(encoder_dtype)
             dtype_name(dtype)
@@ -129,6 +125,8 @@ class ECCacheEngine:
             kv_shape=None,
         )
         self._sm = StorageManager(config, sm_meta, name="ec")
+        self._cpu = self._sm.backend("cpu")
+        self._has_lower = self._sm.has_lower_tiers
         self._keys: dict[str, CacheEngineKey] = {}
         self._lock = threading.Lock()
         self._puts = 0
@@ -137,9 +135,14 @@ class ECCacheEngine:
         self._hits = 0
         self._misses = 0
         self._timeouts = 0
-        logger.info("encoder cache ready: tiers=%s model=%s dtype=%s", self._sm.tier_names, self.model_name, dtype)
+        logger.info(
+            "encoder cache ready: tiers=%s model=%s dtype=%s",
+            self._sm.tier_names,
+            self.model_name,
+            dtype,
+        )
 
-    # ---- keys ----------------------------------------------------------------------------------
+    # ---- keys ----
     def key(self, mm_hash: str) -> CacheEngineKey:
         """The cache key of ``mm_hash`` (memoised; ``TypeError``/``ValueError`` for a bad hash)."""
         if type(mm_hash) is str:
@@ -163,7 +166,7 @@ class ECCacheEngine:
         """True once :meth:`close` started."""
         return self._sm.closed
 
-    # ---- put -----------------------------------------------------------------------------------
+    # ---- put ----
     def _count_put(self, stored: bool, existed: bool) -> None:
         with self._lock:
             if existed:
@@ -174,8 +177,16 @@ class ECCacheEngine:
                 self._puts_rejected += 1
 
     def _source(self, tensor: object) -> torch.Tensor:
-        # detach(): the copy must never join an autograd graph (the pool buffer would).
-        return _check_tensor(tensor).detach()
+        # The copy must never join an autograd graph (the pool buffer would).
+        t = _check_tensor(tensor)
+        return t.detach() if t.requires_grad else t
+
+    def _present_before_put(self, key: CacheEngineKey) -> bool:
+        if self._has_lower:
+            return self._present_sync(key)
+        # CPU-only: the CPU index is the whole truth (the manager re-checks it under its lock).
+        cpu = self._cpu
+        return cpu is not None and bool(cpu.contains_nowait(key))
 
     def put(self, mm_hash: str, tensor: torch.Tensor) -> bool:
         """Store ``tensor`` (any device, rank, shape, dtype) under ``mm_hash``.
@@ -187,11 +198,10 @@ class ECCacheEngine:
         """
         key = self.key(mm_hash)
         src = self._source(tensor)
-        sm = self._sm
-        if sm.has_lower_tiers and self._present_sync(key):
+        if self._present_before_put(key):  # content-addressed: never copied twice
             self._count_put(True, True)
             return True
-        ok = sm.put_sync(key, src, MemoryFormat.EC_TD)
+        ok = self._sm.put_sync(key, src, MemoryFormat.EC_TD)
         self._count_put(ok, False)
         return ok
 
@@ -200,11 +210,10 @@ class ECCacheEngine:
         caller's thread)."""
         key = self.key(mm_hash)
         src = self._source(tensor)
-        sm = self._sm
-        if sm.has_lower_tiers and await self._present_async(key):
+        if await self._present_async(key):
             self._count_put(True, True)
             return True
-        ok = await sm.put(key, src, MemoryFormat.EC_TD)
+        ok = await self._sm.put(key, src, MemoryFormat.EC_TD)
         self._count_put(ok, False)
         return ok
 
@@ -226,7 +235,7 @@ class ECCacheEngine:
         with self._lock:
             self._timeouts += 1
 
-    # ---- get -----------------------------------------------------------------------------------
+    # ---- get ----
     def _copy_out(self, obj: MemoryObj | None, device: torch.device) -> torch.Tensor | None:
         """A fresh tensor on ``device`` with the entry's values; releases ``obj`` on every path."""
         if obj is None:
@@ -272,7 +281,7 @@ class ECCacheEngine:
             obj = None
         return self._copy_out(obj, dev)
 
-    # ---- contains / delete ---------------------------------------------------------------------
+    # ---- contains / delete ----
     def contains(self, mm_hash: str) -> bool:
         """True when some tier holds ``mm_hash`` (a CPU hit answers in about a microsecond; a
         tier that fails or times out counts as absent)."""
@@ -308,7 +317,7 @@ class ECCacheEngine:
             self._count_timeout()
             return False
 
-    # ---- flush / close / stats -------------------------------------------------------------------
+    # ---- flush / close / stats ----
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every lower-tier write queued so far finished (or failed); no-op without
         lower tiers. ``TimeoutError`` when ``timeout`` passes."""
@@ -361,6 +370,7 @@ class ECCacheEngine:
 
     def __repr__(self) -> str:
         return (
-            f"ECCacheEngine(model={self.model_name!r}, encoder_dtype={dtype_name(self.encoder_dtype)}, "
+            f"ECCacheEngine(model={self.model_name!r}, "
+            f"encoder_dtype={dtype_name(self.encoder_dtype)}, "
             f"tiers={self._sm.tier_names}, closed={self.closed})"
         )

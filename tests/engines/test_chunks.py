@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 import torch
-
-import struct
 
 from lmcache_async.engines._chunks import ChunkPlan, KeyCache, key_cache
 from lmcache_async.token_database import ChunkedTokenDatabase, tokens_to_int64_bytes
