@@ -76,3 +76,18 @@ def demo(session: nox.Session) -> None:
     """The demo on the embedded default (CPU + a temporary disk directory)."""
     _install(session, "cli")
     session.run("lmcache-async", "demo", *session.posargs)
+
+
+@nox.session
+def compare(session: nox.Session) -> None:
+    """Side by side with LMCache 0.5.6 (own venv, CPU torch, plain host memory), A/B alternating.
+
+    Extra arguments go to the driver, e.g. ``nox -s compare -- --rounds 3 --json cmp.json``.
+    """
+    _install(session, "test,cli")
+    venv = os.path.abspath(".venv-lmcache")
+    session.run("bash", "scripts/lmcache_env.sh", venv, external=True)
+    session.run(
+        "python", "-m", "lmcache_async.bench.compare",
+        "--lmcache-python", os.path.join(venv, "bin", "python"), *session.posargs,
+    )

@@ -225,6 +225,11 @@ class HopBaseline:
         self.loop.close()
 
 
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU uint8 tensor (zero copy)."""
+    return t.numpy().data
+
+
 def evict_from_page_cache(paths: Iterable[str]) -> int:
     """Write back and drop the page-cache pages of ``paths`` (``fdatasync`` +
     ``POSIX_FADV_DONTNEED``), so the next read of them is a cold read from the device.
@@ -275,8 +280,9 @@ class FileBaseline:
         self.fsync = fsync
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="bench-file")
         nsrc = max(1, min(self.count, (64 * MiB) // max(nbytes, 1)))
-        self._src = [memoryview(torch.randint(0, 255, (nbytes,), dtype=torch.uint8).numpy()) for _ in range(nsrc)]
-        self._dst = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(min(self.count, max(4, (128 * MiB) // max(nbytes, 1))))]
+        self._src = [_bytes_of(torch.randint(0, 255, (nbytes,), dtype=torch.uint8)) for _ in range(nsrc)]
+        ndst = min(self.count, max(4, (128 * MiB) // max(nbytes, 1)))
+        self._dst = [_bytes_of(torch.empty(nbytes, dtype=torch.uint8).fill_(1)) for _ in range(ndst)]
         self.paths = [os.path.join(self.dir, f"{i:06d}.bin") for i in range(self.count)]
 
     def _write_one(self, i: int) -> None:
@@ -297,7 +303,7 @@ class FileBaseline:
     def _read_one(self, i: int) -> int:
         buf = self._dst[i % len(self._dst)]
         with open(self.paths[i], "rb", buffering=0) as f:
-            return f.readinto(memoryview(buf.numpy()))  # type: ignore[no-any-return]
+            return f.readinto(buf)
 
     def write_all(self) -> float:
         """Seconds per file to write all ``count`` files (jobs submitted at once, all awaited)."""
@@ -370,4 +376,16 @@ def format_table(results: list[Result]) -> str:
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def format_markdown(results: list[Result]) -> str:
+    """The same table as :func:`format_table`, as Markdown (for ``docs/benchmarks.md``)."""
+    lines = ["| suite | figure | value | baseline | ratio | target | ok |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        base = f"{r.baseline_name}: {r.baseline:.4g} {r.unit}" if r.baseline is not None else "—"
+        ratio = f"{r.ratio:.3f}" if r.ratio is not None else "—"
+        tgt = (("≤ " if r.target_kind == "max" else "≥ ") + f"{r.target:g}") if r.target is not None else "—"
+        ok = {True: "yes", False: "**no**", None: ""}[r.met]
+        lines.append(f"| {r.suite} | {r.name} | {r.value:.4g} {r.unit} | {base} | {ratio} | {tgt} | {ok} |")
     return "\n".join(lines)
