@@ -193,7 +193,7 @@ class LMCacheEngineConfig(BaseModel):
     )
     remote_key_prefix: str = Field("lmcache", description="Namespace prefix of remote keys.")
     remote_part_size: int = Field(
-        2 * 1024 * 1024, gt=0, description="Remote payloads above this many bytes are split into parts."
+        1024 * 1024, gt=0, description="Remote payloads above this many bytes are split into parts."
     )
     remote_ttl_s: float | None = Field(None, gt=0, description="Optional expiry of remote entries (seconds).")
     staging_size: float = Field(0.25, ge=0, description="Staging area for lower-tier reads (GiB).")

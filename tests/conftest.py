@@ -15,11 +15,12 @@ from lmcache_async.token_database import ChunkedTokenDatabase
 
 @pytest.fixture(autouse=True)
 def _isolated_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No test sees the developer's LMCACHE_* variables."""
+    """No test sees the developer's LMCACHE_* configuration variables (the test-suite switches
+    ``LMCACHE_ASYNC_*`` stay)."""
     import os
 
     for var in list(os.environ):
-        if var.startswith("LMCACHE_"):
+        if var.startswith("LMCACHE_") and not var.startswith("LMCACHE_ASYNC_"):
             monkeypatch.delenv(var)
 
 

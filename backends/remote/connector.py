@@ -1,0 +1,184 @@
+"""The connector interface of the remote tier and the registry that picks one by URL scheme.
+
+A connector moves whole records (see :mod:`lmcache_async.records`) between memory objects and
+one kind of store. The :class:`~lmcache_async.backends.remote.RemoteBackend` names entries
+(:mod:`.naming`) and hands them to its connector; the connector owns its connections and is
+responsible for leaving them usable after any error or cancellation.
+
+Contract (every connector):
+
+* coroutines run on the owning manager's loop and never block it;
+* ``put`` publishes atomically: a reader never sees a partial entry as a hit; a key already
+  present is left as it is (``True``);
+* ``get`` reads into a buffer from ``alloc``, verifies the record (magic, version, header
+  checksum, key equality, sizes, payload checksum) and releases the buffer on every failure
+  path, including cancellation;
+* a corrupt record is a miss (counted, removed); a record holding another key is a miss
+  (counted, kept); a store that cannot be reached raises (the manager counts it and opens its
+  circuit breaker), and the connector reconnects by itself once the store is back.
+
+Registry: built-in schemes map to ``"module:attr"`` factories imported on first use;
+:func:`register_connector` adds or replaces one.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lmcache_async.backend import Allocate
+from lmcache_async.errors import BackendUnavailableError
+from lmcache_async.memory import MemoryObj
+
+from .naming import EntryName
+from .url import redact
+
+__all__ = [
+    "Connector",
+    "ConnectorFactory",
+    "ConnectorSettings",
+    "known_schemes",
+    "make_connector",
+    "register_connector",
+]
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """What a connector takes from the configuration besides its URL."""
+
+    timeout_s: float
+    """Bound on one network operation (``remote_timeout_s``)."""
+    part_size: int
+    """Payloads above this many bytes are stored in parts (``remote_part_size``)."""
+    ttl_s: float | None
+    """Expiry of entries, or None (``remote_ttl_s``)."""
+    executor: concurrent.futures.Executor | None = None
+    """Where blocking file operations run (the manager's executor)."""
+
+
+class Connector(ABC):
+    """Moves records between memory objects and one store. See the module docstring."""
+
+    #: The URL scheme this instance was built for (set by the factory).
+    scheme: str = ""
+
+    @property
+    def shared(self) -> bool:
+        """Entries are visible to every process that uses the same URL and prefix."""
+        return True
+
+    @property
+    def persistent(self) -> bool:
+        """Entries outlive the process that wrote them."""
+        return True
+
+    async def start(self) -> None:
+        """Connect eagerly (optional); a failure is reported but the connector retries later."""
+
+    @abstractmethod
+    async def put(self, name: EntryName, obj: MemoryObj) -> bool:
+        """Publish ``obj``'s record under ``name``; True when stored or already present."""
+
+    @abstractmethod
+    async def get(self, name: EntryName, alloc: Allocate) -> MemoryObj | None:
+        """The verified entry (caller owns one reference) or None."""
+
+    @abstractmethod
+    async def exists(self, names: Sequence[EntryName]) -> list[bool]:
+        """Presence of each entry, in one round trip where the store allows."""
+
+    @abstractmethod
+    async def remove(self, name: EntryName) -> bool:
+        """Delete the entry; True when something was removed."""
+
+    @abstractmethod
+    async def clear(self, prefix: str) -> None:
+        """Delete every entry below namespace ``prefix``."""
+
+    async def close(self) -> None:
+        """Release connections and files; idempotent."""
+
+    def exists_nowait(self, name: EntryName) -> bool | None:
+        """Presence without waiting on I/O, or None when it cannot be answered that way."""
+        return None
+
+    def stats(self) -> dict[str, Any]:
+        """Counters (round trips, corrupt records, reconnects, ...)."""
+        return {}
+
+
+ConnectorFactory = Callable[[str, ConnectorSettings], Connector]
+"""Builds a connector for a URL (``ValueError`` for a malformed one)."""
+
+_BUILTIN = "lmcache_async.backends.remote"
+_registry: dict[str, ConnectorFactory | str] = {
+    "redis": f"{_BUILTIN}.redis_conn:create",
+    "rediss": f"{_BUILTIN}.redis_conn:create",
+    "valkey": f"{_BUILTIN}.redis_conn:create",
+    "valkeys": f"{_BUILTIN}.redis_conn:create",
+    "unix": f"{_BUILTIN}.redis_conn:create",
+    "redis+cluster": f"{_BUILTIN}.cluster:create",
+    "rediss+cluster": f"{_BUILTIN}.cluster:create",
+    "valkey+cluster": f"{_BUILTIN}.cluster:create",
+    "valkeys+cluster": f"{_BUILTIN}.cluster:create",
+    "fs": f"{_BUILTIN}.fs:create",
+}
+_lock = threading.Lock()
+
+
+def register_connector(scheme: str, factory: ConnectorFactory | str, *, replace: bool = False) -> None:
+    """Make ``scheme://`` URLs use ``factory`` (a callable or a ``"module:attr"`` path)."""
+    if not isinstance(scheme, str) or not scheme or "://" in scheme:
+        raise ValueError(f"scheme must be a bare URL scheme such as 'redis', got {scheme!r}")
+    if not (callable(factory) or isinstance(factory, str)):
+        raise TypeError("factory must be callable or a 'module:attr' string")
+    scheme = scheme.lower()
+    with _lock:
+        if scheme in _registry and not replace:
+            raise ValueError(f"a connector for {scheme}:// is already registered")
+        _registry[scheme] = factory
+
+
+def known_schemes() -> list[str]:
+    """Schemes a ``remote_url`` may use."""
+    with _lock:
+        return sorted(_registry)
+
+
+def _resolve(scheme: str) -> ConnectorFactory:
+    with _lock:
+        entry = _registry.get(scheme)
+    if entry is None:
+        raise ValueError(f"remote_url scheme {scheme!r} is not supported (known: {', '.join(known_schemes())})")
+    if isinstance(entry, str):
+        module_name, _, attr = entry.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise BackendUnavailableError(
+                f"the {scheme}:// connector cannot be imported ({exc}); "
+                "install lmcache-async[redis] for Redis/Valkey URLs"
+            ) from exc
+        factory: ConnectorFactory = getattr(module, attr)
+        with _lock:
+            _registry[scheme] = factory
+        return factory
+    return entry
+
+
+def make_connector(url: str, settings: ConnectorSettings) -> Connector:
+    """The connector for ``url`` (``ValueError`` for an unknown scheme or a malformed URL)."""
+    if not isinstance(url, str):
+        raise TypeError(f"remote_url must be a str, got {type(url).__name__}")
+    scheme, sep, _ = url.strip().partition("://")
+    if not sep:
+        raise ValueError(f"remote_url {redact(url)!r} is not a URL (expected scheme://...)")
+    conn = _resolve(scheme.lower())(url.strip(), settings)
+    conn.scheme = scheme.lower()
+    return conn

@@ -1,0 +1,715 @@
+"""Redis / Valkey connector (``redis://``, ``rediss://``, ``valkey://``, ``valkeys://``, ``unix://``).
+
+The client is ``redis.asyncio`` (its connections, handshake, TLS and hiredis parser). Commands
+are framed here so a payload goes from the pool block to the socket without an intermediate
+``bytes`` copy (the record header and the payload are two buffers of one ``SET`` value).
+
+Wire layout per entry (see :mod:`.naming` and :mod:`.codec`):
+
+* payload <= part size: ``SET <record> <header||payload> NX [PX ttl]`` — one round trip;
+  a read is one ``GET``.
+* larger payloads: ``MULTI; SET <part i> ...; SET <record> <header||token> NX; EXEC`` — the
+  record appears together with its parts or not at all, and a put of a key already present
+  leaves the first entry untouched. A read is ``GET <record>`` then one pipeline of ``GET``s
+  for the parts, copied into the read buffer as they arrive and checked against the payload
+  checksum.
+
+Connections: a small pool per server, ``max_connections`` (URL option, default 8). A
+connection is dropped — never reused — after any error or cancellation in the middle of a
+command, so a half-read reply can never reach the next caller; a pooled connection whose peer
+went away is noticed before use and reconnected, and one that fails before its first reply is
+retried once on a new connection (every command here is idempotent). Errors reaching the
+server raise (the manager counts them and opens its circuit breaker); the next call after the
+server is back reconnects. Every exchange is bounded by ``remote_timeout_s`` (socket timeouts).
+
+Throughput: a command goes out with one scatter-gather ``writev`` straight from the pool block
+where the socket takes it (see :func:`_send`), instead of being joined into a new ``bytes``
+that asyncio's transport then trims from the front after every ``send``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import xxhash
+
+from lmcache_async.backend import Allocate
+from lmcache_async.memory import MemoryObj
+from lmcache_async.records import (
+    PROBE_LEN,
+    RecordError,
+    RecordHeader,
+    decode_header,
+    peek_header_len,
+)
+
+try:
+    from redis.asyncio.connection import (
+        AbstractConnection,
+        Connection,
+        SSLConnection,
+        UnixDomainSocketConnection,
+    )
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import RedisError, ResponseError
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(f"the Redis connector needs the 'redis' package ({exc})") from exc
+
+from .codec import (
+    MANIFEST_LEN,
+    AllocationFailed,
+    ForeignRecord,
+    allocate,
+    copy_single,
+    parse_head,
+    prepare,
+)
+from .connector import Connector, ConnectorSettings
+from .naming import EntryName
+from .url import RemoteURL, parse_remote_url, redact
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RedisConnector", "create"]
+
+DEFAULT_MAX_CONNECTIONS = 8
+_SMALL = 16 * 1024  # buffers up to this size are framed into the command bytes
+SEND_SLICE = 64 * 1024  # largest piece handed to the transport at once (stays a small allocation)
+_IOV_MAX = 512
+_LOG_EVERY_S = 5.0
+
+Arg = bytes | memoryview | tuple[bytes | memoryview, ...]
+"""A command argument: one buffer, or several buffers that form one value."""
+
+# Delete a multi-part entry only if its record still is the one we read (a newer write of the
+# same key must survive). KEYS = record, then its parts.
+_CAS_DELETE = b"if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('UNLINK', unpack(KEYS)) end return 0"
+
+
+def _blen(b: bytes | memoryview) -> int:
+    return b.nbytes if isinstance(b, memoryview) else len(b)
+
+
+def pack(cmds: Sequence[Sequence[Arg]]) -> list[bytes | memoryview]:
+    """RESP framing of ``cmds``; large buffers are passed through uncopied."""
+    out: list[bytes | memoryview] = []
+    buf = bytearray()
+    for cmd in cmds:
+        buf += b"*%d\r\n" % len(cmd)
+        for arg in cmd:
+            pieces = arg if isinstance(arg, tuple) else (arg,)
+            buf += b"$%d\r\n" % sum(_blen(p) for p in pieces)
+            for p in pieces:
+                if _blen(p) <= _SMALL:
+                    buf += p
+                else:
+                    out.append(bytes(buf))
+                    buf.clear()
+                    out.append(p)
+            buf += b"\r\n"
+    if buf:
+        out.append(bytes(buf))
+    return out
+
+
+def _drop(conn: AbstractConnection) -> None:
+    """Close ``conn`` at once, discarding unsent and unread bytes (it reconnects on next use)."""
+    writer = getattr(conn, "_writer", None)
+    if writer is not None:
+        try:
+            writer.transport.abort()
+        except Exception:  # pragma: no cover - already closed
+            pass
+    try:
+        conn._parser.on_disconnect()
+    except Exception:  # pragma: no cover
+        pass
+    conn._close()
+
+
+def _plain_fd(transport: asyncio.BaseTransport) -> int | None:
+    """The socket descriptor of an unencrypted stream transport (None for TLS or others)."""
+    if transport.get_extra_info("sslcontext") is not None:
+        return None
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.type != socket.SOCK_STREAM:
+        return None
+    try:
+        return int(sock.fileno())
+    except (OSError, ValueError):  # pragma: no cover - closed meanwhile
+        return None
+
+
+def _advance(views: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes of ``views`` (in place)."""
+    while n and views:
+        first = views[0]
+        if n >= first.nbytes:
+            n -= first.nbytes
+            views.pop(0)
+        else:
+            views[0] = first[n:]
+            n = 0
+
+
+def _writev(fd: int, views: list[memoryview]) -> None:
+    """Write from ``views`` (consumed in place) until the socket buffer is full."""
+    while views:
+        batch = views[:_IOV_MAX]
+        try:
+            n = os.writev(fd, batch)
+        except (BlockingIOError, InterruptedError):
+            return
+        full = n < sum(v.nbytes for v in batch)
+        _advance(views, n)
+        if full:
+            return
+
+
+async def _send(conn: AbstractConnection, chunks: list[bytes | memoryview], limit_s: float) -> None:
+    """Write ``chunks`` without copying them where the socket allows.
+
+    On a plain socket whose transport has nothing buffered, the pieces go out with one
+    scatter-gather ``writev`` (header and payload straight from the pool block, one system
+    call); when the socket is full, one slice of at most :data:`SEND_SLICE` bytes goes to the
+    transport, which sends it when the socket drains, and the rest follows once the transport
+    is empty again. TLS goes through the transport in slices. (``writelines`` would join
+    everything into one new ``bytes`` that the selector transport then trims from the front
+    after every ``send``: quadratic for multi-MiB values.) Every reply is read before the
+    caller returns, so nothing here outlives the block it points into.
+    """
+    writer = conn._writer
+    if writer is None:
+        raise RedisConnectionError("connection is closed")
+    transport = writer.transport
+    fd = _plain_fd(transport)
+    views = [(c if isinstance(c, memoryview) else memoryview(c)).cast("B") for c in chunks]
+    async with asyncio.timeout(limit_s):
+        while views:
+            if fd is not None and not transport.get_write_buffer_size():
+                _writev(fd, views)
+                if not views:
+                    break
+            piece: list[memoryview] = []
+            size = 0
+            while views and size < SEND_SLICE:
+                v = views[0]
+                take = min(v.nbytes, SEND_SLICE - size)
+                piece.append(v[:take])
+                size += take
+                _advance(views, take)
+            for p in piece:
+                writer.write(p)
+            # Plain sockets: with the limits set by _tune this returns once the transport's
+            # buffer is empty. TLS: once it is below asyncio's low-water mark.
+            await writer.drain()
+
+
+class Redirect(RedisError):
+    """A MOVED/ASK reply: the slot lives on another node."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        parts = message.split()
+        self.slot = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else -1
+        self.address = parts[2] if len(parts) > 2 else ""
+
+
+def _check(reply: Any) -> Any:
+    """``reply`` unless it is an error (raised; MOVED/ASK as :class:`Redirect`)."""
+    if isinstance(reply, ResponseError):
+        msg = str(reply)
+        if msg.startswith(("MOVED ", "ASK ")):
+            raise Redirect(msg)
+        raise reply
+    if isinstance(reply, Exception):
+        raise reply
+    return reply
+
+
+def _tune(conn: AbstractConnection) -> None:
+    """Prepare a new connection for :func:`_send`: on a plain socket the transport pauses its
+    writer as soon as it buffers anything, so ``drain`` returns only once its buffer is empty
+    and it never holds more than one slice of a payload. (TLS keeps asyncio's limits: its flow
+    control does not promise to resume at exactly zero.)
+
+    Reading keeps redis-py's and asyncio's defaults (64 KiB steps): larger steps save system
+    calls but allocate multi-MiB temporaries per read, which measured faster on some runs and
+    much slower on others (allocator page faults); the defaults were steady.
+    """
+    writer = getattr(conn, "_writer", None)
+    transport = getattr(writer, "transport", None)
+    if transport is not None and _plain_fd(transport) is not None:
+        transport.set_write_buffer_limits(high=0)
+
+
+class ConnectionPool:
+    """A bounded pool of ``redis.asyncio`` connections to one server.
+
+    ``acquire`` waits for a free slot (cancellable); ``release`` is synchronous, so a
+    cancelled caller can never leak a slot. A connection released as unhealthy is closed at
+    once and reconnects on its next use.
+    """
+
+    def __init__(self, factory: Callable[[], AbstractConnection], size: int, name: str) -> None:
+        self._factory = factory
+        self._size = size
+        self._sem: asyncio.Semaphore | None = None
+        self._free: list[AbstractConnection] = []
+        self._all: list[AbstractConnection] = []
+        self.name = name
+        self.connects = 0
+        self.dropped = 0
+        self.closed = False
+
+    async def acquire(self) -> tuple[AbstractConnection, bool]:
+        """A connected connection and whether it was connected just now (``ConnectionError``
+        when the server cannot be reached)."""
+        if self.closed:
+            raise RedisConnectionError(f"connection pool {self.name} is closed")
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self._size)
+        await self._sem.acquire()
+        conn: AbstractConnection | None = None
+        try:
+            if self._free:
+                conn = self._free.pop()
+            else:
+                conn = self._factory()
+                self._all.append(conn)
+            if conn.is_connected and await conn.can_read():
+                # Unread bytes or EOF on an idle connection: the peer went away (or a reply
+                # was left behind); never hand it out.
+                _drop(conn)
+                self.dropped += 1
+            fresh = not conn.is_connected
+            if fresh:
+                await conn.connect()
+                self.connects += 1
+                _tune(conn)
+            return conn, fresh
+        except BaseException:
+            if conn is not None:
+                _drop(conn)
+                self._free.append(conn)
+            self._sem.release()
+            raise
+
+    def release(self, conn: AbstractConnection, healthy: bool) -> None:
+        """Return ``conn``; an unhealthy one (error or cancellation mid-command) is closed."""
+        if not healthy:
+            self.dropped += 1
+        if (not healthy or self.closed) and conn.is_connected:
+            _drop(conn)
+        self._free.append(conn)
+        assert self._sem is not None
+        self._sem.release()
+
+    async def close(self) -> None:
+        """Close every connection (also those in use: their commands fail)."""
+        self.closed = True
+        try:
+            for conn in self._all:
+                try:
+                    await conn.disconnect()
+                except Exception:
+                    _drop(conn)
+        except BaseException:
+            for conn in self._all:
+                _drop(conn)
+            raise
+        finally:
+            self._free.clear()
+        # Aborted transports finish closing in a loop callback: let it run before the loop may end.
+        for _ in range(2):
+            await asyncio.sleep(0)
+
+
+def connection_factory(
+    url: RemoteURL, settings: ConnectorSettings, host: str | None = None, port: int | None = None
+) -> Callable[[], AbstractConnection]:
+    """A callable building one ``redis.asyncio`` connection for ``url`` (``host``/``port``
+    override the URL's address: cluster nodes share credentials and TLS settings)."""
+    common: dict[str, Any] = {
+        "username": url.username,
+        "password": url.password,
+        "db": url.db,
+        "socket_timeout": settings.timeout_s,
+        "socket_connect_timeout": settings.timeout_s,
+        "retry": Retry(NoBackoff(), 0),
+        "health_check_interval": 0,
+        "socket_read_size": url.option_int("socket_read_size", 1 << 16, minimum=4096),
+    }
+    if url.options.get("client_name"):
+        common["client_name"] = url.options["client_name"]
+    if url.kind == "unix":
+        path = str(url.path)
+        return lambda: UnixDomainSocketConnection(path=path, **common)
+    h, p = (host, port) if host is not None and port is not None else url.hosts[0]
+    if url.tls:
+        tls: dict[str, Any] = {
+            "ssl_ca_certs": url.options.get("ssl_ca_certs"),
+            "ssl_certfile": url.options.get("ssl_certfile"),
+            "ssl_keyfile": url.options.get("ssl_keyfile"),
+            "ssl_cert_reqs": url.options.get("ssl_cert_reqs", "required"),
+            "ssl_check_hostname": url.option_bool("ssl_check_hostname", False),
+        }
+        return lambda: SSLConnection(host=h, port=p, **tls, **common)
+    return lambda: Connection(host=h, port=p, **common)
+
+
+class RedisConnector(Connector):
+    """Records in one Redis/Valkey server; see the module docstring.
+
+    Subclasses route by key (:meth:`_route`) to serve a Redis Cluster.
+    """
+
+    def __init__(self, url: RemoteURL, settings: ConnectorSettings) -> None:
+        if settings.part_size <= 0:
+            raise ValueError(f"remote_part_size must be > 0, got {settings.part_size}")
+        self._url = url
+        self._settings = settings
+        self._part_size = settings.part_size
+        self._ttl: tuple[bytes, ...] = ()
+        if settings.ttl_s is not None:
+            self._ttl = (b"PX", b"%d" % max(1, round(settings.ttl_s * 1000)))
+        self._max_conn = url.option_int("max_connections", DEFAULT_MAX_CONNECTIONS)
+        self._pools: dict[str, ConnectionPool] = {}
+        self._closed = False
+        self.round_trips = 0
+        self.corrupt = 0
+        self.foreign = 0
+        self.vanished = 0
+        self.alloc_failed = 0
+        self.lost_races = 0
+        self.retries = 0
+        self.bytes_written = 0
+        self.bytes_read = 0
+        self._last_log = 0.0
+
+    # ---- routing (the cluster connector overrides these) -------------------------------------
+    def _pool(self, address: str, factory: Callable[[], AbstractConnection]) -> ConnectionPool:
+        pool = self._pools.get(address)
+        if pool is None:
+            pool = self._pools[address] = ConnectionPool(factory, self._max_conn, address)
+        return pool
+
+    async def _route(self, key: bytes) -> ConnectionPool:
+        """The pool of the server that holds ``key``."""
+        if self._closed:
+            raise RedisConnectionError("the remote connector is closed")
+        url = self._url
+        address = url.path if url.kind == "unix" else f"{url.hosts[0][0]}:{url.hosts[0][1]}"
+        return self._pool(str(address), connection_factory(url, self._settings))
+
+    async def _primaries(self) -> list[ConnectionPool]:
+        """Pools of every server holding a share of the keys."""
+        return [await self._route(b"")]
+
+    async def _redirected(self, redirect: Redirect) -> None:
+        """React to a MOVED/ASK reply (a single server never sends one)."""
+        raise redirect
+
+    # ---- round trips ------------------------------------------------------------------------
+    async def _exchange(
+        self,
+        pool: ConnectionPool,
+        chunks: list[bytes | memoryview],
+        count: int,
+        on_reply: Callable[[int, Any], None] | None = None,
+    ) -> list[Any]:
+        """Send ``chunks`` (``count`` commands) and read every reply, on one connection.
+
+        Error replies are returned, not raised. Any other failure (network, timeout,
+        cancellation) closes the connection before it goes back to the pool; a reused
+        connection that turns out dead before any reply is retried once on a new one.
+        """
+        for attempt in (0, 1):
+            conn, fresh = await pool.acquire()
+            # Kept aside: redis-py forgets its writer when it closes a connection itself, and
+            # a closing transport would go on sending buffered slices of the caller's block.
+            transport = conn._writer.transport if conn._writer is not None else None
+            healthy = False
+            read = 0
+            try:
+                self.round_trips += 1
+                await _send(conn, chunks, self._settings.timeout_s)
+                replies: list[Any] = []
+                for i in range(count):
+                    try:
+                        reply = await conn.read_response(disable_decoding=True)
+                    except ResponseError as exc:
+                        reply = exc
+                    read += 1
+                    if on_reply is None:
+                        replies.append(reply)
+                    else:
+                        on_reply(i, reply)
+                healthy = True
+                return replies
+            except (RedisConnectionError, ConnectionError) as exc:
+                # A pooled connection whose server restarted fails on first use before the
+                # loop has noticed the EOF; every command here is idempotent, so one retry on
+                # a new connection is safe as long as no reply was consumed yet.
+                if fresh or read or attempt or isinstance(exc, TimeoutError):
+                    raise
+                self.retries += 1
+            finally:
+                if not healthy and transport is not None:
+                    transport.abort()
+                pool.release(conn, healthy)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _call(
+        self,
+        key: bytes,
+        cmds: Sequence[Sequence[Arg]],
+        on_reply: Callable[[int, Any], None] | None = None,
+    ) -> list[Any]:
+        """Run ``cmds`` in one round trip on the server of ``key``, following redirects."""
+        chunks = pack(cmds)
+        for _attempt in range(3):
+            pool = await self._route(key)
+            replies = await self._exchange(pool, chunks, len(cmds), on_reply)
+            try:
+                for r in replies:
+                    _check(r)
+            except Redirect as redirect:
+                await self._redirected(redirect)
+                continue
+            return replies
+        raise RedisError(f"key {key[:80]!r} kept being redirected")
+
+    def _log(self, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._last_log >= _LOG_EVERY_S:
+            self._last_log = now
+            logger.warning(msg, *args)
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Check that the server answers (a failure is raised; later calls reconnect)."""
+        for pool in await self._primaries():
+            _check((await self._exchange(pool, pack([[b"PING"]]), 1))[0])
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        pools = list(self._pools.values())
+        self._pools.clear()
+        for pool in pools:
+            await pool.close()
+
+    # ---- operations -------------------------------------------------------------------------
+    async def put(self, name: EntryName, obj: MemoryObj) -> bool:
+        out = prepare(name, obj, self._part_size)
+        rec = name.record.encode()
+        if not out.parts:
+            await self._call(rec, [[b"SET", rec, (out.head, out.payload), b"NX", *self._ttl]])
+            self.bytes_written += len(out.head) + out.payload.nbytes
+            return True
+        (present,) = await self._call(rec, [[b"EXISTS", rec]])
+        if present:
+            return True
+        assert out.token is not None
+        names = [name.part(out.token, i).encode() for i in range(len(out.parts))]
+        cmds: list[list[Arg]] = [[b"MULTI"]]
+        cmds += [[b"SET", n, p, *self._ttl] for n, p in zip(names, out.parts, strict=True)]
+        cmds += [[b"SET", rec, out.head, b"NX", *self._ttl], [b"EXEC"]]
+        replies = await self._call(rec, cmds)
+        result = replies[-1]
+        if not isinstance(result, list) or len(result) != len(out.parts) + 1:
+            raise RedisError(f"unexpected EXEC reply {result!r:.80}")
+        for r in result:
+            _check(r)
+        self.bytes_written += len(out.head) + out.payload.nbytes
+        if result[-1] is None:
+            # Another writer published this key first: ours are orphans; theirs stay.
+            self.lost_races += 1
+            await self._call(rec, [[b"UNLINK", *names]])
+        return True
+
+    async def get(self, name: EntryName, alloc: Allocate) -> MemoryObj | None:
+        rec = name.record.encode()
+        (value,) = await self._call(rec, [[b"GET", rec]])
+        if value is None:
+            return None
+        try:
+            hdr, token = parse_head(value, name)
+            if token is None:
+                obj = copy_single(value, hdr, alloc)
+                self.bytes_read += len(value)
+                return obj
+        except ForeignRecord:
+            self.foreign += 1
+            self._log("remote record %s holds another key; treated as a miss", name.record)
+            return None
+        except RecordError as exc:
+            await self._discard_corrupt(name, rec, value, str(exc))
+            return None
+        except AllocationFailed:
+            self.alloc_failed += 1
+            return None
+        return await self._get_parts(name, rec, value, hdr, token, alloc)
+
+    async def _get_parts(
+        self, name: EntryName, rec: bytes, head: bytes, hdr: RecordHeader, token: str, alloc: Allocate
+    ) -> MemoryObj | None:
+        plen, psize = hdr.payload_len, hdr.part_size
+        try:
+            obj = allocate(hdr, alloc)
+        except AllocationFailed:
+            self.alloc_failed += 1
+            return None
+        names = [name.part(token, i).encode() for i in range(hdr.num_parts)]
+        hasher = xxhash.xxh3_64()
+        problem: list[str] = []
+        error: list[Exception] = []
+
+        def on_reply(i: int, reply: Any) -> None:
+            if problem or error:
+                return
+            if isinstance(reply, Exception):
+                error.append(reply)
+                return
+            want = min(psize, plen - i * psize)
+            if reply is None:
+                problem.append("missing")
+            elif len(reply) != want:
+                problem.append("size")
+            else:
+                dst[i * psize : i * psize + want] = reply
+                hasher.update(reply)
+
+        try:
+            dst = obj.byte_view()
+            await self._call(rec, [[b"GET", n] for n in names], on_reply)
+            if error:
+                _check(error[0])
+        except BaseException:
+            obj.ref_count_down()
+            raise
+        if problem or hasher.intdigest() != hdr.checksum:
+            obj.ref_count_down()
+            why = "a part is missing" if problem == ["missing"] else "parts do not match the record"
+            if problem == ["missing"]:
+                self.vanished += 1
+                self._log("remote record %s: %s; removing it", name.record, why)
+                await self._cas_delete(rec, head, names)
+            else:
+                await self._discard_corrupt(name, rec, head, why, names)
+            return None
+        self.bytes_read += len(head) + plen
+        return obj
+
+    async def _cas_delete(self, rec: bytes, head: bytes, parts: Sequence[bytes]) -> int:
+        (n,) = await self._call(rec, [[b"EVAL", _CAS_DELETE, b"%d" % (1 + len(parts)), rec, *parts, head]])
+        return int(n)
+
+    async def _discard_corrupt(
+        self, name: EntryName, rec: bytes, value: bytes, why: str, parts: Sequence[bytes] = ()
+    ) -> None:
+        self.corrupt += 1
+        self._log("remote record %s is corrupt (%s); removing it", name.record, why)
+        await self._cas_delete(rec, value, parts)
+
+    async def exists(self, names: Sequence[EntryName]) -> list[bool]:
+        if not names:
+            return []
+        keys = [n.record.encode() for n in names]
+        groups = await self._group(keys)
+        flags = [False] * len(keys)
+
+        async def one(idx: list[int]) -> None:
+            replies = await self._call(keys[idx[0]], [[b"EXISTS", keys[i]] for i in idx])
+            for i, r in zip(idx, replies, strict=True):
+                flags[i] = bool(r)
+
+        if len(groups) == 1:
+            await one(groups[0])
+        else:
+            results = await asyncio.gather(*(one(g) for g in groups), return_exceptions=True)
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+        return flags
+
+    async def _group(self, keys: list[bytes]) -> list[list[int]]:
+        """Indices of ``keys`` grouped by the server that holds them."""
+        return [list(range(len(keys)))]
+
+    async def remove(self, name: EntryName) -> bool:
+        rec = name.record.encode()
+        (head,) = await self._call(rec, [[b"GETRANGE", rec, b"0", b"%d" % (PROBE_LEN - 1)]])
+        if not head:
+            return False
+        try:
+            hlen = peek_header_len(head)
+            if hlen + MANIFEST_LEN > len(head):
+                (head,) = await self._call(rec, [[b"GETRANGE", rec, b"0", b"%d" % (hlen + MANIFEST_LEN - 1)]])
+            hdr = decode_header(head)
+        except RecordError:
+            (n,) = await self._call(rec, [[b"UNLINK", rec]])
+            return bool(n)
+        if hdr.key != name.key:
+            return False
+        if hdr.num_parts == 1:
+            (n,) = await self._call(rec, [[b"UNLINK", rec]])
+            return bool(n)
+        head = head[: hdr.header_len + MANIFEST_LEN]
+        token = head[hdr.header_len :].decode("ascii", "replace")
+        parts = [name.part(token, i).encode() for i in range(hdr.num_parts)]
+        return await self._cas_delete(rec, head, parts) > 0
+
+    async def clear(self, prefix: str) -> None:
+        pattern = prefix.encode() + b":*"
+        for pool in await self._primaries():
+            cursor = b"0"
+            while True:
+                (reply,) = await self._exchange(
+                    pool, pack([[b"SCAN", cursor, b"MATCH", pattern, b"COUNT", b"1000"]]), 1
+                )
+                cursor, keys = _check(reply)
+                if keys:
+                    # One UNLINK per key: in a cluster the keys of one batch span slots.
+                    for r in await self._exchange(pool, pack([[b"UNLINK", k] for k in keys]), len(keys)):
+                        _check(r)
+                if cursor in (b"0", 0):
+                    break
+
+    def stats(self) -> dict[str, Any]:
+        pools = list(self._pools.values())
+        return {
+            "url": redact(self._url.scheme + "://" + ",".join(f"{h}:{p}" for h, p in self._url.hosts))
+            if self._url.hosts
+            else f"{self._url.scheme}://{self._url.path}",
+            "part_size": self._part_size,
+            "round_trips": self.round_trips,
+            "corrupt": self.corrupt,
+            "foreign": self.foreign,
+            "vanished": self.vanished,
+            "alloc_failed": self.alloc_failed,
+            "lost_races": self.lost_races,
+            "retries": self.retries,
+            "bytes_written": self.bytes_written,
+            "bytes_read": self.bytes_read,
+            "connects": sum(p.connects for p in pools),
+            "connections_dropped": sum(p.dropped for p in pools),
+        }
+
+
+def create(url: str, settings: ConnectorSettings) -> RedisConnector:
+    """Registry factory for ``redis``, ``rediss``, ``valkey``, ``valkeys`` and ``unix`` URLs."""
+    parsed = parse_remote_url(url)
+    if parsed.kind not in ("redis", "unix"):
+        raise ValueError(f"remote_url {redact(url)!r} is not a single-server Redis URL")
+    return RedisConnector(parsed, settings)

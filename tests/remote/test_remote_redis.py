@@ -1,0 +1,528 @@
+"""Redis/Valkey/Cluster specifics: atomic parts, namespaces, TTL, corruption, cancellation,
+round trips, failures of the server and sharing between managers. Real servers only."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import torch
+from redis.exceptions import RedisError
+
+from lmcache_async import StorageManager
+from lmcache_async.backends.remote import RemoteBackend
+from lmcache_async.memory import HeapAllocator, MemoryObj, PoolAllocator
+from lmcache_async.testing import make_key, make_obj
+from lmcache_async.testing.servers import RedisClusterServers, RedisServer
+
+
+def same(a: MemoryObj, b: MemoryObj) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bytes(a.byte_view()) == bytes(b.byte_view())
+
+
+def keys_under(srv: RedisServer, prefix: str) -> list[bytes]:
+    return sorted(srv.command("KEYS", f"{prefix}:*"))
+
+
+@pytest.fixture
+def src_pool() -> PoolAllocator:
+    return PoolAllocator(96 << 20, name="remote-src", pretouch=False)
+
+
+@pytest.fixture
+async def open_backend(make_ctx: Any, prefix: str) -> AsyncIterator[Callable[..., Any]]:
+    """``await open_backend(url, **kw)``: a started RemoteBackend closed after the test."""
+    made: list[RemoteBackend] = []
+
+    async def make(url: str, **kw: Any) -> RemoteBackend:
+        kw.setdefault("prefix", prefix)
+        kw.setdefault("timeout_s", 30.0)  # generous: these tests are not about timeouts
+        be = RemoteBackend(make_ctx(), url, **kw)
+        made.append(be)
+        await be.start()
+        return be
+
+    yield make
+    for be in made:
+        await be.close()
+
+
+# ---- layout, atomic parts, namespaces ---------------------------------------------------------------
+async def test_multipart_entry_is_one_record_plus_its_parts(
+    redis_server: RedisServer, open_backend: Any, src_pool: PoolAllocator, prefix: str
+) -> None:
+    be = await open_backend(redis_server.url, part_size=64 << 10)
+    src = make_obj(src_pool, (1000, 100), torch.float32, seed=1)  # 400,000 bytes -> 7 parts
+    assert await be.put(make_key(1), src)
+    names = keys_under(redis_server, prefix)
+    record = be.entry_name(make_key(1)).record.encode()
+    assert record in names
+    assert len(names) == 1 + 7
+    assert all(n.startswith(record + b":") for n in names if n != record)
+    assert await be.remove(make_key(1))
+    assert keys_under(redis_server, prefix) == []
+    src.ref_count_down()
+
+
+async def test_reader_never_sees_a_partial_multipart_entry(
+    redis_server: RedisServer, open_backend: Any, src_pool: PoolAllocator
+) -> None:
+    writer = await open_backend(redis_server.url, part_size=32 << 10)
+    reader = await open_backend(redis_server.url, part_size=32 << 10)
+    objs = [make_obj(src_pool, (256, 1024), torch.float32, seed=i) for i in range(8)]  # 1 MiB each
+    keys = [make_key(50 + i) for i in range(8)]
+    seen_hits = 0
+
+    async def read_loop() -> None:
+        nonlocal seen_hits
+        for _ in range(200):
+            for k, o in zip(keys, objs, strict=True):
+                got = await reader.get(k)
+                if got is not None:
+                    assert same(got, o)
+                    got.ref_count_down()
+                    seen_hits += 1
+            if seen_hits >= 4 * len(keys):
+                return
+
+    async def write_all() -> None:
+        for k, o in zip(keys, objs, strict=True):
+            assert await writer.put(k, o)
+            await asyncio.sleep(0)
+
+    await asyncio.gather(read_loop(), write_all())
+    assert reader.stats()["corrupt"] == 0 and reader.stats()["vanished"] == 0
+    for o in objs:
+        o.ref_count_down()
+
+
+async def test_concurrent_writers_of_one_key_leave_one_entry_and_no_orphans(
+    redis_server: RedisServer, open_backend: Any, src_pool: PoolAllocator, prefix: str
+) -> None:
+    bes = [await open_backend(redis_server.url, part_size=16 << 10) for _ in range(4)]
+    objs = [make_obj(src_pool, (64, 1024), torch.float32, seed=i) for i in range(4)]  # 16 parts
+    key = make_key(7)
+    assert all(await asyncio.gather(*(be.put(key, o) for be, o in zip(bes, objs, strict=True))))
+    got = await bes[0].get(key)
+    assert got is not None and any(same(got, o) for o in objs)
+    got.ref_count_down()
+    assert len(keys_under(redis_server, prefix)) == 1 + 16
+    for o in objs:
+        o.ref_count_down()
+
+
+async def test_prefixes_isolate_deployments_on_one_server(
+    redis_server: RedisServer, open_backend: Any, src_pool: PoolAllocator, prefix: str
+) -> None:
+    a = await open_backend(redis_server.url, prefix=prefix + "-a")
+    b = await open_backend(redis_server.url, prefix=prefix + "-b")
+    src = make_obj(src_pool, seed=3)
+    key = make_key(3)
+    assert await a.put(key, src)
+    assert await a.contains(key)
+    assert not await b.contains(key)
+    assert await b.get(key) is None
+    await b.clear()
+    assert await a.contains(key)
+    src.ref_count_down()
+
+
+async def test_keys_carry_prefix_and_percent_encoded_model(
+    redis_server: RedisServer, open_backend: Any, src_pool: PoolAllocator, prefix: str
+) -> None:
+    be = await open_backend(redis_server.url)
+    src = make_obj(src_pool, (4, 4), seed=4)
+    assert await be.put(make_key(4, model="org/model:{x}"), src)
+    (name,) = keys_under(redis_server, prefix)
+    assert name.startswith(f"{prefix}:org%2Fmodel%3A%7Bx%7D:{{".encode())
+    src.ref_count_down()
+
+
+async def test_ttl_applies_to_record_and_parts(
+    redis_server: RedisServer, open_backend: Any, src_pool: PoolAllocator, prefix: str
+) -> None:
+    be = await open_backend(redis_server.url, part_size=16 << 10, ttl_s=300.0)
+    src = make_obj(src_pool, (64, 256), torch.float32, seed=5)  # 4 parts
+    assert await be.put(make_key(5), src)
+    names = keys_under(redis_server, prefix)
+    assert len(names) == 5
+    for n in names:
+        assert 0 < redis_server.command("PTTL", n) <= 300_000
+    src.ref_count_down()
+
+
+# ---- bad records --------------------------------------------------------------------------------------
+async def test_corrupt_payload_is_a_counted_miss_and_removed(
+    redis_server: RedisServer, open_backend: Any, src_pool: PoolAllocator
+) -> None:
+    be = await open_backend(redis_server.url)
+    src = make_obj(src_pool, seed=6)
+    key = make_key(6)
+    await be.put(key, src)
+    record = be.entry_name(key).record
+    size = redis_server.command("STRLEN", record)
+    redis_server.command("SETRANGE", record, size - 10, b"\xff\x00\xff")
+    assert await be.get(key) is None
+    assert be.stats()["corrupt"] == 1
+    assert redis_server.command("EXISTS", record) == 0
+    src.ref_count_down()
+
+
+async def test_truncated_record_is_a_counted_miss(
+    redis_server: RedisServer, open_backend: Any, src_pool: PoolAllocator
+) -> None:
+    be = await open_backend(redis_server.url)
+    src = make_obj(src_pool, seed=6)
+    key = make_key(6)
+    await be.put(key, src)
+    record = be.entry_name(key).record
+    value = redis_server.command("GET", record)
+    redis_server.command("SET", record, value[: len(value) // 2])
+    assert await be.get(key) is None
+    assert be.stats()["corrupt"] == 1
+    src.ref_count_down()
+
+
+async def test_record_of_another_key_is_a_miss_and_kept(
+    redis_server: RedisServer, open_backend: Any, src_pool: PoolAllocator
+) -> None:
+    be = await open_backend(redis_server.url)
+    src = make_obj(src_pool, seed=8)
+    await be.put(make_key(8), src)
+    a, b = be.entry_name(make_key(8)).record, be.entry_name(make_key(9)).record
+    redis_server.command("SET", b, redis_server.command("GET", a))  # as if the digests collided
+    assert await be.get(make_key(9)) is None
+    assert await be.remove(make_key(9)) is False
+    assert be.stats()["foreign"] == 1
+    assert redis_server.command("EXISTS", b) == 1
+    src.ref_count_down()
+
+
+async def test_missing_part_is_a_miss_and_the_entry_is_cleaned_up(
+    redis_server: RedisServer, open_backend: Any, src_pool: PoolAllocator, prefix: str
+) -> None:
+    be = await open_backend(redis_server.url, part_size=16 << 10)
+    src = make_obj(src_pool, (64, 256), torch.float32, seed=9)
+    key = make_key(9)
+    await be.put(key, src)
+    record = be.entry_name(key).record.encode()
+    part = next(n for n in keys_under(redis_server, prefix) if n != record)
+    redis_server.command("UNLINK", part)  # e.g. evicted by maxmemory
+    assert await be.get(key) is None
+    assert be.stats()["vanished"] == 1
+    assert keys_under(redis_server, prefix) == []
+    assert not await be.contains(key)
+    src.ref_count_down()
+
+
+# ---- cancellation -----------------------------------------------------------------------------------
+async def test_cancelled_gets_leave_no_half_read_reply_on_pooled_connections(
+    redis_server: RedisServer, open_backend: Any, src_pool: PoolAllocator
+) -> None:
+    be = await open_backend(redis_server.url + "?max_connections=4", part_size=128 << 10)
+    objs = [make_obj(src_pool, (256 * (1 + i % 4), 256), torch.float32, seed=i) for i in range(12)]
+    keys = [make_key(600 + i) for i in range(12)]
+    assert all(await be.batched_put(list(zip(keys, objs, strict=True))))
+    rng = random.Random(1)
+    for _ in range(60):
+        tasks = [asyncio.create_task(be.get(k)) for k in keys]
+        await asyncio.sleep(rng.uniform(0, 0.004))
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for t, o in zip(tasks, objs, strict=True):
+            if t.cancelled():
+                continue
+            got = t.result()  # raises what the get raised: nothing may fail here
+            if got is not None:
+                assert same(got, o)
+                got.ref_count_down()
+        if be.stats()["connections_dropped"] >= 5:
+            break
+    assert be.stats()["connections_dropped"] > 0, "no command was cancelled mid-flight"
+    # Every following reply belongs to its own request.
+    for _ in range(3):
+        got = await asyncio.gather(*(be.get(k) for k in keys))
+        for g, o in zip(got, objs, strict=True):
+            assert g is not None and same(g, o)
+            g.ref_count_down()
+    flags = await be.batched_contains(keys + [make_key(999)])
+    assert flags == [True] * 12 + [False]
+    for o in objs:
+        o.ref_count_down()
+
+
+async def test_cancelled_puts_publish_whole_entries_or_nothing(
+    redis_server: RedisServer, open_backend: Any, src_pool: PoolAllocator, prefix: str
+) -> None:
+    be = await open_backend(redis_server.url, part_size=64 << 10)
+    objs = [make_obj(src_pool, (512, 256), torch.float32, seed=i) for i in range(10)]  # 512 KiB
+    keys = [make_key(700 + i) for i in range(10)]
+    rng = random.Random(2)
+    for _round in range(5):
+        tasks = [asyncio.create_task(be.put(k, o)) for k, o in zip(keys, objs, strict=True)]
+        await asyncio.sleep(rng.uniform(0, 0.01))
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for k, o in zip(keys, objs, strict=True):
+            got = await be.get(k)
+            if got is not None:
+                assert same(got, o)
+                got.ref_count_down()
+        await be.clear()
+    assert be.stats()["corrupt"] == 0 and be.stats()["vanished"] == 0
+    assert keys_under(redis_server, prefix) == []
+    for o in objs:
+        o.ref_count_down()
+
+
+# ---- round trips --------------------------------------------------------------------------------------
+async def test_batched_contains_of_256_keys_is_one_round_trip(
+    redis_server: RedisServer, open_backend: Any, src_pool: PoolAllocator
+) -> None:
+    be = await open_backend(redis_server.url)
+    keys = [make_key(1000 + i) for i in range(256)]
+    src = make_obj(src_pool, (4, 4), seed=1)
+    for k in keys[:100]:
+        await be.put(k, src)
+    before = be.stats()["round_trips"]
+    flags = await be.batched_contains(keys)
+    assert be.stats()["round_trips"] - before == 1
+    assert flags == [True] * 100 + [False] * 156
+    src.ref_count_down()
+
+
+async def test_cluster_batched_contains_is_one_round_trip_per_node(
+    redis_cluster: RedisClusterServers, open_backend: Any, src_pool: PoolAllocator, prefix: str
+) -> None:
+    be = await open_backend(redis_cluster.url)
+    keys = [make_key(2000 + i) for i in range(256)]
+    src = make_obj(src_pool, (4, 4), seed=1)
+    for k in keys[::3]:
+        await be.put(k, src)
+    before = be.stats()["round_trips"]
+    flags = await be.batched_contains(keys)
+    assert be.stats()["round_trips"] - before == len(redis_cluster.nodes)
+    assert flags == [i % 3 == 0 for i in range(256)]
+    per_node = [len(n.command("KEYS", f"{prefix}:*")) for n in redis_cluster.nodes]
+    assert sum(per_node) == len(keys[::3]) and min(per_node) > 0  # spread over every node
+    src.ref_count_down()
+
+
+# ---- large entries ----------------------------------------------------------------------------------
+async def test_64mib_entry_round_trips_exactly(redis_server: RedisServer, open_backend: Any) -> None:
+    be = await open_backend(redis_server.url)
+    heap = HeapAllocator("big")
+    src = heap.allocate((64 << 20,), torch.uint8)
+    src.tensor.random_(0, 256, generator=torch.Generator().manual_seed(64))
+    key = make_key(64)
+    assert await be.put(key, src)
+    got = await be.get(key, lambda s, d, f: heap.allocate(s, d, f))
+    assert got is not None
+    assert torch.equal(got.tensor, src.tensor)
+    got.ref_count_down()
+    src.ref_count_down()
+
+
+# ---- authentication -------------------------------------------------------------------------------
+async def test_acl_user_and_password_come_from_the_url(
+    acl_server: RedisServer, open_backend: Any, src_pool: PoolAllocator
+) -> None:
+    assert "cache-user:" in acl_server.url
+    be = await open_backend(acl_server.url)
+    src = make_obj(src_pool, seed=11)
+    assert await be.put(make_key(11), src)
+    got = await be.get(make_key(11))
+    assert got is not None and same(got, src)
+    got.ref_count_down()
+    src.ref_count_down()
+
+
+async def test_wrong_password_raises_to_the_manager_not_a_wrong_answer(
+    password_server: RedisServer, make_ctx: Any, prefix: str
+) -> None:
+    url = password_server.url.replace("s3cr", "nope", 1)
+    be = RemoteBackend(make_ctx(), url, prefix=prefix)
+    try:
+        with pytest.raises(RedisError):
+            await be.get(make_key(1))
+        with pytest.raises(RedisError):
+            await be.contains(make_key(1))
+    finally:
+        await be.close()
+
+
+# ---- failures of the server, through the manager ---------------------------------------------------
+def _tensor(seed: int) -> torch.Tensor:
+    return torch.randn(128, 256, generator=torch.Generator().manual_seed(seed))
+
+
+def _remote_hits(sm: StorageManager) -> int:
+    return int(sm.stats()["tiers"]["remote"]["hits"])
+
+
+def _wait_recovered(sm: StorageManager, start: int, deadline_s: float = 40.0) -> int:
+    """Put/flush/get fresh keys until the remote tier serves one again; returns the next seed."""
+    deadline = time.monotonic() + deadline_s
+    i = start
+    while time.monotonic() < deadline:
+        key = make_key(i)
+        t = _tensor(i)
+        assert sm.put_sync(key, t)
+        sm.flush_sync(30)
+        hits = _remote_hits(sm)
+        got = sm.get_sync(key)
+        i += 1
+        if got is not None:
+            with got:
+                assert torch.equal(got.tensor, t)
+            if _remote_hits(sm) > hits:
+                return i
+        time.sleep(0.2)
+    raise AssertionError(f"remote tier did not recover: {sm.stats()['tiers']['remote']}")
+
+
+@pytest.mark.chaos
+def test_killed_server_gives_misses_within_twice_the_timeout_then_recovers(
+    own_server: RedisServer, make_manager: Callable[..., StorageManager], prefix: str
+) -> None:
+    timeout = 1.0
+    sm = make_manager(remote_url=own_server.url, remote_timeout_s=timeout, remote_key_prefix=prefix, local_cpu=False)
+    k = make_key(1)
+    assert sm.put_sync(k, _tensor(1))
+    sm.flush_sync(30)
+    got = sm.get_sync(k)
+    assert got is not None
+    got.ref_count_down()
+    own_server.kill()
+    for i in range(5):
+        t0 = time.monotonic()
+        assert sm.get_sync(make_key(100 + i)) is None
+        assert sm.contains_sync(make_key(100 + i)) is False
+        assert sm.batched_contains_sync([k, make_key(100 + i)]) == 0
+        assert time.monotonic() - t0 < 2 * timeout * 3  # three calls, each bounded by 2x the timeout
+    assert sm.put_sync(make_key(200), _tensor(200))  # accepted; its write-through fails quietly
+    sm.flush_sync(30)
+    remote = sm.stats()["tiers"]["remote"]
+    assert remote["errors"] + remote["skipped"] > 0
+    own_server.restart()
+    _wait_recovered(sm, 300)
+    assert sm.stats()["tiers"]["remote"]["circuit"] == "closed"
+
+
+@pytest.mark.chaos
+def test_hung_server_calls_return_within_twice_the_timeout_then_recover(
+    own_server: RedisServer, make_manager: Callable[..., StorageManager], prefix: str
+) -> None:
+    timeout = 0.5
+    sm = make_manager(remote_url=own_server.url, remote_timeout_s=timeout, remote_key_prefix=prefix, local_cpu=False)
+    k = make_key(1)
+    assert sm.put_sync(k, _tensor(1))
+    sm.flush_sync(30)
+    own_server.pause()
+    try:
+        for i in range(4):
+            t0 = time.monotonic()
+            assert sm.get_sync(make_key(10 + i)) is None
+            assert time.monotonic() - t0 < 2 * timeout
+            t0 = time.monotonic()
+            assert sm.contains_sync(make_key(10 + i)) is False
+            assert time.monotonic() - t0 < 2 * timeout
+        assert sm.stats()["tiers"]["remote"]["timeouts"] + sm.stats()["tiers"]["remote"]["skipped"] >= 4
+    finally:
+        own_server.resume()
+    _wait_recovered(sm, 50)
+    got = sm.get_sync(k)  # written before the pause, still there
+    assert got is not None
+    with got:
+        assert torch.equal(got.tensor, _tensor(1))
+
+
+async def test_backend_reconnects_after_a_server_restart(
+    own_server: RedisServer, open_backend: Any, src_pool: PoolAllocator
+) -> None:
+    be = await open_backend(own_server.url)
+    src = make_obj(src_pool, seed=12)
+    assert await be.put(make_key(12), src)
+    own_server.restart()  # the data is gone; pooled connections are dead
+    assert await be.put(make_key(13), src)
+    got = await be.get(make_key(13))
+    assert got is not None and same(got, src)
+    got.ref_count_down()
+    assert await be.get(make_key(12)) is None
+    src.ref_count_down()
+
+
+def test_two_managers_share_entries_through_one_server(
+    redis_server: RedisServer, make_manager: Callable[..., StorageManager], prefix: str
+) -> None:
+    a = make_manager(remote_url=redis_server.url, remote_key_prefix=prefix, remote_timeout_s=30.0)
+    b = make_manager(remote_url=redis_server.url, remote_key_prefix=prefix, remote_timeout_s=30.0)
+    keys = [make_key(i) for i in range(6)]
+    for i, k in enumerate(keys):
+        assert a.put_sync(k, _tensor(i))
+    a.flush_sync(30)
+    assert b.batched_contains_sync(keys) == 6
+    for i, k in enumerate(keys):
+        got = b.get_sync(k)
+        assert got is not None
+        with got:
+            assert torch.equal(got.tensor, _tensor(i))
+    assert _remote_hits(b) == 6
+    assert b.contains_sync(keys[0])  # promoted into b's CPU tier
+
+
+def test_64mib_entry_round_trips_through_the_manager(
+    redis_server: RedisServer, make_manager: Callable[..., StorageManager], prefix: str
+) -> None:
+    sm = make_manager(
+        remote_url=redis_server.url,
+        remote_key_prefix=prefix,
+        local_cpu=False,
+        remote_timeout_s=30.0,
+        blocking_timeout_secs=60,
+    )
+    t = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    key = make_key(5)
+    assert sm.put_sync(key, t)
+    sm.flush_sync(60)
+    got = sm.get_sync(key)
+    assert got is not None
+    with got:
+        assert torch.equal(got.tensor, t)
+    assert _remote_hits(sm) == 1
+
+
+@pytest.mark.chaos
+async def test_cluster_tier_recovers_after_a_node_restart(
+    server_binary: str, open_backend: Any, src_pool: PoolAllocator
+) -> None:
+    with RedisClusterServers(3, server_binary) as cluster:
+        be = await open_backend(cluster.url, timeout_s=2.0)
+        keys = [make_key(3000 + i) for i in range(24)]
+        src = make_obj(src_pool, (16, 16), seed=1)
+        try:
+            for k in keys:
+                assert await be.put(k, src)
+            cluster.nodes[0].kill()
+            with pytest.raises((RedisError, OSError)):
+                await be.batched_contains(keys)  # a third of the slots is unreachable: raised, not guessed
+            cluster.nodes[0].restart()
+            cluster.wait_ok()
+            flags = await be.batched_contains(keys)  # the connector refreshed its slot map by itself
+            assert 0 < sum(flags) < len(keys)  # the restarted node lost its share (no persistence)
+            for k in keys:
+                assert await be.put(k, src)
+            for k in keys:
+                got = await be.get(k)
+                assert got is not None and same(got, src)
+                got.ref_count_down()
+            assert be.stats()["slot_refreshes"] >= 2
+        finally:
+            src.ref_count_down()
+            await be.close()
