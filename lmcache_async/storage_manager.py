@@ -386,8 +386,9 @@ class StorageManager:
             else:
                 got = cpu.allocate(shape, dtype, fmt)
                 if got is None:
-                    self.put_rejected += 1
-                    return False
+                    # CPU full of entries nobody may evict (readers, pending write-through):
+                    # carry this one to the lower tiers through the staging area instead.
+                    return self._stage_write(key, tensor, shape, dtype, fmt)
                 obj = got
                 try:
                     obj.tensor.copy_(tensor)
@@ -402,26 +403,38 @@ class StorageManager:
             if lower:
                 self._enqueue_write(key, obj, None)
             return True
-        # No CPU tier: stage the bytes and write through; the pending map serves reads meanwhile.
         if key in self._pending:
             return True
+        return self._stage_write(key, tensor, shape, dtype, fmt)
+
+    def _stage_write(
+        self, key: CacheEngineKey, tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, fmt: MemoryFormat
+    ) -> bool:
+        """Write-through without a CPU-tier copy: a staging block (a one-off buffer for an entry
+        larger than the whole staging area) carries the bytes until the lower tiers have them;
+        the pending map serves reads meanwhile. False when there is no lower tier or the staging
+        area is full right now."""
         if not self._lower:
             self.put_rejected += 1
             return False
-        staged = self._staging_alloc(shape, dtype, fmt)
-        if staged is None:  # pragma: no cover - the heap always allocates
-            self.put_rejected += 1
-            return False
+        sp = self.staging_pool
+        n = dtype.itemsize
+        for d in shape:
+            n *= d
+        if sp is not None and sp.can_ever_fit(n):
+            staged = sp.allocate(shape, dtype, fmt)
+            if staged is None:
+                self.put_rejected += 1
+                return False
+        else:
+            staged = self._heap.allocate(shape, dtype, fmt)
         try:
             staged.tensor.copy_(tensor)
         except BaseException:
             staged.ref_count_down()
             raise
-        with self._wq_lock:
-            if key in self._pending:
-                staged.ref_count_down()
-                return True
-        self._enqueue_write(key, staged, None)
+        if not self._enqueue_write(key, staged, None, only_if_new=True):
+            staged.ref_count_down()
         return True
 
     async def put(
@@ -474,15 +487,22 @@ class StorageManager:
         return [self._put_front(k, v, fmt) for k, v in zip(keys, values, strict=True)]
 
     # ---- write-through ----------------------------------------------------------------------------
-    def _enqueue_write(self, key: CacheEngineKey, obj: MemoryObj, targets: tuple[int, ...] | None) -> None:
-        """Queue ``obj`` (carrying one reference owned by the queue) for the lower tiers."""
+    def _enqueue_write(
+        self, key: CacheEngineKey, obj: MemoryObj, targets: tuple[int, ...] | None, only_if_new: bool = False
+    ) -> bool:
+        """Queue ``obj`` (carrying one reference owned by the queue) for the lower tiers.
+
+        With ``only_if_new``, nothing is queued (False) when ``key`` is already pending."""
         with self._wq_lock:
+            if only_if_new and key in self._pending:
+                return False
             self._pending[key] = obj
             self._wq.append((key, obj, targets))
             wake = not self._wake_scheduled
             self._wake_scheduled = True
         if wake:
             self._lt.call_soon(self._drain)
+        return True
 
     def _drain(self) -> None:
         with self._wq_lock:

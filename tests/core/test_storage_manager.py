@@ -509,3 +509,19 @@ def test_many_threads_stay_consistent(make_manager):
     sm.clear_sync()
     gc.collect()
     assert sm.pool.used_bytes == 0
+
+
+def test_cpu_full_of_pending_writes_stages_new_puts(make_manager):
+    sm = make_manager(tier_order=["cpu", "testmem"], max_local_cpu_size=2 / 1024, staging_size=4 / 1024)
+    lower = membackend.last()
+    lower.delay = 0.3  # write-through lags: CPU entries stay pinned by their pending writes
+    for i in range(4):
+        assert sm.put_sync(make_key(i), t1m(i)), i  # 2 in CPU, 2 staged
+    for i in range(4):
+        with sm.get_sync(make_key(i)) as obj:  # read-your-writes for staged entries too
+            assert torch.equal(obj.tensor, t1m(i))
+    for i in range(4, 8):
+        sm.put_sync(make_key(i), t1m(i))  # staging (4 MiB) fills: some of these may be refused
+    sm.flush_sync()
+    assert all(make_key(i) in lower.data for i in range(4))
+    assert sm.staging_pool.used_bytes == 0
