@@ -91,3 +91,30 @@ def compare(session: nox.Session) -> None:
         "python", "-m", "lmcache_async.bench.compare",
         "--lmcache-python", os.path.join(venv, "bin", "python"), *session.posargs,
     )
+
+
+VLLM_VENV = ".venv-vllm"
+
+
+@nox.session(venv_backend="none")
+def vllm(session: nox.Session) -> None:
+    """The encoder-cache connector inside real vLLM 0.33.0 (CPU build).
+
+    ``scripts/vllm_env.sh`` builds ``.venv-vllm``: the CPU torch, ``vllm==0.33.0 --no-deps``
+    (its wheel pins a CUDA torch), the small packages its import and a ``VllmConfig`` need, and
+    this project. The test is skipped, with the reason, only when that install fails.
+    """
+    venv = os.environ.get("LMCACHE_VLLM_VENV", VLLM_VENV)
+    try:
+        session.run("bash", "scripts/vllm_env.sh", venv, external=True)
+    except nox.command.CommandFailed:
+        session.skip(
+            "vLLM 0.33.0 could not be installed (see the pip output above): "
+            "the real-vLLM connector test did not run"
+        )
+    session.run(
+        os.path.join(venv, "bin", "python"), "-m", "pytest", "tests/vllm_connector", "-rs",
+        *session.posargs,
+        external=True,
+        env={"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+    )

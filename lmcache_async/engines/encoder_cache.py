@@ -55,7 +55,12 @@ def _check_tensor(tensor: object) -> torch.Tensor:
     return tensor
 
 
+_CPU = torch.device("cpu")
+
+
 def _check_device(device: object) -> torch.device:
+    if type(device) is str and device == "cpu":
+        return _CPU
     if isinstance(device, torch.device):
         return device
     if not isinstance(device, (str, int)) or isinstance(device, bool):
@@ -128,6 +133,7 @@ class ECCacheEngine:
         self._cpu = self._sm.backend("cpu")
         self._has_lower = self._sm.has_lower_tiers
         self._keys: dict[str, CacheEngineKey] = {}
+        self._dtype_name = dtype_name(self.encoder_dtype)
         self._lock = threading.Lock()
         self._puts = 0
         self._puts_existing = 0
@@ -149,7 +155,18 @@ class ECCacheEngine:
             k = self._keys.get(mm_hash)
             if k is not None:
                 return k
-        k = ec_cache_key(self.model_name, mm_hash, self.encoder_dtype)
+            if not mm_hash:
+                raise ValueError("mm_hash must be a non-empty str")
+            k = CacheEngineKey._trusted(  # fields validated once in __init__
+                self.model_name,
+                EC_KEY_WORLD_SIZE,
+                EC_KEY_WORKER_ID,
+                stable_u64_from_str(mm_hash),
+                self.encoder_dtype,
+                self._dtype_name,
+            )
+        else:
+            k = ec_cache_key(self.model_name, mm_hash, self.encoder_dtype)  # raises TypeError
         keys = self._keys
         if len(keys) >= _KEY_CACHE_MAX:
             keys.clear()
@@ -176,17 +193,14 @@ class ECCacheEngine:
             else:
                 self._puts_rejected += 1
 
-    def _source(self, tensor: object) -> torch.Tensor:
+    def _put_prologue(self, mm_hash: str, tensor: object) -> tuple[CacheEngineKey, torch.Tensor]:
+        key = self._keys.get(mm_hash) if type(mm_hash) is str else None
+        if key is None:
+            key = self.key(mm_hash)
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
         # The copy must never join an autograd graph (the pool buffer would).
-        t = _check_tensor(tensor)
-        return t.detach() if t.requires_grad else t
-
-    def _present_before_put(self, key: CacheEngineKey) -> bool:
-        if self._has_lower:
-            return self._present_sync(key)
-        # CPU-only: the CPU index is the whole truth (the manager re-checks it under its lock).
-        cpu = self._cpu
-        return cpu is not None and bool(cpu.contains_nowait(key))
+        return key, tensor.detach() if tensor.requires_grad else tensor
 
     def put(self, mm_hash: str, tensor: torch.Tensor) -> bool:
         """Store ``tensor`` (any device, rank, shape, dtype) under ``mm_hash``.
@@ -196,9 +210,13 @@ class ECCacheEngine:
         Returns False only when the pool cannot take the entry right now (nothing evictable):
         it never waits. ``TypeError`` for a non-tensor or a non-str hash.
         """
-        key = self.key(mm_hash)
-        src = self._source(tensor)
-        if self._present_before_put(key):  # content-addressed: never copied twice
+        key, src = self._put_prologue(mm_hash, tensor)
+        if self._has_lower:
+            present = self._present_sync(key)
+        else:  # CPU only: its index is the whole truth (the manager re-checks under its lock)
+            cpu = self._cpu
+            present = cpu is not None and cpu.contains_nowait(key) is True
+        if present:  # content-addressed: never copied twice
             self._count_put(True, True)
             return True
         ok = self._sm.put_sync(key, src, MemoryFormat.EC_TD)
@@ -208,8 +226,7 @@ class ECCacheEngine:
     async def aput(self, mm_hash: str, tensor: torch.Tensor) -> bool:
         """Async twin of :meth:`put`, awaitable from any event loop (the copy runs on the
         caller's thread)."""
-        key = self.key(mm_hash)
-        src = self._source(tensor)
+        key, src = self._put_prologue(mm_hash, tensor)
         if await self._present_async(key):
             self._count_put(True, True)
             return True
@@ -244,10 +261,12 @@ class ECCacheEngine:
             return None
         try:
             src = obj.tensor
-            # A fresh tensor filled by one copy (pool -> device directly). The copy is
-            # synchronous, so the pool block can be released as soon as it returns.
-            out = torch.empty(src.shape, dtype=src.dtype, device=device)
-            out.copy_(src)
+            # One copy into fresh memory (pool -> device directly). Both copies are
+            # synchronous, so the pool block can be released as soon as they return.
+            if device.type == "cpu":
+                out = src.clone(memory_format=torch.contiguous_format)
+            else:
+                out = src.to(device=device, copy=True)
         finally:
             obj.ref_count_down()
         with self._lock:

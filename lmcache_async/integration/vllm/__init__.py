@@ -1,0 +1,49 @@
+"""vLLM integration: the encoder-cache connector.
+
+* :class:`LMCacheECConnectorImpl` — framework-free connector logic (no vLLM import);
+* ``LMCacheECConnector`` — the ``ECConnectorBase`` subclass vLLM loads with
+  ``ec_connector_module_path="lmcache_async.integration.vllm"``; it (and
+  ``LMCacheECConnectorMetadata``) is imported lazily, so importing this package does not
+  import vLLM. See ``docs/vllm.md``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from lmcache_async.integration.vllm.impl import (
+    ECLoadMetadata,
+    LMCacheECConnectorImpl,
+    load_connector_config,
+)
+
+if TYPE_CHECKING:
+    from lmcache_async.integration.vllm.connector import (
+        LMCacheECConnector,
+        LMCacheECConnectorMetadata,
+    )
+
+_LAZY = {
+    "LMCacheECConnector": "lmcache_async.integration.vllm.connector",
+    "LMCacheECConnectorMetadata": "lmcache_async.integration.vllm.connector",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = [
+    "ECLoadMetadata",
+    "LMCacheECConnector",
+    "LMCacheECConnectorImpl",
+    "LMCacheECConnectorMetadata",
+    "load_connector_config",
+]
