@@ -159,7 +159,11 @@ class LMCacheEngineConfig(BaseModel):
     local_cpu: bool = Field(True, description="Keep a CPU-memory tier.")
     max_local_cpu_size: float = Field(5.0, ge=0, description="CPU tier pool size (GiB).")
     local_disk: str | None = Field(None, description="Directory of the disk tier (file:// accepted).")
-    max_local_disk_size: float = Field(0.0, ge=0, description="Disk tier budget for the directory (GiB).")
+    max_local_disk_size: float = Field(
+        0.0,
+        ge=0,
+        description="Disk tier budget for the directory (GiB), shared by every process using it; <= 0 builds no disk tier.",
+    )
     remote_url: str | None = Field(
         None, description="Remote tier URL (redis://, rediss://, unix://, valkey://, redis+cluster://, fs://)."
     )

@@ -107,6 +107,8 @@ def encode_header(
         raise ValueError(f"rank {len(shape)} is above {MAX_RANK}")
     n = dtype.itemsize
     for d in shape:
+        if d < 0:
+            raise ValueError(f"shape must not hold negative sizes, got {shape!r}")
         n *= d
     hlen = header_length(len(kb), len(shape))
     flags = FLAG_PARTS if num_parts > 1 else 0
@@ -134,7 +136,7 @@ def encode_header(
         struct.pack_into(f"<{len(shape)}Q", buf, off, *shape)
         off += 8 * len(shape)
     buf[off : off + len(kb)] = kb
-    struct.pack_into("<Q", buf, 56, _xxh3(bytes(buf)))
+    struct.pack_into("<Q", buf, 56, _xxh3(buf))
     return bytes(buf)
 
 
@@ -198,6 +200,8 @@ def decode_header(buf: bytes | bytearray | memoryview, expect_key: str | None = 
         n *= d
     if n != plen or plen > MAX_PAYLOAD_LEN:
         raise RecordError("payload length does not match shape and dtype")
+    if flags & ~FLAG_PARTS:
+        raise RecordError(f"unknown flags {flags:#x}")
     if flags & FLAG_PARTS:
         if nparts < 2 or psize <= 0 or -(-plen // psize) != nparts:
             raise RecordError("bad part layout")

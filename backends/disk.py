@@ -1,0 +1,450 @@
+"""The local disk tier (``local_disk``, ``max_local_disk_size`` GiB, ``local_disk_fsync``).
+
+One self-describing record file per entry (:mod:`lmcache_async.records`), named after a hash of
+the key string in one of 256 shard directories (:mod:`.disk_layout`). This module is the async
+half (event loop: batching, de-duplication, cancellation, start-up); the blocking whole-file
+operations, the index and the counters live in :mod:`.disk_store`, the shared budget in
+:mod:`.disk_budget`. Contract on top of :class:`~lmcache_async.backend.StorageBackend`:
+
+* **Atomic publish.** A record is written to a unique temporary name in its shard directory and
+  renamed to its final name without replacing an existing one, so readers see a whole record or
+  none, and concurrent writers of one key (threads or processes) leave exactly one file.
+  ``local_disk_fsync``: ``none`` (default) survives a crash of any process; ``data`` also
+  fsyncs the record before the rename, so after a power loss an entry is either whole or absent;
+  ``full`` also fsyncs the directory after the rename, so an entry whose ``put`` returned
+  survives a power loss. With ``none`` a power loss may leave damaged records: they fail their
+  checksums and are treated as corrupt (never returned).
+* **Shared directory.** Processes sharing a directory (TP ranks, scheduler and workers) see each
+  other's entries: a miss in the in-memory index always looks at the file. The byte budget is
+  per directory (:mod:`.disk_budget`), exact across processes, repaired after a crash by the
+  next lock holder or at the latest by the next start; LRU eviction by
+  bytes (each process evicts in its own LRU order, falling back to file mtimes for entries it
+  has not seen). Reads refresh a file's mtime (at most once a minute) so the order survives
+  restarts.
+* **Start.** :meth:`DiskBackend.start` rebuilds the index in the background by reading record
+  headers, recounts the directory's bytes, reaps temporary files whose writer is gone and evicts
+  down to the budget. Until then every lookup simply looks at the file.
+* **Trouble.** A truncated, corrupt or foreign file is a miss, is deleted and counted.
+  ``ENOSPC``/``EDQUOT``/``EROFS``/``EACCES``/``EPERM``/``EFBIG`` stop writes (counted, logged
+  once); reads go on; writes are retried after a back-off and resume when they succeed.
+* **I/O.** One executor job per whole file operation (open, write/read, close): measured faster
+  than aiofiles, which makes one thread hop per call (see ``lmcache_async.bench.disk``). Reads
+  land straight in the buffer from ``alloc`` (``readinto``); no intermediate copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from lmcache_async.backend import Allocate, BackendContext, StorageBackend
+from lmcache_async.backends.disk_layout import NUM_SHARDS, entry_path, key_digest
+from lmcache_async.backends.disk_store import EXISTS, STORED, DiskStore, FsyncPolicy
+from lmcache_async.keys import CacheEngineKey
+from lmcache_async.memory import MemoryObj, gib_to_bytes
+from lmcache_async.records import header_length
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_SCAN_GROUP = 16  # shards per rebuild job
+_CLOSE_WAIT_S = 4.0  # below the manager's minimum close timeout (5 s)
+
+__all__ = ["DiskBackend", "create"]
+
+
+class DiskBackend(StorageBackend):
+    """The disk tier over one directory; see the module docstring for the contract.
+
+    ``executor`` runs every blocking file operation (:class:`~.disk_store.DiskStore`, one job
+    per whole file operation); ``staging`` allocates read buffers when a caller passes no
+    ``alloc``. ``write_retry_s`` is the first back-off after writes stopped on a storage error
+    (doubling up to ``write_retry_max_s``). Coroutines run on one event loop (the manager's).
+    """
+
+    name = "disk"
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        budget_bytes: int,
+        *,
+        executor: concurrent.futures.Executor,
+        staging: Allocate,
+        fsync: FsyncPolicy = "none",
+        write_retry_s: float = 1.0,
+        write_retry_max_s: float = 30.0,
+        scan_jobs: int = 2,
+    ) -> None:
+        if not isinstance(budget_bytes, int) or budget_bytes <= 0:
+            raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
+        if fsync not in ("none", "data", "full"):
+            raise ValueError(f"fsync must be 'none', 'data' or 'full', got {fsync!r}")
+        if write_retry_s <= 0 or write_retry_max_s < write_retry_s:
+            raise ValueError("write_retry_s must be > 0 and <= write_retry_max_s")
+        self.root = os.path.abspath(os.path.expanduser(os.fspath(root)))
+        try:
+            os.makedirs(self.root, mode=0o700, exist_ok=True)
+        except OSError as exc:  # a read-only parent, say: reads of what exists may still work
+            logger.warning("disk tier: cannot create %s: %s", self.root, exc)
+        self.budget_bytes = budget_bytes
+        self.fsync: FsyncPolicy = fsync
+        self.store = DiskStore(
+            self.root, budget_bytes, fsync=fsync, write_retry_s=write_retry_s,
+            write_retry_max_s=write_retry_max_s,
+        )
+        self._executor = executor
+        self._staging = staging
+        self._writing: dict[bytes, asyncio.Future[bool]] = {}
+        self._jobs: set[concurrent.futures.Future[Any]] = set()
+        self._scan_task: asyncio.Task[None] | None = None
+        self._scan_jobs = max(1, scan_jobs)
+        self._closed = False
+        self.rebuild_done = False
+        self.rebuild_entries = 0
+        self.rebuild_seconds = 0.0
+
+    # ---- capabilities ----------------------------------------------------------------------
+    @property
+    def persistent(self) -> bool:
+        return True
+
+    @property
+    def shared(self) -> bool:
+        return True
+
+    # ---- plumbing ----------------------------------------------------------------------------
+    def _submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        cf = self._executor.submit(fn, *args)
+        self._jobs.add(cf)
+        cf.add_done_callback(self._jobs.discard)
+        return cf
+
+    @staticmethod
+    async def _await(
+        cf: concurrent.futures.Future[T], orphan: Callable[[T], None] | None = None
+    ) -> T:
+        """Await an executor job; if the caller is cancelled while the job runs, ``orphan``
+        receives the job's result once it finishes (so buffers it allocated are released)."""
+        try:
+            return await asyncio.wrap_future(cf)
+        except asyncio.CancelledError:
+            if orphan is not None:
+                cf.add_done_callback(functools.partial(_orphan_cb, orphan))
+            raise
+
+    @staticmethod
+    async def _gather(
+        cfs: Sequence[concurrent.futures.Future[T]], orphan: Callable[[T], None] | None = None
+    ) -> list[T | BaseException]:
+        """Await executor jobs with one loop wake-up for all of them; each job's result, or
+        the exception it raised. On cancellation, jobs not yet started are cancelled and
+        ``orphan`` receives the results of those still running once they finish."""
+        if not cfs:
+            return []
+        loop = asyncio.get_running_loop()
+        all_done: asyncio.Future[None] = loop.create_future()
+        left = [len(cfs)]
+        lock = threading.Lock()
+
+        def one_done(_f: concurrent.futures.Future[T]) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                try:
+                    loop.call_soon_threadsafe(_resolve, all_done)
+                except RuntimeError:  # the loop is closed: nobody waits any more
+                    pass
+
+        for cf in cfs:
+            cf.add_done_callback(one_done)
+        try:
+            await all_done
+        except asyncio.CancelledError:
+            for cf in cfs:
+                cf.cancel()
+                if orphan is not None:
+                    cf.add_done_callback(functools.partial(_orphan_cb, orphan))
+            raise
+        out: list[T | BaseException] = []
+        for cf in cfs:
+            exc = cf.exception()
+            out.append(exc if exc is not None else cf.result())
+        return out
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start rebuilding the index in the background (returns at once)."""
+        if self._scan_task is None and not self._closed:
+            self._scan_task = asyncio.get_running_loop().create_task(self._rebuild())
+
+    async def _rebuild(self) -> None:
+        t0 = time.perf_counter()
+        self.store.begin_scan()
+        sem = asyncio.Semaphore(self._scan_jobs)
+
+        async def one(shards: list[int]) -> list[tuple[int, bytes, int]]:
+            async with sem:
+                return await self._await(self._submit(self.store.scan_group, shards))
+
+        try:
+            groups = [list(range(i, min(i + _SCAN_GROUP, NUM_SHARDS))) for i in range(0, NUM_SHARDS, _SCAN_GROUP)]
+            parts = await asyncio.gather(*(one(g) for g in groups))
+            found = [item for part in parts for item in part]
+            self.rebuild_entries = len(found)
+            await self._await(self._submit(self.store.merge_scan, found))
+            try:
+                await self._await(self._submit(self.store.evict_to_budget))
+            except OSError as exc:
+                logger.warning("disk tier %s: cannot evict down to the budget: %s", self.root, exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("disk tier %s: index rebuild failed; lookups still read files", self.root)
+            self.store.abort_scan()
+        self.rebuild_seconds = time.perf_counter() - t0
+        self.rebuild_done = True
+
+    async def wait_ready(self) -> None:
+        """Wait until the start-up rebuild (index, accounting, eviction to budget) finished."""
+        task = self._scan_task
+        if task is not None and not task.done():
+            await asyncio.shield(task)
+
+    async def flush(self) -> None:
+        """Wait for every file operation started so far (``put`` already returns after publishing)."""
+        pending = [asyncio.wrap_future(cf) for cf in list(self._jobs)]
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    async def close(self) -> None:
+        """Stop the rebuild, wait (bounded) for running file operations, close. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            task = self._scan_task
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            pending = [asyncio.wrap_future(cf) for cf in list(self._jobs)]
+            if pending:
+                done, not_done = await asyncio.wait(pending, timeout=_CLOSE_WAIT_S)
+                for f in done:
+                    if not f.cancelled():
+                        f.exception()
+                if not_done:
+                    logger.warning(
+                        "disk tier %s: %d file operations still running at close", self.root, len(not_done)
+                    )
+        finally:
+            self.store.close()  # jobs still running afterwards fail cleanly (counted)
+
+    # ---- backend interface --------------------------------------------------------------------
+    async def put(self, key: CacheEngineKey, obj: MemoryObj) -> bool:
+        """Write ``obj``'s record (True when stored or already present; False when writes are
+        stopped, the budget cannot make room, or the write failed)."""
+        return (await self.batched_put([(key, obj)]))[0]
+
+    async def batched_put(self, items: Sequence[tuple[CacheEngineKey, MemoryObj]]) -> list[bool]:
+        """:meth:`put` for each item: one executor job per file, one loop wake-up per batch."""
+        for key, obj in items:
+            _check_key(key)
+            if not isinstance(obj, MemoryObj):
+                raise TypeError(f"obj must be a MemoryObj, got {type(obj).__name__}")
+        out = [False] * len(items)
+        if self._closed or not items:
+            return out
+        loop = asyncio.get_running_loop()
+        waits: list[tuple[int, asyncio.Future[bool]]] = []
+        jobs: list[tuple[int, bytes, asyncio.Future[bool]]] = []
+        cfs: list[concurrent.futures.Future[str]] = []
+        for i, (key, obj) in enumerate(items):
+            kstr = key.to_string()
+            digest = key_digest(kstr)
+            running = self._writing.get(digest)
+            if running is not None:  # the same key is being written: share its outcome
+                waits.append((i, running))
+                continue
+            if not self.store.writes_allowed():
+                self.store.count("writes_refused")
+                continue
+            if header_length(len(kstr.encode("utf-8")), len(obj.shape)) + obj.nbytes > self.budget_bytes:
+                self.store.count("no_space")
+                continue
+            obj.ref_count_up()  # the job reads the block even if this call is cancelled
+            try:
+                cf = self._submit(self.store.write, digest, kstr, obj)
+            except RuntimeError:  # the executor was shut down
+                obj.ref_count_down()
+                break
+            cf.add_done_callback(functools.partial(_release_ref, obj))
+            done: asyncio.Future[bool] = loop.create_future()
+            self._writing[digest] = done
+            jobs.append((i, digest, done))
+            cfs.append(cf)
+        try:
+            results = await self._gather(cfs)
+            for (i, _d, _f), r in zip(jobs, results, strict=True):
+                if isinstance(r, BaseException):
+                    self.store.count("write_errors")
+                    self.store.warn("job", "disk tier: write failed: %r", r)
+                else:
+                    out[i] = r in (STORED, EXISTS)
+        finally:
+            for i, d, f in jobs:
+                self._writing.pop(d, None)
+                if not f.done():
+                    f.set_result(out[i])
+        for i, f in waits:
+            out[i] = await asyncio.shield(f)
+        return out
+
+    async def get(self, key: CacheEngineKey, alloc: Allocate | None = None) -> MemoryObj | None:
+        """Read the record into a buffer from ``alloc`` (the staging area when None), verified
+        (key, sizes, xxh3); None on a miss or any damage (a damaged file is deleted)."""
+        return (await self.batched_get([key], alloc))[0]
+
+    async def batched_get(
+        self, keys: Sequence[CacheEngineKey], alloc: Allocate | None = None
+    ) -> list[MemoryObj | None]:
+        """:meth:`get` for each key: one executor job per file, one loop wake-up per batch.
+        If the caller is cancelled, buffers of reads still running are released when they end."""
+        for key in keys:
+            _check_key(key)
+        out: list[MemoryObj | None] = [None] * len(keys)
+        if self._closed or not keys:
+            return out
+        use = alloc or self._staging
+        cfs: list[concurrent.futures.Future[MemoryObj | None]] = []
+        for key in keys:
+            kstr = key.to_string()
+            try:
+                cfs.append(self._submit(self.store.read, key_digest(kstr), kstr, use))
+            except RuntimeError:  # the executor was shut down
+                break
+        results = await self._gather(cfs, _release)
+        for i, r in enumerate(results):
+            if isinstance(r, MemoryObj):
+                out[i] = r
+            elif isinstance(r, BaseException):
+                self.store.count("read_errors")
+                self.store.warn("job", "disk tier: read failed: %r", r)
+        return out
+
+    async def batched_contains(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
+        return [self.contains_nowait(_check_key(k)) for k in keys]
+
+    def contains_nowait(self, key: CacheEngineKey) -> bool:
+        """Index hit, else one ``os.stat`` of the entry's file (any thread)."""
+        if self._closed:
+            return False
+        digest = key_digest(key.to_string())
+        if digest in self.store:
+            return True
+        try:
+            return os.stat(entry_path(self.root, digest)).st_size >= 64
+        except OSError:
+            return False
+
+    async def contains(self, key: CacheEngineKey) -> bool:
+        return self.contains_nowait(_check_key(key))
+
+    async def remove(self, key: CacheEngineKey) -> bool:
+        _check_key(key)
+        if self._closed:
+            return False
+        digest = key_digest(key.to_string())
+        running = self._writing.get(digest)
+        if running is not None:
+            await asyncio.shield(running)
+        return await self._await(self._submit(self.store.remove, digest))
+
+    async def clear(self) -> None:
+        """Delete every entry in the directory (other processes' too: the directory is the tier)."""
+        if self._closed:
+            return
+        await self._await(self._submit(self.store.clear))
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = self.store.counters()
+        acct_bytes, acct_files = self.store.budget.peek()
+        out.update(
+            entries=len(self.store),
+            bytes=acct_bytes,
+            files=acct_files,
+            budget_bytes=self.budget_bytes,
+            writes_stopped=self.store.writes_stopped,
+            recovered_shards=self.store.budget.recovered_shards,
+            rebuild_done=self.rebuild_done,
+            rebuild_entries=self.rebuild_entries,
+            rebuild_seconds=self.rebuild_seconds,
+            fsync=self.fsync,
+            io="executor",
+            path=self.root,
+        )
+        return out
+
+    def accounted(self) -> tuple[int, int]:
+        """``(bytes, files)`` of the directory, read now under the lock (blocking; for tests
+        and tools)."""
+        return self.store.budget.snapshot()
+
+
+def _release(obj: MemoryObj | None) -> None:
+    if obj is not None:
+        obj.ref_count_down()
+
+
+def _release_ref(obj: MemoryObj, _f: object) -> None:
+    obj.ref_count_down()
+
+
+def _orphan_cb(orphan: Callable[[T], None], f: concurrent.futures.Future[T]) -> None:
+    if not f.cancelled() and f.exception() is None:
+        orphan(f.result())
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _check_key(key: CacheEngineKey) -> CacheEngineKey:
+    if type(key) is not CacheEngineKey:
+        raise TypeError(f"key must be a CacheEngineKey, got {type(key).__name__}")
+    return key
+
+
+def create(ctx: BackendContext) -> DiskBackend | None:
+    """Registry factory: the disk tier when ``local_disk`` is set.
+
+    ``max_local_disk_size`` <= 0 with ``local_disk`` set builds no tier (a warning says so):
+    there is no safe default size for someone else's disk.
+    """
+    cfg = ctx.config
+    if not cfg.local_disk:
+        return None
+    if cfg.max_local_disk_size <= 0:
+        logger.warning(
+            "local_disk is set to %r but max_local_disk_size is %s GiB: the disk tier is "
+            "disabled; set max_local_disk_size to the directory's budget in GiB",
+            cfg.local_disk, cfg.max_local_disk_size,
+        )
+        return None
+    return DiskBackend(
+        cfg.local_disk,
+        gib_to_bytes(cfg.max_local_disk_size),
+        executor=ctx.executor,
+        staging=ctx.staging,
+        fsync=cfg.local_disk_fsync,
+    )

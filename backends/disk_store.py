@@ -1,0 +1,564 @@
+"""The blocking half of the disk tier: whole-file operations, the index and the budget.
+
+:class:`DiskStore` is thread-safe and does blocking I/O: every public method is one executor
+job of :class:`~lmcache_async.backends.disk.DiskBackend` (one job per whole file operation:
+open, write or read, close), never run on the event loop. It owns
+
+* the in-memory index (digest -> file bytes, least recently used first) under ``_ilock``;
+* the shared byte budget (:class:`~lmcache_async.backends.disk_budget.DirBudget`); the lock
+  order is directory lock -> index lock;
+* the write stop/resume state and the counters reported by ``stats()``.
+
+Nothing here trusts a file: every read checks the record (:mod:`lmcache_async.records`), and a
+damaged, truncated or foreign file is deleted and counted.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Literal
+
+from lmcache_async.backend import Allocate
+from lmcache_async.backends.disk_budget import DirBudget, EntryFile, Ledger, list_shard
+from lmcache_async.backends.disk_layout import (
+    ENTRY_SUFFIX,
+    NUM_SHARDS,
+    ensure_dir,
+    entry_path,
+    fsync_dir,
+    key_digest,
+    publish_noreplace,
+    read_exact_into,
+    shard_name,
+    tmp_name,
+    tmp_reapable,
+    write_all,
+)
+from lmcache_async.memory import MemoryObj
+from lmcache_async.records import (
+    RecordError,
+    decode_header,
+    encode_header,
+    payload_checksum,
+    peek_header_len,
+)
+
+logger = logging.getLogger("lmcache_async.backends.disk")
+
+FsyncPolicy = Literal["none", "data", "full"]
+
+WRITE_STOP_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+)
+"""Errors that stop writes for a back-off (disk full, quota, read-only, permission, too big)."""
+_HEADER_PROBE = 512  # first read of a header (most keys fit); a longer header takes a second read
+_TOUCH_AFTER_S = 60.0  # refresh a file's mtime on read at most this often
+_LOG_EVERY_S = 5.0
+
+# outcomes of write()
+STORED = "stored"
+EXISTS = "exists"
+NO_SPACE = "no_space"
+FAILED = "failed"
+
+COUNTERS = (
+    "evictions", "corrupt", "vanished", "write_errors", "writes_refused", "no_space",
+    "read_errors", "alloc_failures", "tmp_reaped", "stored", "read_hits",
+)
+
+
+class _Log:
+    """Logs one message per category per interval, counting what it suppressed."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def warn(self, category: str, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(category, -1e9) < _LOG_EVERY_S:
+                self._suppressed[category] = self._suppressed.get(category, 0) + 1
+                return
+            self._last[category] = now
+            n = self._suppressed.pop(category, 0)
+        if n:
+            msg += f" ({n} similar messages suppressed)"
+        logger.warning(msg, *args)
+
+
+class DiskStore:
+    """Blocking, thread-safe file operations over one disk-tier directory (see the module
+    docstring). ``write_retry_s`` is the first back-off after writes stopped on a storage error
+    (doubling up to ``write_retry_max_s``)."""
+
+    def __init__(
+        self,
+        root: str,
+        budget_bytes: int,
+        *,
+        fsync: FsyncPolicy = "none",
+        write_retry_s: float = 1.0,
+        write_retry_max_s: float = 30.0,
+    ) -> None:
+        self.root = root
+        self.budget_bytes = budget_bytes
+        self.fsync: FsyncPolicy = fsync
+        self._budget = DirBudget(root)
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # digest -> file bytes, LRU first
+        self._ilock = threading.Lock()
+        self._scan_removed: set[bytes] | None = None
+        self._scan_cleared = False
+        self._evict_cursor = 0
+        self.closed = False
+        self._log = _Log()
+        self._retry_base = write_retry_s
+        self._retry_max = write_retry_max_s
+        self._w_lock = threading.Lock()
+        self._w_stopped = False
+        self._w_backoff = 0.0
+        self._w_retry_at = 0.0
+        self._clock = threading.Lock()
+        self._c: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+
+    # ---- small helpers ---------------------------------------------------------------------------
+    def count(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to the counter ``name`` (thread-safe)."""
+        with self._clock:
+            self._c[name] += n
+
+    def warn(self, category: str, msg: str, *args: Any) -> None:
+        """Log a warning, at most one per ``category`` every few seconds."""
+        self._log.warn(category, msg, *args)
+
+    def counters(self) -> dict[str, int]:
+        with self._clock:
+            return dict(self._c)
+
+    @property
+    def budget(self) -> DirBudget:
+        return self._budget
+
+    @property
+    def writes_stopped(self) -> bool:
+        return self._w_stopped
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, digest: bytes) -> bool:
+        """Index membership (lock-free; any thread)."""
+        return digest in self._index
+
+    def begin_scan(self) -> None:
+        """Remember removals from now on, so a scan does not re-add what was removed meanwhile."""
+        with self._ilock:
+            self._scan_removed = set()
+            self._scan_cleared = False
+
+    def abort_scan(self) -> None:
+        with self._ilock:
+            self._scan_removed = None
+            self._scan_cleared = False
+
+    def close(self) -> None:
+        self.closed = True
+        self._budget.close()
+
+    def _path(self, digest: bytes) -> str:
+        return entry_path(self.root, digest)
+
+    def _note_removed(self, digest: bytes) -> None:
+        """Forget ``digest`` (index lock NOT held by the caller)."""
+        with self._ilock:
+            self._index.pop(digest, None)
+            if self._scan_removed is not None:
+                self._scan_removed.add(digest)
+
+    def _note_present(self, digest: bytes, size: int) -> None:
+        with self._ilock:
+            idx = self._index
+            if digest in idx:
+                idx.move_to_end(digest)
+            idx[digest] = size
+            if self._scan_removed is not None:
+                self._scan_removed.discard(digest)
+
+    # ---- write stop / resume ------------------------------------------------------------------
+    def writes_allowed(self) -> bool:
+        return not self._w_stopped or time.monotonic() >= self._w_retry_at
+
+    def _write_failed(self, exc: OSError, what: str) -> None:
+        self.count("write_errors")
+        if exc.errno not in WRITE_STOP_ERRNOS:
+            self._log.warn("write", "disk tier: %s failed: %s", what, exc)
+            return
+        with self._w_lock:
+            first = not self._w_stopped
+            self._w_stopped = True
+            self._w_backoff = (
+                self._retry_base if first else min(self._w_backoff * 2, self._retry_max)
+            )
+            self._w_retry_at = time.monotonic() + self._w_backoff
+        if first:
+            logger.warning(
+                "disk tier %s: writes stopped (%s); reads go on, writes are retried after a "
+                "back-off", self.root, exc,
+            )
+
+    def _write_ok(self) -> None:
+        if not self._w_stopped:
+            return
+        with self._w_lock:
+            was = self._w_stopped
+            self._w_stopped = False
+            self._w_backoff = 0.0
+        if was:
+            logger.warning("disk tier %s: writes resumed", self.root)
+
+    # ---- removal primitives (directory lock held) ----------------------------------------------
+    def _unlink_entry(self, led: Ledger, digest: bytes, expect_ino: int | None = None) -> int | None:
+        """Delete the entry file of ``digest`` (only if it is inode ``expect_ino`` when given);
+        bytes freed, or None when nothing was deleted. The accounting follows."""
+        path = self._path(digest)
+
+        def fn() -> tuple[int, int]:
+            try:
+                st = os.stat(path, follow_symlinks=False)
+            except FileNotFoundError:
+                return 0, 0
+            if expect_ino is not None and st.st_ino != expect_ino:
+                return 0, 0  # replaced by a fresh record since the caller looked
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                return 0, 0
+            return -st.st_size, -1
+
+        db, df = led.change(digest[0], fn)
+        self._note_removed(digest)
+        return -db if df else None
+
+    def _pop_victim(self, exclude: bytes | None) -> bytes | None:
+        with self._ilock:
+            for d in self._index:
+                if d != exclude:
+                    del self._index[d]
+                    return d
+        return None
+
+    def _evict_unindexed(self, led: Ledger, need: int, exclude: bytes | None) -> int:
+        """Evict files this process has not indexed (oldest mtime first, shard by shard)."""
+        freed = 0
+        for _ in range(NUM_SHARDS):
+            shard = self._evict_cursor
+            self._evict_cursor = (shard + 1) % NUM_SHARDS
+            listing = list_shard(self.root, shard)
+            for e in sorted(listing.entries, key=lambda e: e.mtime_ns):
+                if e.digest == exclude:
+                    continue
+                got = self._unlink_entry(led, e.digest, e.ino)
+                if got is not None:
+                    freed += got
+                    self.count("evictions")
+                    if freed >= need:
+                        return freed
+        return freed
+
+    def _make_room(self, led: Ledger, need: int, exclude: bytes | None) -> bool:
+        """Evict (LRU) until ``need`` more bytes fit in the budget; False when they cannot."""
+        budget = self.budget_bytes
+        if need > budget:
+            return False
+        while led.total_bytes + need > budget:
+            victim = self._pop_victim(exclude)
+            if victim is None:
+                over = led.total_bytes + need - budget
+                if self._evict_unindexed(led, over, exclude) <= 0:
+                    return False
+                continue
+            if self._unlink_entry(led, victim) is not None:
+                self.count("evictions")
+        return True
+
+    def _discard_corrupt(self, digest: bytes, ino: int, why: str) -> None:
+        """Count and delete a damaged file (unless a fresh record replaced it meanwhile)."""
+        self.count("corrupt")
+        self._log.warn("corrupt", "disk tier: %s is damaged (%s); deleted", self._path(digest), why)
+        try:
+            with self._budget.locked() as led:
+                self._unlink_entry(led, digest, ino)
+                led.recount(digest[0])  # its size may have changed behind the accounting
+        except OSError as exc:  # read-only filesystem: it stays, and stays a miss
+            self._note_removed(digest)
+            self._log.warn("corrupt-rm", "disk tier: cannot delete a damaged file: %s", exc)
+
+    def _vanished(self, digest: bytes) -> None:
+        """A file the index knew is gone: forget it and repair the shard's accounting."""
+        with self._ilock:
+            known = self._index.pop(digest, None) is not None
+        if not known:
+            return
+        self.count("vanished")
+        try:
+            with self._budget.locked() as led:
+                led.recount(digest[0])
+        except OSError:
+            pass
+
+    # ---- whole-file operations (executor threads) ------------------------------------------------
+    def write(self, digest: bytes, kstr: str, obj: MemoryObj) -> str:
+        hexd = digest.hex()
+        sdir = f"{self.root}/{hexd[:2]}"
+        path = f"{sdir}/{hexd}{ENTRY_SUFFIX}"
+        try:  # a re-put, or another process wrote it: nothing to do
+            st = os.stat(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            self._write_failed(exc, "stat")
+            return FAILED
+        else:
+            self._note_present(digest, st.st_size)
+            return EXISTS
+        view = obj.byte_view()
+        try:
+            header = encode_header(kstr, obj.shape, obj.dtype, obj.fmt, payload_checksum(view))
+        except ValueError as exc:  # a key or shape the record format cannot hold
+            self.count("write_errors")
+            self._log.warn("encode", "disk tier: cannot store %r: %s", kstr[:200], exc)
+            return FAILED
+        total = len(header) + len(view)
+        tmp = f"{sdir}/{tmp_name(digest, hexd)}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        status = FAILED
+        try:
+            try:
+                fd = os.open(tmp, flags, 0o600)
+            except FileNotFoundError:
+                if ensure_dir(sdir) and self.fsync == "full":
+                    fsync_dir(self.root)
+                fd = os.open(tmp, flags, 0o600)
+            try:
+                write_all(fd, (header, view))
+                if self.fsync != "none":
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            status = self._publish(digest, tmp, path, total)
+            if status == STORED and self.fsync == "full":
+                fsync_dir(sdir)
+        except OSError as exc:
+            self._write_failed(exc, "write")
+            status = FAILED
+        finally:
+            if status != STORED:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+        if status == STORED:
+            self._note_present(digest, total)
+            self.count("stored")
+            self._write_ok()
+        elif status == EXISTS:
+            self._note_present(digest, total)
+        elif status == NO_SPACE:
+            self.count("no_space")
+        return status
+
+    def _publish(self, digest: bytes, tmp: str, path: str, total: int) -> str:
+        """Rename the written record into place, then account it (see
+        :meth:`DirBudget.generation`): the rename, which can stall on a busy journal, runs
+        outside the directory lock. Over budget, older entries are evicted; if nothing else can
+        go, the new entry itself is dropped."""
+        budget = self._budget
+        gen = budget.generation()
+        if gen is None:  # first use: map the accounting file
+            budget.acquire()
+            budget.release()
+            gen = budget.generation()
+        if not publish_noreplace(tmp, path):
+            return EXISTS  # another writer published this key first
+        shard = digest[0]
+        if gen is not None and budget.try_account_publish(shard, total, gen, self.budget_bytes):
+            return STORED
+        led = budget.acquire()
+        try:
+            if budget.generation() == gen:
+                led.add(shard, total, 1)
+            else:  # a recount ran meanwhile and may have counted this file already
+                led.recount(shard)
+            if self._make_room(led, 0, digest):
+                return STORED
+            self._unlink_entry(led, digest)
+            return NO_SPACE
+        finally:
+            budget.release()
+
+    def read(self, digest: bytes, kstr: str, alloc: Allocate) -> MemoryObj | None:
+        path = self._path(digest)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            self._vanished(digest)
+            return None
+        except OSError as exc:
+            self.count("read_errors")
+            self._log.warn("read", "disk tier: cannot open %s: %s", path, exc)
+            return None
+        obj: MemoryObj | None = None
+        bad: tuple[int, str] | None = None
+        try:
+            st = os.fstat(fd)
+            try:
+                head = os.pread(fd, _HEADER_PROBE, 0)
+                hlen = peek_header_len(head)
+                if hlen > len(head):
+                    head = os.pread(fd, hlen, 0)
+                hdr = decode_header(head, expect_key=kstr)
+                if st.st_size != hdr.total_len:
+                    raise RecordError(
+                        "file is truncated" if st.st_size < hdr.total_len else "trailing bytes"
+                    )
+            except RecordError as exc:
+                bad = (st.st_ino, str(exc))
+                return None
+            obj = alloc(hdr.shape, hdr.dtype, hdr.fmt)
+            if obj is None:
+                self.count("alloc_failures")
+                return None
+            view = obj.byte_view()
+            if read_exact_into(fd, view, hdr.header_len) != hdr.payload_len:
+                bad = (st.st_ino, "file is truncated")
+                return None
+            if payload_checksum(view) != hdr.checksum:
+                bad = (st.st_ino, "payload checksum mismatch")
+                return None
+            if time.time() - st.st_mtime > _TOUCH_AFTER_S:
+                try:
+                    os.utime(fd)  # keeps the LRU order across restarts and processes
+                except OSError:
+                    pass
+            out, obj = obj, None
+            self._note_present(digest, st.st_size)
+            self.count("read_hits")
+            return out
+        except OSError as exc:
+            self.count("read_errors")
+            self._log.warn("read", "disk tier: reading %s failed: %s", path, exc)
+            return None
+        finally:
+            os.close(fd)
+            if obj is not None:
+                obj.ref_count_down()
+            if bad is not None:
+                self._discard_corrupt(digest, *bad)
+
+    def remove(self, digest: bytes) -> bool:
+        with self._budget.locked() as led:
+            return self._unlink_entry(led, digest) is not None
+
+    def clear(self) -> None:
+        for shard in range(NUM_SHARDS):
+            with self._budget.locked() as led:
+                listing = list_shard(self.root, shard)
+                if listing.entries or led.shard(shard) != (0, 0):
+                    led.delete_listed(listing)
+        with self._ilock:
+            self._index.clear()
+            if self._scan_removed is not None:
+                self._scan_removed = set()
+                self._scan_cleared = True
+
+    def scan_group(self, shards: list[int]) -> list[tuple[int, bytes, int]]:
+        """Recount ``shards`` exactly (under the lock), reap dead writers' temporary files and
+        read every record header; ``(mtime_ns, digest, size)`` of the valid entries."""
+        created = False
+        for s in shards:  # up front, so writes never pay for a mkdir
+            try:
+                created = ensure_dir(f"{self.root}/{shard_name(s)}") or created
+            except OSError:
+                break
+        if created and self.fsync == "full":
+            fsync_dir(self.root)
+        try:
+            with self._budget.locked() as led:
+                listings = led.recount_many(shards)
+        except OSError:  # no accounting possible (read-only filesystem): index what is there
+            listings = [list_shard(self.root, s) for s in shards]
+        now = time.time()
+        out: list[tuple[int, bytes, int]] = []
+        for listing in listings:
+            sdir = f"{self.root}/{shard_name(listing.shard)}"
+            for name, mtime in listing.tmps:
+                if tmp_reapable(name, mtime, now):
+                    try:
+                        os.unlink(f"{sdir}/{name}")
+                        self.count("tmp_reaped")
+                    except OSError:
+                        pass
+            for e in listing.entries:
+                if self.closed:
+                    break
+                if self._check_header(f"{sdir}/{e.name}", e):
+                    out.append((e.mtime_ns, e.digest, e.size))
+        return out
+
+    def _check_header(self, path: str, e: EntryFile) -> bool:
+        """True when the file holds a well-formed record of the key its name stands for and has
+        the listed size; a damaged file is discarded (unless it was replaced since the listing)."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return False
+        problem = None
+        try:
+            head = os.pread(fd, _HEADER_PROBE, 0)
+            hlen = peek_header_len(head)
+            if hlen > len(head):
+                head = os.pread(fd, hlen, 0)
+            hdr = decode_header(head)
+            if key_digest(hdr.key) != e.digest:
+                problem = "file name does not match the key it holds"
+            elif e.size != hdr.total_len:
+                problem = "file is truncated" if e.size < hdr.total_len else "trailing bytes"
+        except RecordError as exc:
+            problem = str(exc)
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+        if problem is not None:
+            self._discard_corrupt(e.digest, e.ino, problem)
+            return False
+        return True
+
+    def merge_scan(self, found: list[tuple[int, bytes, int]]) -> int:
+        found.sort()
+        with self._ilock:
+            removed = self._scan_removed or set()
+            cleared = self._scan_cleared
+            self._scan_removed = None
+            self._scan_cleared = False
+            merged: OrderedDict[bytes, int] = OrderedDict()
+            if not cleared:
+                for _mt, d, size in found:
+                    if d not in removed:
+                        merged[d] = size
+            for d, size in self._index.items():  # touched since start: most recent
+                if d in merged:
+                    merged.move_to_end(d)
+                merged[d] = size
+            self._index = merged
+            return len(merged)
+
+    def evict_to_budget(self) -> None:
+        with self._budget.locked() as led:
+            self._make_room(led, 0, None)

@@ -1,0 +1,322 @@
+"""Tools for a disk-tier directory: ``lmcache-async inspect DIR [--verify] [--purge]``.
+
+* :func:`inspect_dir` reads every record header (entries, bytes, models, dtypes, oldest/newest,
+  temporary files, what the shared accounting says) and, with ``verify=True``, re-checks every
+  payload checksum. It only reads: it is safe next to running processes.
+* :func:`purge_dir` empties the directory safely: it deletes entry files and the temporary files
+  of writers that are gone, under the directory lock the tier uses (so running processes keep
+  an exact budget), and leaves every file that is not ours alone.
+
+The directory layout and record format are described in ``docs/formats.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, TextIO
+
+_CHUNK = 4 << 20
+
+
+@dataclass
+class InspectReport:
+    """What :func:`inspect_dir` found. Times are seconds since the epoch (file mtimes)."""
+
+    path: str
+    entries: int = 0
+    bytes: int = 0
+    payload_bytes: int = 0
+    models: dict[str, int] = field(default_factory=dict)
+    dtypes: dict[str, int] = field(default_factory=dict)
+    oldest: float | None = None
+    newest: float | None = None
+    temp_files: int = 0
+    temp_bytes: int = 0
+    accounted_bytes: int | None = None
+    accounted_files: int | None = None
+    verified: bool = False
+    verified_bytes: int = 0
+    corrupt: list[tuple[str, str]] = field(default_factory=list)
+    """``(path, reason)`` of every damaged entry file (headers always; payloads with verify)."""
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+ProgressFn = Callable[[int, int], None]
+"""``progress(done, total)`` in files."""
+
+
+def _model_of(key: str) -> str:
+    from lmcache_async.keys import CacheEngineKey
+
+    try:
+        return CacheEngineKey.from_string(key).model_name
+    except ValueError:
+        return key.split("@", 1)[0]
+
+
+def _check_file(path: str, digest: bytes, verify: bool, buf: bytearray) -> tuple[Any, int, str | None]:
+    """``(header or None, payload bytes read, problem or None)`` for one entry file."""
+    import xxhash
+
+    from lmcache_async.backends.disk_layout import key_digest
+    from lmcache_async.records import PROBE_LEN, RecordError, decode_header, peek_header_len
+
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        try:
+            head = os.pread(f.fileno(), PROBE_LEN, 0)
+            hlen = peek_header_len(head)
+            if hlen > len(head):
+                head = os.pread(f.fileno(), hlen, 0)
+            hdr = decode_header(head)
+        except RecordError as exc:
+            return None, 0, str(exc)
+        if key_digest(hdr.key) != digest:
+            return hdr, 0, "file name does not match the key it holds"
+        if size != hdr.total_len:
+            return hdr, 0, "file is truncated" if size < hdr.total_len else "trailing bytes"
+        if not verify:
+            return hdr, 0, None
+        h = xxhash.xxh3_64()
+        mv = memoryview(buf)
+        f.seek(hdr.header_len)
+        left = hdr.payload_len
+        while left:
+            n = f.readinto(mv[: min(left, len(mv))])
+            if not n:
+                return hdr, hdr.payload_len - left, "file is truncated"
+            h.update(mv[:n])
+            left -= n
+        if h.intdigest() != hdr.checksum:
+            return hdr, hdr.payload_len, "payload checksum mismatch"
+        return hdr, hdr.payload_len, None
+
+
+def inspect_dir(
+    path: str | os.PathLike[str], verify: bool = False, progress: ProgressFn | None = None
+) -> InspectReport:
+    """Survey the disk-tier directory ``path`` (read-only). ``verify`` re-reads every payload and
+    checks its xxh3 checksum; ``progress(done, total)`` is called after each file.
+
+    Raises ``FileNotFoundError``/``NotADirectoryError`` when ``path`` is not a directory.
+    """
+    from lmcache_async.backends.disk_budget import list_shard, read_accounting
+    from lmcache_async.backends.disk_layout import NUM_SHARDS, shard_name
+
+    root = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(root):
+        if not os.path.exists(root):
+            raise FileNotFoundError(f"no such directory: {root}")
+        raise NotADirectoryError(f"not a directory: {root}")
+    t0 = time.perf_counter()
+    rep = InspectReport(path=root, verified=verify)
+    listings = [list_shard(root, s) for s in range(NUM_SHARDS)]
+    total = sum(len(li.entries) for li in listings)
+    models: Counter[str] = Counter()
+    dtypes: Counter[str] = Counter()
+    buf = bytearray(_CHUNK) if verify else bytearray(0)
+    done = 0
+    for li in listings:
+        sdir = f"{root}/{shard_name(li.shard)}"
+        for name, _mtime in li.tmps:
+            rep.temp_files += 1
+            try:
+                rep.temp_bytes += os.path.getsize(f"{sdir}/{name}")
+            except OSError:
+                pass
+        for e in li.entries:
+            fpath = f"{sdir}/{e.name}"
+            size, mtime_ns = e.size, e.mtime_ns
+            try:
+                hdr, nread, problem = _check_file(fpath, e.digest, verify, buf)
+            except FileNotFoundError:  # deleted meanwhile by a running process
+                done += 1
+                continue
+            except OSError as exc:
+                hdr, nread, problem = None, 0, f"unreadable: {exc.strerror or exc}"
+            done += 1
+            rep.verified_bytes += nread
+            if problem is not None:
+                rep.corrupt.append((fpath, problem))
+            else:
+                rep.entries += 1
+                rep.bytes += size
+                rep.payload_bytes += hdr.payload_len
+                models[_model_of(hdr.key)] += 1
+                dtypes[str(hdr.dtype).removeprefix("torch.")] += 1
+                mt = mtime_ns / 1e9
+                rep.oldest = mt if rep.oldest is None else min(rep.oldest, mt)
+                rep.newest = mt if rep.newest is None else max(rep.newest, mt)
+            if progress is not None:
+                progress(done, total)
+    rep.models = dict(models.most_common())
+    rep.dtypes = dict(dtypes.most_common())
+    acct = read_accounting(root)
+    if acct is not None:
+        rep.accounted_bytes, rep.accounted_files = acct
+    rep.seconds = time.perf_counter() - t0
+    return rep
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"  # pragma: no cover
+
+
+def _when(t: float | None) -> str:
+    if t is None:
+        return "-"
+    age = max(time.time() - t, 0.0)
+    return f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t))} ({_size_age(age)} ago)"
+
+
+def _size_age(s: float) -> str:
+    if s < 120:
+        return f"{s:.0f} s"
+    if s < 7200:
+        return f"{s / 60:.0f} min"
+    if s < 172800:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:.1f} days"
+
+
+def format_report(report: InspectReport) -> str:
+    """Human-readable text of ``report``."""
+    r = report
+    lines = [
+        f"directory   {r.path}",
+        f"entries     {r.entries}",
+        f"bytes       {_size(r.bytes)} ({r.bytes} B; payload {_size(r.payload_bytes)})",
+    ]
+    if r.accounted_bytes is not None:
+        match = "matches" if (r.accounted_bytes, r.accounted_files) == (r.bytes, r.entries) else "differs"
+        lines.append(
+            f"accounting  {_size(r.accounted_bytes)} in {r.accounted_files} files ({match}; the "
+            "tier repairs it at start)"
+        )
+    else:
+        lines.append("accounting  none (no disk tier has used this directory yet)")
+    lines.append(f"oldest      {_when(r.oldest)}")
+    lines.append(f"newest      {_when(r.newest)}")
+    if r.models:
+        lines.append("models")
+        lines.extend(f"  {n:>8}  {m}" for m, n in r.models.items())
+    if r.dtypes:
+        lines.append("dtypes      " + ", ".join(f"{d} x{n}" for d, n in r.dtypes.items()))
+    lines.append(f"temp files  {r.temp_files} ({_size(r.temp_bytes)})")
+    if r.verified:
+        rate = r.verified_bytes / r.seconds / 1e6 if r.seconds > 0 else 0.0
+        lines.append(f"verified    {_size(r.verified_bytes)} of payload in {r.seconds:.2f} s ({rate:.0f} MB/s)")
+    label = "corrupt" if r.verified else "corrupt (headers only; --verify checks payloads)"
+    lines.append(f"{label}  {len(r.corrupt)}")
+    lines.extend(f"  {p}: {why}" for p, why in r.corrupt)
+    return "\n".join(lines)
+
+
+def purge_dir(path: str | os.PathLike[str]) -> int:
+    """Delete every entry file, and the temporary files whose writer is gone, under the
+    directory lock (running processes keep an exact budget). Files that are not ours are left
+    alone. Returns how many files were deleted. ``FileNotFoundError`` when ``path`` is missing.
+    """
+    from lmcache_async.backends.disk_budget import DirBudget, list_shard
+    from lmcache_async.backends.disk_layout import ACCT_NAME, NUM_SHARDS, shard_name, tmp_reapable
+
+    root = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"no such directory: {root}")
+    if not os.path.exists(f"{root}/{ACCT_NAME}") and not any(
+        list_shard(root, s).entries or list_shard(root, s).tmps for s in range(NUM_SHARDS)
+    ):
+        return 0  # not a disk-tier directory (or already empty): leave no trace in it
+    budget = DirBudget(root)
+    removed = 0
+    try:
+        for shard in range(NUM_SHARDS):
+            sdir = f"{root}/{shard_name(shard)}"
+            with budget.locked() as led:
+                listing = list_shard(root, shard)
+                if listing.entries or led.shard(shard) != (0, 0):
+                    removed += led.delete_listed(listing)
+                    led.recount(shard)
+            now = time.time()
+            for name, mtime in listing.tmps:
+                if tmp_reapable(name, mtime, now):
+                    try:
+                        os.unlink(f"{sdir}/{name}")
+                        removed += 1
+                    except FileNotFoundError:
+                        pass
+    finally:
+        budget.close()
+    return removed
+
+
+class _ProgressBar:
+    """``verify [#########-----------]  450/1000 files`` on a terminal."""
+
+    def __init__(self, out: TextIO, width: int = 30) -> None:
+        self.out = out
+        self.width = width
+        self._last = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if done < total and now - self._last < 0.1:
+            return
+        self._last = now
+        frac = done / total if total else 1.0
+        fill = int(frac * self.width)
+        self.out.write(f"\rverify [{'#' * fill}{'-' * (self.width - fill)}] {done}/{total} files")
+        if done >= total:
+            self.out.write("\n")
+        self.out.flush()
+
+
+def add_inspect_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``inspect`` sub-command to an ``argparse`` sub-parser collection."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "inspect", help="survey, verify or empty a disk-tier directory",
+        description="Entries, bytes, models and ages of a disk-tier directory; --verify re-checks "
+        "every checksum; --purge empties it safely (entries and dead writers' temp files only).",
+    )
+    p.add_argument("dir", help="the directory (local_disk)")
+    p.add_argument("--verify", action="store_true", help="re-read every payload and check its checksum")
+    p.add_argument("--purge", action="store_true", help="delete every entry (safe next to running processes)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar while verifying")
+    p.set_defaults(func=run_inspect)
+    return p
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    """Run ``inspect``: 0 when fine, 1 when corrupt entries were found, 2 on errors."""
+    try:
+        if args.purge:
+            n = purge_dir(args.dir)
+            print(f"purged {args.dir}: {n} files deleted")
+            return 0
+        bar = None
+        if args.verify and not args.no_progress and sys.stderr.isatty():
+            bar = _ProgressBar(sys.stderr)
+        report = inspect_dir(args.dir, verify=args.verify, progress=bar)
+    except OSError as exc:
+        print(f"lmcache-async inspect: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(format_report(report))
+    return 1 if report.corrupt else 0

@@ -1,0 +1,23 @@
+"""The disk tier passes the backend conformance suite (persistent: entries survive a reopen)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lmcache_async.backend import BackendContext
+from lmcache_async.backends.disk import DiskBackend
+from lmcache_async.testing import BackendConformanceTests
+
+
+class TestDiskConformance(BackendConformanceTests):
+    persistent = True
+
+    async def make_backend(self, ctx: BackendContext, location: Path) -> DiskBackend:
+        return DiskBackend(location, 1 << 30, executor=ctx.executor, staging=ctx.staging)
+
+
+class TestDiskConformanceFsyncFull(BackendConformanceTests):
+    persistent = True
+
+    async def make_backend(self, ctx: BackendContext, location: Path) -> DiskBackend:
+        return DiskBackend(location, 1 << 30, executor=ctx.executor, staging=ctx.staging, fsync="full")
