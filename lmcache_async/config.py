@@ -162,7 +162,7 @@ class LMCacheEngineConfig(BaseModel):
     max_local_disk_size: float = Field(
         0.0,
         ge=0,
-        description="Disk tier budget for the directory (GiB), shared by every process using it; <= 0 builds no disk tier.",
+        description="Disk tier budget for the directory (GiB), shared by its processes; <= 0 builds no disk tier.",
     )
     remote_url: str | None = Field(
         None, description="Remote tier URL (redis://, rediss://, unix://, valkey://, redis+cluster://, fs://)."
