@@ -206,9 +206,6 @@ class HiddenStateStore:
         """
         self._check_open()
         layer_idx = _check_layer(layer_idx)
-        if self.layer_allowlist is not None and layer_idx not in self.layer_allowlist:
-            self._count(filtered_by_allowlist=1)
-            return 0
         if not isinstance(hidden_states, torch.Tensor):
             raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
         if hidden_states.dim() != 2:
@@ -230,6 +227,9 @@ class HiddenStateStore:
                 f"hidden_states has {rows} rows; expected len(token_ids) - token_offset = "
                 f"{n_tokens} - {token_offset} = {n_tokens - token_offset}"
             )
+        if self.layer_allowlist is not None and layer_idx not in self.layer_allowlist:
+            self._count(filtered_by_allowlist=1)
+            return 0
         with self._lock:
             self._known_layers.add(layer_idx)
         src = hidden_states.detach()
@@ -243,6 +243,13 @@ class HiddenStateStore:
         truncated = False
         existing_count = 0
         try:
+            # Hold this prompt's chunks before the offset too: this call's allocations must not
+            # evict them (that would leave a hole in front of the chunks it stores).
+            for i in range(first):
+                prior = sm.get_sync(hs_entry_key(plan.keys[i], layer_idx))
+                if prior is None:
+                    break
+                held.append(prior)
             for i in range(first, len(plan)):
                 start, end = plan.start(i), plan.end(i)
                 key = hs_entry_key(plan.keys[i], layer_idx)

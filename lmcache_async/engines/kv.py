@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -34,6 +35,8 @@ from lmcache_async.storage_manager import StorageManager
 from lmcache_async.token_database import ChunkedTokenDatabase, num_masked_prefix
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 class LMCacheEngine:
@@ -59,6 +62,7 @@ class LMCacheEngine:
         self.metadata = metadata if metadata is not None else NEUTRAL_METADATA
         self.token_database = ChunkedTokenDatabase(config.chunk_size, config.save_unfull_chunk, self.metadata)
         self._closed = False
+        self.timeouts = 0
         self.storage_manager = StorageManager(config, self.metadata, name="kv")
         self.hidden_state_store: HiddenStateStore | None = None
         if config.enable_hidden_state_cache:
@@ -124,7 +128,7 @@ class LMCacheEngine:
         if not keys:
             return 0
         sm = self.storage_manager
-        present = sm.batched_contains_sync(keys)
+        present = self._bounded(lambda: sm.batched_contains_sync(keys), 0, "store")
         cached = first + present
         # Keep the already cached prefix (masked or found) from this call's own evictions.
         sm.touch(plan.keys[:cached][::-1])
@@ -179,10 +183,13 @@ class LMCacheEngine:
         self._check_open()
         plan = ChunkPlan(self.token_database, token_ids)
         sm = self.storage_manager
-        n = sm.batched_contains_sync(plan.keys) if len(plan) else 0
+        n = self._bounded(lambda: sm.batched_contains_sync(plan.keys), 0, "retrieve") if len(plan) else 0
         if n == 0:
             return 0, None
-        objs = sm.batched_get_sync(plan.keys[:n])
+        got = self._bounded(lambda: sm.batched_get_sync(plan.keys[:n]), None, "retrieve")
+        if got is None:
+            return 0, None
+        objs = got
         try:
             first = objs[0]
             if first is None or len(first.shape) != 4:
@@ -194,6 +201,8 @@ class LMCacheEngine:
                 if obj is None or obj.dtype != dtype or obj.shape != (2, layers, plan.end(i) - plan.start(i), hidden):
                     break
                 hit += 1
+            if hit == 0:
+                return 0, None
             total = plan.tokens_in(hit)
             out = torch.empty((2, layers, total, hidden), dtype=dtype, device=device)
             in_flight = False
@@ -215,13 +224,25 @@ class LMCacheEngine:
         plan = ChunkPlan(self.token_database, token_ids)
         if not len(plan):
             return 0
-        return plan.tokens_in(self.storage_manager.batched_contains_sync(plan.keys))
+        sm = self.storage_manager
+        return plan.tokens_in(self._bounded(lambda: sm.batched_contains_sync(plan.keys), 0, "lookup"))
+
+    def _bounded(self, call: Callable[[], _T], default: _T, what: str) -> _T:
+        """Run a blocking manager call; a ``TimeoutError`` (``blocking_timeout_secs`` passed while
+        lower tiers answered) is counted, logged and answered with ``default`` (a miss)."""
+        try:
+            return call()
+        except TimeoutError:
+            self.timeouts += 1
+            logger.warning("KV %s: storage did not answer within blocking_timeout_secs; treated as a miss", what)
+            return default
 
     # ---- lifecycle / stats ---------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """The KV manager's figures and, when enabled, the hidden-state store's."""
         hs = self.hidden_state_store
         return {
+            "timeouts": self.timeouts,
             "kv": self.storage_manager.stats(),
             "hidden_states": None if hs is None or hs.closed else hs.stats(),
         }

@@ -394,3 +394,15 @@ def test_unknown_attribute_of_the_package_raises() -> None:
 
     with pytest.raises(AttributeError):
         v.NoSuchThing  # noqa: B018
+
+
+def test_release_of_a_replaced_engine_leaves_the_new_engine_open(connectors) -> None:
+    cfg = vllm_config()
+    a = make(connectors, cfg, Role.WORKER)
+    a.engine.close()  # closed behind the connectors' back: the next one gets a fresh engine
+    b = make(connectors, cfg, Role.SCHEDULER)
+    assert b.engine is not a.engine and not b.engine.closed
+    a.close()
+    assert not b.engine.closed
+    b.close()
+    assert b.engine.closed

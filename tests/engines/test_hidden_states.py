@@ -659,3 +659,29 @@ def test_threads_under_pool_pressure_only_ever_see_correct_prefixes(make_engine)
     assert not errors, errors[0]
     assert hs.stats()["evictions"] > 0
     assert hs.storage_manager.pool.used_bytes <= hs.storage_manager.pool.capacity
+
+
+def test_incremental_store_under_pressure_keeps_the_earlier_chunks(make_engine):
+    per_chunk = CHUNK * HIDDEN * 4
+    eng = make_engine(max_hidden_state_cpu_size=6 * per_chunk / (1 << 30))  # room for 6 chunks
+    hs = eng.hidden_state_store
+    toks = tokens(8 * CHUNK, seed=21)
+    _with_kv(eng, toks, seed=21)
+    h = hidden(8 * CHUNK, seed=21)
+    assert hs.store_hidden_states(toks[: 4 * CHUNK], h[: 4 * CHUNK]) == 4
+    stored = hs.store_hidden_states(toks, h[4 * CHUNK :], token_offset=4 * CHUNK)
+    assert stored == 2  # only what fits beside the held prefix
+    got = hs.retrieve_hidden_states(toks)
+    assert got is not None and got.shape[0] == 6 * CHUNK
+    assert torch.equal(got, h[: 6 * CHUNK])
+
+
+def test_allowlist_does_not_hide_caller_mistakes(make_engine):
+    eng = make_engine(hidden_state_layers=[0])
+    hs = eng.hidden_state_store
+    toks = tokens(2 * CHUNK)
+    with pytest.raises(TypeError):
+        hs.store_hidden_states(toks, "junk", layer_idx=5)
+    with pytest.raises(ValueError):
+        hs.store_hidden_states(toks, hidden(2 * CHUNK), layer_idx=5, token_offset=-3)
+    assert hs.store_hidden_states(toks, hidden(2 * CHUNK), layer_idx=5) == 0

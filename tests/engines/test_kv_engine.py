@@ -272,3 +272,24 @@ def test_an_incremental_store_keeps_the_whole_prompt_ahead_of_its_suffix(make_en
     eng.store(tokens(8 * CHUNK, seed=2), kv_for(8 * CHUNK, seed=2))  # evicts 4 chunks of a
     n, got = eng.retrieve(a)
     assert n == 4 * CHUNK and torch.equal(got, kv[:, :, : 4 * CHUNK])
+
+
+def test_storage_timeouts_are_misses_not_exceptions(make_engine):
+    from support import membackend
+
+    membackend.register()
+    eng = make_engine(tier_order=["cpu", "testremote"], remote_timeout_s=3, blocking_timeout_secs=0.5)
+    membackend.last().mode = "hang"
+    toks = tokens(2 * CHUNK, seed=31)
+    assert eng.lookup(toks) == 0
+    assert eng.retrieve(toks) == (0, None)
+    assert eng.store(toks, kv_for(2 * CHUNK, seed=31)) == 2  # stored in the CPU tier all the same
+    assert eng.stats()["timeouts"] >= 3
+
+
+def test_misshaped_first_chunk_is_a_miss(make_engine):
+    eng = make_engine()
+    toks = tokens(2 * CHUNK, seed=32)
+    key = eng.token_database.keys(toks)[0]
+    eng.storage_manager.put_sync(key, torch.zeros(2, 2, CHUNK + 1, 8), MemoryFormat.KV_2LTD)  # wrong token count
+    assert eng.retrieve(toks) == (0, None)

@@ -228,8 +228,9 @@ def acquire_engine(
 ) -> tuple[tuple[Any, ...], ECCacheEngine]:
     """The process-wide engine for this (config, model, dtype), created on first use.
 
-    Returns ``(token, engine)``; give ``token`` back with :func:`release_engine`. The last
-    release closes the engine. An engine inherited through ``fork`` is never reused.
+    Returns ``(lease, engine)``; give ``lease`` back with :func:`release_engine`. The last
+    release closes the engine. An engine inherited through ``fork`` is never reused, and a
+    closed one is replaced (leases of the replaced engine then release nothing of the new one).
     """
     token = (os.getpid(), _config_fingerprint(config), model_name, dtype_name(encoder_dtype))
     with _shared_lock:
@@ -246,19 +247,20 @@ def acquire_engine(
             entry = _Shared(engine)
             _shared[token] = entry
         entry.refs += 1
-        return token, entry.engine
+        return (token, entry), entry.engine
 
 
-def release_engine(token: tuple[Any, ...]) -> None:
+def release_engine(lease: tuple[Any, ...]) -> None:
     """Give back one reference taken by :func:`acquire_engine` (closing the engine at zero)."""
+    token, entry = lease
     with _shared_lock:
-        entry = _shared.get(token)
-        if entry is None:
+        if entry.refs <= 0:
             return
         entry.refs -= 1
         if entry.refs > 0:
             return
-        del _shared[token]
+        if _shared.get(token) is entry:
+            del _shared[token]
     if entry.pid == os.getpid():
         entry.engine.close()
 
