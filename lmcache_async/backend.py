@@ -136,8 +136,24 @@ class StorageBackend(ABC):
     async def batched_get(
         self, keys: Sequence[CacheEngineKey], alloc: Allocate | None = None
     ) -> list[MemoryObj | None]:
-        """``get`` for each key; one result per key."""
-        return list(await asyncio.gather(*(self.get(k, alloc) for k in keys)))
+        """``get`` for each key; one result per key.
+
+        If one ``get`` raises, the buffers the others filled are released and the error is
+        raised; if this call is cancelled, results of gets that still finish are released."""
+        tasks = [asyncio.ensure_future(self.get(k, alloc)) for k in keys]
+        try:
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        except BaseException:
+            for t in tasks:
+                t.add_done_callback(_release_task_result)
+            raise
+        error = next((r for r in results if isinstance(r, BaseException)), None)
+        if error is not None:
+            for r in results:
+                if isinstance(r, MemoryObj):
+                    r.ref_count_down()
+            raise error
+        return [r if isinstance(r, MemoryObj) else None for r in results]
 
     async def batched_contains(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
         """Presence of each key (one flag per key, not a prefix length)."""
@@ -157,6 +173,11 @@ class StorageBackend(ABC):
     def stats(self) -> dict[str, Any]:
         """Backend-specific figures (entries, bytes, ...)."""
         return {}
+
+
+def _release_task_result(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled() and task.exception() is None and isinstance(task.result(), MemoryObj):
+        task.result().ref_count_down()
 
 
 BackendFactory = Callable[[BackendContext], "StorageBackend | None"]

@@ -65,13 +65,24 @@ class CircuitBreaker:
             self.failures = 0
             self._backoff = self.base_backoff_s
 
+    def abandon(self) -> None:
+        """Report a call that was cancelled before it gave a verdict: a half-open probe frees
+        its slot at once (the next call probes again) instead of after ``max_backoff_s``."""
+        with self._lock:
+            if self.state == self.HALF_OPEN:
+                self.state = self.OPEN
+                self._retry_at = self._clock()
+
     def failure(self) -> None:
         """Report a call that failed or timed out."""
         with self._lock:
             self.failures += 1
+            if self.state == self.OPEN:
+                # A call admitted before the circuit opened: its back-off already runs, and
+                # doubling it once per call in flight would turn one outage into minutes.
+                return
             if self.state == self.HALF_OPEN or self.failures >= self.threshold:
-                if self.state != self.OPEN:
-                    self.opened += 1
+                self.opened += 1
                 self.state = self.OPEN
                 self._retry_at = self._clock() + self._backoff
                 self._backoff = min(self._backoff * 2, self.max_backoff_s)

@@ -106,7 +106,9 @@ def run_kv_demo(workdir: Path, out: Callable[[str], None] = print) -> dict[str, 
             restored += n
             exact = exact and got is not None and bool(torch.equal(got, kv[:, :, :n]))
         t_get = time.perf_counter() - t0
-        shared = torch.cat([prompts[0][: PROMPT_TOKENS // 2], torch.randint(0, 128_000, (PROMPT_TOKENS // 2,), generator=g)])
+        shared = torch.cat(
+            [prompts[0][: PROMPT_TOKENS // 2], torch.randint(0, 128_000, (PROMPT_TOKENS // 2,), generator=g)]
+        )
         hit = engine.lookup(shared)
         st = sm.stats()
         out(_table(tier_rows(st), ["tier", "entries", "bytes", "hits", "misses", "evictions", "errors"]))

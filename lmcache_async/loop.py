@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _live_loops: weakref.WeakSet[LoopThread] = weakref.WeakSet()
+_NOTHING: Any = object()
 _WAIT_SLICE_S = 0.25
 
 
@@ -119,19 +120,46 @@ class LoopThread:
             raise
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def run_sync(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
+    def run_sync(
+        self, coro: Coroutine[Any, Any, T], timeout: float | None, orphan: Callable[[T], None] | None = None
+    ) -> T:
         """Run ``coro`` on the loop and wait for its result from a thread without a loop.
 
         Raises :class:`LoopThreadCallError` on the loop thread, ``TimeoutError`` (after
-        cancelling the coroutine) when ``timeout`` seconds pass.
+        cancelling the coroutine) when ``timeout`` seconds pass, :class:`ManagerClosedError` when
+        the loop stops while the call is in flight. A result the coroutine still produces after
+        the caller gave up is handed to ``orphan`` exactly once (so owned buffers are released).
         """
         if self.in_loop_thread():
             _close_coro(coro)
             raise LoopThreadCallError(
                 f"a blocking call was made on {self.name}'s own loop thread; await the async method instead"
             )
-        fut = self.submit(coro)
-        return wait_future(fut, timeout, self.name)
+        if orphan is None:
+            return wait_future(self.submit(coro), timeout, self.name)
+        lock = threading.Lock()
+        cell: dict[str, Any] = {}
+
+        async def guarded() -> T:
+            result = await coro
+            with lock:
+                give_back = cell.get("abandoned", False)
+                if not give_back:
+                    cell["result"] = result
+            if give_back:
+                orphan(result)
+            return result
+
+        fut = self.submit(guarded())
+        try:
+            return wait_future(fut, timeout, self.name)
+        except BaseException:
+            with lock:
+                cell["abandoned"] = True
+                left = cell.pop("result", _NOTHING)
+            if left is not _NOTHING:
+                orphan(left)
+            raise
 
     async def run_async(self, coro: Coroutine[Any, Any, T], orphan: Callable[[T], None] | None = None) -> T:
         """Await ``coro`` on this loop from whatever loop the caller runs on.
@@ -157,7 +185,10 @@ class LoopThread:
                     orphan(task.result())
                 return
             if task.cancelled():
-                fut.cancel()
+                if state.get("cancelled"):
+                    fut.cancel()
+                else:  # cancelled by the loop stopping, not by the caller
+                    fut.set_exception(ManagerClosedError(f"{self.name} closed while the call was in flight"))
             elif (exc := task.exception()) is not None:
                 fut.set_exception(exc)
             else:
@@ -192,6 +223,10 @@ class LoopThread:
             return await fut
         except asyncio.CancelledError:
             state["cancelled"] = True
+            # The result may have been set in the same loop iteration as the cancellation
+            # (settle ran before this task resumed): nobody will read it, so hand it back.
+            if orphan is not None and fut.done() and not fut.cancelled() and fut.exception() is None:
+                orphan(fut.result())
             try:
                 self.loop.call_soon_threadsafe(cancel)
             except RuntimeError:
@@ -233,6 +268,8 @@ def wait_future(fut: concurrent.futures.Future[T], timeout: float | None, what: 
         step = _WAIT_SLICE_S if remaining is None else min(_WAIT_SLICE_S, max(remaining, 0.0))
         try:
             return fut.result(step)
+        except concurrent.futures.CancelledError:
+            raise ManagerClosedError(f"{what}: closed while the call was in flight") from None
         except concurrent.futures.TimeoutError:
             if fut.done():  # the coroutine itself raised TimeoutError
                 return fut.result(0)

@@ -197,7 +197,7 @@ class MemoryObj:
     @property
     def data_ptr(self) -> int:
         """Address of the payload's first byte."""
-        return self._alloc.base_ptr + self.offset
+        return self._alloc.address(self.offset)
 
     # ---- reference counting --------------------------------------------------------------
     def ref_count_up(self) -> None:
@@ -265,6 +265,10 @@ class _AllocatorBase:
     def byte_view(self, offset: int, nbytes: int) -> memoryview:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def address(self, offset: int) -> int:
+        """Address of the block at ``offset``."""
+        return self.base_ptr + offset
+
     def _free_locked(self, offset: int, size: int) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -298,6 +302,9 @@ class HeapAllocator(_AllocatorBase):
 
     def byte_view(self, offset: int, nbytes: int) -> memoryview:
         return address_view(self._views[offset].data_ptr(), nbytes)
+
+    def address(self, offset: int) -> int:
+        return self._views[offset].data_ptr()
 
     def _free_locked(self, offset: int, size: int) -> None:
         self._views.pop(offset, None)

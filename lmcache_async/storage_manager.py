@@ -18,6 +18,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 import weakref
@@ -38,7 +39,7 @@ from lmcache_async.circuit import CircuitBreaker
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.errors import LoopThreadCallError, ManagerClosedError
 from lmcache_async.keys import CacheEngineKey
-from lmcache_async.loop import LoopThread, wait_future
+from lmcache_async.loop import LoopThread
 from lmcache_async.memory import (
     HeapAllocator,
     MemoryFormat,
@@ -56,19 +57,46 @@ _UNKNOWN: Any = object()  # a tier call that failed, timed out or was skipped
 _WT_BATCH_ITEMS = 64
 _WT_BATCH_BYTES = 64 << 20
 _WT_CONCURRENCY = 4
+_ENTRIES_PER_TIMEOUT = 8
 _CLOSE_FLUSH_S = 10.0
 _LOG_BURST_S = 5.0
 
 _live_managers: weakref.WeakSet[StorageManager] = weakref.WeakSet()
 
 
-@atexit.register
+_exit_hook_lock = threading.Lock()
+_exit_hook_registered = False
+
+
 def _close_all_at_exit() -> None:  # pragma: no cover - exercised at interpreter exit
     for m in list(_live_managers):
         try:
             m.close_sync(flush_timeout=2.0)
         except Exception:
             pass
+
+
+def _ensure_exit_hook() -> None:
+    """Close every live manager at interpreter exit *before* the executors shut down.
+
+    ``concurrent.futures`` stops its pools from a ``threading`` exit hook, which runs before
+    ``atexit`` handlers; a flush from ``atexit`` would then find no executor and drop queued
+    writes. Hooks registered later run first, so ours (registered after the executor module was
+    imported) flushes while the executors still run.
+    """
+    global _exit_hook_registered
+    with _exit_hook_lock:
+        if _exit_hook_registered:
+            return
+        _exit_hook_registered = True
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        try:
+            register(_close_all_at_exit)
+            return
+        except RuntimeError:  # already shutting down
+            pass
+    atexit.register(_close_all_at_exit)
 
 
 class _Tier:
@@ -90,19 +118,24 @@ class _Tier:
         self._last_log = 0.0
         self._suppressed = 0
 
-    async def call(self, op: str, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
-        """Run ``fn(*args)`` under the tier's timeout and breaker; ``_UNKNOWN`` on any failure."""
+    async def call(self, op: str, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any, n: int = 1) -> T:
+        """Run ``fn(*args)`` under the tier's timeout and breaker; ``_UNKNOWN`` on any failure.
+
+        A batch of ``n`` entries gets one timeout per ``_ENTRIES_PER_TIMEOUT`` entries, so a
+        long batch on a slow device is not cut off (and its writes dropped) for its length."""
         if not self.breaker.allow():
             self.skipped += 1
             return _UNKNOWN
+        timeout = self.timeout * max(1, -(-n // _ENTRIES_PER_TIMEOUT))
         try:
-            async with asyncio.timeout(self.timeout):
+            async with asyncio.timeout(timeout):
                 result = await fn(*args)
         except TimeoutError:
             self.timeouts += 1
-            self._failed(op, f"timed out after {self.timeout}s")
+            self._failed(op, f"timed out after {timeout}s")
             return _UNKNOWN
         except asyncio.CancelledError:
+            self.breaker.abandon()  # a cancelled probe must not keep the circuit half-open
             raise
         except Exception as exc:
             self._failed(op, f"{type(exc).__name__}: {exc}")
@@ -174,6 +207,7 @@ class StorageManager:
         self.metadata = metadata if metadata is not None else NEUTRAL_METADATA
         self.name = name
         self._closed = False
+        self._close_lock = threading.Lock()
         self._timeout = float(config.blocking_timeout_secs)
         reserve = None if config.memory_reserve_size is None else gib_to_bytes(config.memory_reserve_size)
 
@@ -218,6 +252,7 @@ class StorageManager:
             self._abort_init()
             raise
         _live_managers.add(self)
+        _ensure_exit_hook()
         self._metrics_server: Any = None
         if config.metrics_port is not None:
             from lmcache_async.metrics import start_metrics_server
@@ -267,6 +302,11 @@ class StorageManager:
 
     def _abort_init(self) -> None:
         self._closed = True
+        if self._lower and not self._lt.closed:
+            try:
+                self._lt.run_sync(self._close_backends(), timeout=30.0)
+            except Exception:
+                logger.warning("StorageManager %r: tiers did not close after a failed start", self.name)
         self._lt.stop()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -347,13 +387,7 @@ class StorageManager:
     def _run_sync(
         self, coro: Coroutine[Any, Any, T], timeout: float | None, orphan: Callable[[T], None] | None = None
     ) -> T:
-        fut = self._lt.submit(coro)
-        try:
-            return wait_future(fut, timeout, f"StorageManager {self.name!r}")
-        except BaseException:
-            if orphan is not None:
-                _release_when_done(fut, orphan)
-            raise
+        return self._lt.run_sync(coro, timeout, orphan)
 
     async def _run_async(self, coro: Coroutine[Any, Any, T], orphan: Callable[[T], None] | None = None) -> T:
         return await self._lt.run_async(coro, orphan)
@@ -427,6 +461,11 @@ class StorageManager:
                 self.put_rejected += 1
                 return False
         else:
+            # One-off buffers are bounded too: one entry at a time beyond the staging size.
+            heap_used = self._heap.used_bytes
+            if heap_used and heap_used + n > (sp.capacity if sp is not None else 0):
+                self.put_rejected += 1
+                return False
             staged = self._heap.allocate(shape, dtype, fmt)
         try:
             staged.tensor.copy_(tensor)
@@ -552,7 +591,7 @@ class StorageManager:
 
     async def _write_tier(self, tier: _Tier, pairs: list[tuple[CacheEngineKey, MemoryObj]]) -> None:
         async with tier.sem:
-            res = await tier.call("put", tier.backend.batched_put, pairs)
+            res = await tier.call("put", tier.backend.batched_put, pairs, n=len(pairs))
         if res is _UNKNOWN:
             tier.write_failures += len(pairs)
             return
@@ -653,6 +692,9 @@ class StorageManager:
         return self._run_sync(self._get_lower(key), self._timeout, _release_obj)
 
     def _batched_get_front(self, keys: Sequence[CacheEngineKey]) -> tuple[list[MemoryObj | None], list[int]]:
+        for k in keys:  # check every key before taking any reference
+            if type(k) is not CacheEngineKey:
+                self._check_key(k)
         out: list[MemoryObj | None] = []
         missing: list[int] = []
         for i, k in enumerate(keys):
@@ -667,28 +709,38 @@ class StorageManager:
     async def _batched_get_lower(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
         results: list[MemoryObj | None] = [None] * len(keys)
         todo = list(range(len(keys)))
-        for ti, tier in enumerate(self._lower):
-            if not todo:
-                break
-            res = await tier.call("get", tier.backend.batched_get, [keys[i] for i in todo], self._read_alloc)
-            if res is _UNKNOWN:
-                continue
-            still = []
-            for i, obj in zip(todo, res, strict=True):
-                if obj is None:
-                    tier.misses += 1
-                    still.append(i)
-                else:
-                    tier.hits += 1
-                    results[i] = self._promote(keys[i], obj, ti)
-            todo = still
+        try:
+            for ti, tier in enumerate(self._lower):
+                if not todo:
+                    break
+                res = await tier.call(
+                    "get", tier.backend.batched_get, [keys[i] for i in todo], self._read_alloc, n=len(todo)
+                )
+                if res is _UNKNOWN:
+                    continue
+                still = []
+                for i, obj in zip(todo, res, strict=True):
+                    if obj is None:
+                        tier.misses += 1
+                        still.append(i)
+                    else:
+                        tier.hits += 1
+                        results[i] = self._promote(keys[i], obj, ti)
+                todo = still
+        except BaseException:  # cancelled mid-way: give back what earlier tiers already found
+            _release_objs(results)
+            raise
         return results
 
     async def batched_get(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
         """One result per key (each falling through the tiers independently; one hop for all misses)."""
         out, missing = self._batched_get_front(keys)
         if missing:
-            got = await self._run_async(self._batched_get_lower([keys[i] for i in missing]), _release_objs)
+            try:
+                got = await self._run_async(self._batched_get_lower([keys[i] for i in missing]), _release_objs)
+            except BaseException:
+                _release_objs(out)
+                raise
             for i, obj in zip(missing, got, strict=True):
                 out[i] = obj
         return out
@@ -698,7 +750,11 @@ class StorageManager:
         self._check_sync()
         out, missing = self._batched_get_front(keys)
         if missing:
-            got = self._run_sync(self._batched_get_lower([keys[i] for i in missing]), self._timeout, _release_objs)
+            try:
+                got = self._run_sync(self._batched_get_lower([keys[i] for i in missing]), self._timeout, _release_objs)
+            except BaseException:
+                _release_objs(out)
+                raise
             for i, obj in zip(missing, got, strict=True):
                 out[i] = obj
         return out
@@ -815,7 +871,9 @@ class StorageManager:
             todo = [i for i, p in enumerate(present) if not p]
             if not todo:
                 break
-            res = await tier.call("contains", tier.backend.batched_contains, [keys[i] for i in todo])
+            res = await tier.call(
+                "contains", tier.backend.batched_contains, [keys[i] for i in todo], n=len(todo) // 32 + 1
+            )
             if res is _UNKNOWN:
                 continue
             for i, flag in zip(todo, res, strict=True):
@@ -918,6 +976,9 @@ class StorageManager:
             left = list(self._wq)
             self._wq.clear()
         self._release_items(left)
+        await self._close_backends()
+
+    async def _close_backends(self) -> None:
         for tier in self._lower:
             try:
                 async with asyncio.timeout(max(tier.timeout, 5.0)):
@@ -925,10 +986,18 @@ class StorageManager:
             except Exception:
                 logger.warning("tier %s did not close cleanly", tier.name, exc_info=True)
 
+    def _in_forked_child(self) -> bool:
+        return self._lt._forked or os.getpid() != self._lt._pid
+
     def _begin_close(self) -> bool:
-        if self._closed:
+        if self._in_forked_child():
+            # Locks and threads of the parent are not ours: mark closed and touch nothing.
+            self._closed = True
             return False
-        self._closed = True
+        with self._close_lock:
+            if self._closed:
+                return False
+            self._closed = True
         _live_managers.discard(self)
         return True
 
@@ -946,6 +1015,12 @@ class StorageManager:
                 self.name,
                 self.pool.used_bytes,
             )
+        # Drop every reference to the pools and tiers: their memory goes as soon as callers
+        # release what they still hold, even while this object lives on.
+        self._cpu = None
+        self._lower = []
+        self.pool = None
+        self.staging_pool = None
 
     def close_sync(self, flush_timeout: float = _CLOSE_FLUSH_S) -> None:
         """Refuse new work, flush pending writes (bounded), close the tiers and stop the loop.
@@ -958,7 +1033,7 @@ class StorageManager:
             raise LoopThreadCallError("close_sync() on the manager's loop thread; await close() instead")
         if not self._begin_close():
             return
-        if not self._lt._forked and not self._lt.closed:
+        if not self._lt.closed:
             try:
                 fut = self._lt.submit(self._shutdown(flush_timeout))
                 fut.result(flush_timeout + 30.0)
@@ -974,7 +1049,7 @@ class StorageManager:
             await self._shutdown(flush_timeout)
             self._lt.loop.call_soon(self._finish_close)
             return
-        if not self._lt._forked:
+        if not self._lt.closed:
             try:
                 fut = self._lt.submit(self._shutdown(flush_timeout))
                 await asyncio.wrap_future(fut)
@@ -1035,17 +1110,3 @@ def _release_obj(obj: MemoryObj | None) -> None:
 def _release_objs(objs: list[MemoryObj | None]) -> None:
     for o in objs:
         _release_obj(o)
-
-
-def _release_when_done(fut: concurrent.futures.Future[T], release: Callable[[T], None]) -> None:
-    """When a caller gave up on ``fut``, release whatever result it still produces."""
-
-    def done(f: concurrent.futures.Future[T]) -> None:
-        if f.cancelled() or f.exception() is not None:
-            return
-        try:
-            release(f.result())
-        except Exception:  # pragma: no cover
-            logger.debug("releasing an orphaned result failed", exc_info=True)
-
-    fut.add_done_callback(done)

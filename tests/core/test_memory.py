@@ -151,3 +151,10 @@ def test_heap_allocator_for_oversized_reads():
 def test_bad_shapes_raise(shape, exc):
     with pytest.raises(exc):
         pool().allocate(shape, torch.float32)
+
+
+def test_heap_objects_report_their_real_address():
+    h = HeapAllocator("h", pin=False)
+    o = h.allocate((16,), torch.float32)
+    assert o.data_ptr == o.tensor.data_ptr()
+    o.ref_count_down()

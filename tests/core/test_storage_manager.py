@@ -427,14 +427,16 @@ def test_calls_after_close_raise(make_manager):
 
 def test_close_with_held_references_warns_and_keeps_data(make_manager, caplog):
     sm = make_manager()
+    pool = sm.pool
     sm.put_sync(make_key(1), torch.full((8,), 6.0))
     obj = sm.get_sync(make_key(1))
     with caplog.at_level(logging.WARNING, logger="lmcache_async.storage_manager"):
         sm.close_sync()
     assert "hold" in caplog.text
+    assert sm.pool is None  # the manager lets go of its pool at close
     assert torch.all(obj.tensor == 6.0)
     obj.ref_count_down()
-    assert sm.pool.used_bytes == 0
+    assert pool.used_bytes == 0
 
 
 def test_close_flushes_pending_writes(make_manager):
@@ -525,3 +527,157 @@ def test_cpu_full_of_pending_writes_stages_new_puts(make_manager):
     sm.flush_sync()
     assert all(make_key(i) in lower.data for i in range(4))
     assert sm.staging_pool.used_bytes == 0
+
+
+# ---- ownership under failures and cancellation -------------------------------------------------
+
+
+def _fill_lower(sm, lower, keys):
+    for i, k in enumerate(keys):
+        lower.data[k] = ((256,), torch.float32, MemoryFormat.UNDEFINED, torch.full((256,), float(i)).numpy().tobytes())
+
+
+def test_batched_get_cancelled_in_a_later_tier_releases_earlier_hits(make_manager):
+    sm = make_manager(tier_order=["cpu", "testmem", "testremote"], remote_timeout_s=5, blocking_timeout_secs=0.5)
+    first, second = membackend.all_named(["testmem", "testremote"])
+    keys = [make_key(i) for i in range(2)]
+    _fill_lower(sm, first, keys[:1])  # key 0 in the first lower tier; key 1 nowhere
+    second.mode = "hang"
+    pool = sm.pool
+    with pytest.raises(TimeoutError):
+        sm.batched_get_sync(keys)
+    time.sleep(0.2)
+    sm.clear_sync()
+    assert pool.used_bytes == 0 and sm.staging_pool.used_bytes == 0
+
+
+def test_batched_get_releases_cpu_hits_when_the_lower_tier_times_out(make_manager):
+    sm = make_manager(tier_order=["cpu", "testremote"], remote_timeout_s=5, blocking_timeout_secs=0.3)
+    sm.put_sync(make_key(0), torch.zeros(8))
+    sm.flush_sync()
+    membackend.last().mode = "hang"
+    with pytest.raises(TimeoutError):
+        sm.batched_get_sync([make_key(0), make_key(1)])
+    assert sm.backend("cpu")._index[make_key(0)].get_ref_count() == 1
+
+
+def test_batched_get_checks_every_key_before_taking_references(make_manager):
+    sm = make_manager()
+    sm.put_sync(make_key(0), torch.zeros(8))
+    with pytest.raises(TypeError):
+        sm.batched_get_sync([make_key(0), "not-a-key"])
+    assert sm.backend("cpu")._index[make_key(0)].get_ref_count() == 1
+
+
+def test_default_batched_get_releases_buffers_when_one_get_fails(make_manager):
+    sm = make_manager(tier_order=["cpu", "testmem"], local_cpu=False)
+    lower = membackend.last()
+    keys = [make_key(i) for i in range(3)]
+    _fill_lower(sm, lower, keys)
+    lower.fail_keys.add(keys[1])
+    assert sm.batched_get_sync(keys) == [None, None, None]  # the tier answered "unknown"
+    assert sm.staging_pool.used_bytes == 0
+
+
+def test_sync_timeouts_racing_results_leak_nothing(make_manager):
+    sm = make_manager(tier_order=["cpu", "testremote"], local_cpu=False, remote_timeout_s=5, blocking_timeout_secs=0.05)
+    lower = membackend.last()
+    _fill_lower(sm, lower, [make_key(0)])
+    lower.delay = 0.05  # answers right around the caller's timeout
+    for _ in range(40):
+        try:
+            obj = sm.get_sync(make_key(0))
+        except TimeoutError:
+            continue
+        if obj is not None:
+            obj.ref_count_down()
+    time.sleep(0.2)
+    assert sm.staging_pool.used_bytes == 0
+
+
+def test_staged_writes_beyond_the_staging_area_are_bounded(make_manager):
+    sm = make_manager(tier_order=["cpu", "testmem"], max_local_cpu_size=2 / 1024, staging_size=0.0)
+    membackend.last().delay = 1.0
+    accepted = sum(sm.put_sync(make_key(i), t1m(i)) for i in range(20))
+    assert accepted <= 4  # the CPU tier's two entries plus one one-off buffer at a time
+    assert sm._heap.used_bytes <= MiB
+
+
+def test_sync_call_in_flight_during_close_gets_a_named_error(make_manager):
+    sm = make_manager(tier_order=["cpu", "testremote"], remote_timeout_s=30, blocking_timeout_secs=30)
+    membackend.last().mode = "hang"
+    errors = []
+
+    def waiter():
+        try:
+            sm.get_sync(make_key(0))
+        except Exception as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.2)
+    sm.close_sync(flush_timeout=0.1)
+    t.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], ManagerClosedError)
+
+
+def test_close_lets_go_of_the_pools(make_manager):
+    sm = make_manager()
+    import weakref
+
+    pool_ref = weakref.ref(sm.pool)
+    sm.put_sync(make_key(0), torch.zeros(8))
+    sm.close_sync()
+    gc.collect()
+    assert pool_ref() is None
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_forked_child_exits_even_if_a_lock_was_held_at_fork(make_manager):
+    sm = make_manager()
+    sm.put_sync(make_key(1), torch.zeros(4))
+    held, go = threading.Event(), threading.Event()
+
+    def holder():
+        with sm.backend("cpu")._lock:
+            held.set()
+            go.wait()
+
+    threading.Thread(target=holder, daemon=True).start()
+    held.wait()
+    pid = os.fork()
+    if pid == 0:  # the child closes what it inherited, as the exit hook does
+        sm.close_sync()
+        os._exit(0)
+    go.set()
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("forked child hung closing an inherited manager")
+
+
+def test_interpreter_exit_flushes_pending_writes(tmp_path):
+    import subprocess
+    import sys
+
+    script = f"""
+import torch
+from lmcache_async import LMCacheEngineConfig, LMCacheEngineMetadata, StorageManager
+from lmcache_async.testing import make_key
+cfg = LMCacheEngineConfig.from_defaults(max_local_cpu_size=1/16, local_disk={str(tmp_path / "d")!r},
+                                        max_local_disk_size=1/16, staging_size=1/64)
+sm = StorageManager(cfg, LMCacheEngineMetadata("exit"))
+for i in range(200):
+    sm.put_sync(make_key(i), torch.full((16 * 1024,), i % 256, dtype=torch.uint8))
+# no flush, no close: the exit hook must still write everything
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    files = [p for p in (tmp_path / "d").rglob("*.lmc")]
+    assert len(files) == 200

@@ -23,6 +23,7 @@ class MemBackend(StorageBackend):
         self.data: dict[CacheEngineKey, tuple[tuple[int, ...], Any, Any, bytes]] = {}
         self.mode = "ok"
         self.delay = 0.0
+        self.fail_keys: set[CacheEngineKey] = set()  # get of these raises
         self.puts = 0
         self._remote = remote
         self.closed = False
@@ -49,6 +50,8 @@ class MemBackend(StorageBackend):
 
     async def get(self, key: CacheEngineKey, alloc: Allocate | None = None) -> MemoryObj | None:
         await self._gate()
+        if key in self.fail_keys:
+            raise OSError("injected read failure")
         rec = self.data.get(key)
         if rec is None:
             return None
