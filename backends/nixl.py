@@ -15,6 +15,13 @@ Contract (beyond :class:`~lmcache_async.backend.StorageBackend`):
   job per batch; coroutines on the loop only plan, account and wait. A cancelled call (the
   manager's ``remote_timeout_s``) never frees a buffer a job still writes: the job finishes
   and its result is released then.
+* A request NIXL can neither finish nor abort (:class:`NixlStuckError`) may still write into
+  its memory at any later time: its read buffer is never released (it is quarantined:
+  ``stats()["stuck"]``, ``["quarantined_bytes"]``), its scratch area is retired and its file
+  descriptor and registrations are kept open, all for the life of the process.
+* :meth:`close` waits for in-flight jobs, then releases everything; when the close is
+  cancelled (the manager bounds it with a timeout), the release still happens, as soon as the
+  last in-flight job has finished.
 * Every record is verified on read (magic, version, header checksum, key, shape, dtype,
   format, sizes, xxh3-64 of the payload). A bad record is a miss, is removed and is counted;
   a NIXL failure is a miss/False plus a counter and a rate-limited log line.
@@ -32,9 +39,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import fcntl
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -47,9 +56,11 @@ from lmcache_async.backends.nixl_agent import (
     INSTALL_HINT,
     NixlAgent,
     NixlSettings,
+    NixlStuckError,
     NixlTransferError,
     load_nixl,
     nixl_available,
+    park,
 )
 from lmcache_async.backends.nixl_io import (
     EntryMeta,
@@ -58,6 +69,7 @@ from lmcache_async.backends.nixl_io import (
     ObjectLayout,
     Scanned,
     Scratch,
+    ScratchSlot,
     SlotFileLayout,
     read_record,
     write_record,
@@ -74,6 +86,7 @@ __all__ = [
     "DirectoryInUseError",
     "NixlBackend",
     "NixlSettings",
+    "NixlStuckError",
     "create",
     "load_nixl",
     "nixl_available",
@@ -158,6 +171,8 @@ class _Counters:
     staged: int = 0
     scanned: int = 0
     reaped: int = 0
+    stuck: int = 0
+    quarantined_bytes: int = 0
     extra: dict[str, int] = field(default_factory=dict)
 
 
@@ -217,6 +232,13 @@ class NixlBackend(StorageBackend):
         self.settings = settings
         self._lru = settings.policy == "LRU"
         self._closed = False
+        self._torn_down = False
+        self._teardown_pending = False
+        self._teardown_lock = threading.Lock()
+        self._live_jobs = 0  # submitted worker jobs whose bookkeeping has not run yet
+        self._jobs_lock = threading.Lock()
+        self._quarantine: list[MemoryObj] = []
+        self._tasks: set[asyncio.Future[Any]] = set()
         self._lock_fd: int | None = None
         self._regions: list[Any] = []
         self._scratch: Scratch | None = None
@@ -260,7 +282,6 @@ class NixlBackend(StorageBackend):
         self._bytes = 0
         self._reserved = 0
         self._writing: dict[CacheEngineKey, asyncio.Future[bool]] = {}
-        self._tasks: set[asyncio.Future[Any]] = set()
         self._free_slots: list[int] = []
         self._ready = asyncio.Event()
         self._start_task: asyncio.Task[None] | None = None
@@ -340,19 +361,42 @@ class NixlBackend(StorageBackend):
         self.counters.scanned += 1
 
     async def close(self) -> None:
-        """Wait for in-flight transfers, then release registrations, files and the lock."""
-        if self._closed:
+        """Refuse new work, wait for in-flight transfers, then release the worker threads,
+        registrations, files and the lock. Idempotent.
+
+        Cancelling the close (the manager bounds it with a timeout) does not leak anything:
+        the release then runs as soon as the last in-flight job has finished — on the loop,
+        or on the job's worker thread when the loop is gone by then. It never runs while a
+        job still uses the agent.
+        """
+        if self._torn_down:
             return
         self._closed = True
         self._ready.set()  # waiters see the tier closed
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
-        for fut in self._writing.values():
-            if not fut.done():
-                fut.set_result(False)
-        self._teardown()
+        try:
+            while self._tasks:
+                await asyncio.shield(asyncio.gather(*list(self._tasks), return_exceptions=True))
+        finally:
+            for fut in self._writing.values():
+                if not fut.done():
+                    fut.set_result(False)
+            self._teardown_pending = True
+            self._maybe_teardown()
+
+    def _maybe_teardown(self) -> None:
+        """On the loop: release everything once closed and nothing is in flight."""
+        if self._teardown_pending and not self._tasks and self._live_jobs == 0:
+            self._teardown()
 
     def _teardown(self) -> None:
+        """Release everything (idempotent, any thread; only once no job runs)."""
+        with self._teardown_lock:
+            if self._torn_down:
+                return
+            self._torn_down = True
+        agent = self._agent
+        if self._quarantine:  # a stuck request may still write into them: never freed
+            park(*self._quarantine)
         if self._executor is not None:
             self._executor.shutdown(wait=False)
             self._executor = None
@@ -362,11 +406,14 @@ class NixlBackend(StorageBackend):
         if self._scratch is not None:
             self._scratch.close()
             self._scratch = None
-        if self._agent is not None:
-            for h in self._regions:
-                self._agent.deregister(h)
+        if agent is not None:
+            if agent.stuck:
+                park(*self._regions)  # the registrations stay with the parked agent
+            else:
+                for h in self._regions:
+                    agent.deregister(h)
             self._regions.clear()
-            self._agent.close()
+            agent.close()
             self._agent = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)
@@ -375,32 +422,68 @@ class NixlBackend(StorageBackend):
     # ---- helpers --------------------------------------------------------------------------------
     def _track(self, fut: asyncio.Future[Any]) -> None:
         self._tasks.add(fut)
-        fut.add_done_callback(self._tasks.discard)
+        fut.add_done_callback(self._untrack)
+
+    def _untrack(self, fut: asyncio.Future[Any]) -> None:
+        self._tasks.discard(fut)
+        self._maybe_teardown()
+
+    def _job_started(self) -> None:
+        with self._jobs_lock:
+            self._live_jobs += 1
+
+    def _job_ended(self, loop_gone: bool = False) -> None:
+        """A job's bookkeeping ran (on the loop), or the loop is gone and it never will (on
+        the worker thread: nothing else runs on the loop, so the last job releases all)."""
+        with self._jobs_lock:
+            self._live_jobs -= 1
+            idle = self._live_jobs == 0
+        if loop_gone:
+            if idle:
+                self._teardown()
+        else:
+            self._maybe_teardown()
+
+    def _end_job_from_worker(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            loop.call_soon_threadsafe(self._job_ended)
+        except RuntimeError:  # the loop is closed
+            self._job_ended(loop_gone=True)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on a worker thread (index scans, file deletions)."""
         executor = self._executor
         if executor is None:
             raise NixlTransferError("the nixl tier is closed")
-        return await asyncio.wrap_future(executor.submit(fn, *args))
+        loop = asyncio.get_running_loop()
+        self._job_started()
+        try:
+            cf = executor.submit(fn, *args)
+        except RuntimeError as exc:
+            self._job_ended()
+            raise NixlTransferError("the nixl tier is closed") from exc
+        cf.add_done_callback(lambda _: self._end_job_from_worker(loop))
+        return await asyncio.wrap_future(cf)
 
     def _submit(
         self,
         fn: Callable[[list[X]], list[BaseException | None]],
         items: list[X],
         finish: Callable[[list[X], list[BaseException | None]], None],
-        orphan: Callable[[list[X]], None],
+        orphan: Callable[[list[X], list[BaseException | None]], None],
     ) -> asyncio.Future[None]:
         """Run ``fn(items)`` (one outcome per item) on a worker thread, then ``finish(items,
         outcomes)`` on the loop. The returned future is done once ``finish`` ran.
 
         No task waits on the worker: the job's completion schedules ``finish``, so a caller
         that is cancelled (timeout) cannot make anything skip it. Should the loop be gone by
-        then, ``orphan(items)`` runs on the worker thread instead (give memory back only).
+        then, ``orphan(items, outcomes)`` runs on the worker thread instead (give memory back
+        only).
         """
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
         self._track(done)
+        self._job_started()
 
         def run_finish(outcomes: list[BaseException | None]) -> None:
             try:
@@ -408,6 +491,7 @@ class NixlBackend(StorageBackend):
             finally:
                 if not done.done():
                     done.set_result(None)
+                self._job_ended()
 
         def on_job_done(cf: concurrent.futures.Future[list[BaseException | None]]) -> None:
             try:
@@ -417,7 +501,10 @@ class NixlBackend(StorageBackend):
             try:
                 loop.call_soon_threadsafe(run_finish, outcomes)
             except RuntimeError:
-                orphan(items)
+                try:
+                    orphan(items, outcomes)
+                finally:
+                    self._job_ended(loop_gone=True)
 
         executor = self._executor
         try:
@@ -475,9 +562,11 @@ class NixlBackend(StorageBackend):
             self._release_location(entry.location)
 
     def _release_location(self, location: str | int) -> None:
-        """Delete what ``location`` holds and make it reusable."""
+        """Delete what ``location`` holds and make it reusable (a slot a stuck request may
+        still use is never reused)."""
         self._discard_storage(location)
-        if isinstance(self._layout, SlotFileLayout):
+        layout = self._layout
+        if isinstance(layout, SlotFileLayout) and int(location) not in layout.stuck:
             self._free_slots.append(int(location))
 
     def _discard_storage(self, location: str | int) -> None:
@@ -501,7 +590,47 @@ class NixlBackend(StorageBackend):
 
     def _failed(self, what: str, key: CacheEngineKey, exc: BaseException) -> None:
         self.counters.io_errors += 1
+        if isinstance(exc, NixlStuckError):
+            self.counters.stuck += 1
+            # Rare and lasting (memory is withheld for good): always logged.
+            logger.error("nixl: %s of %s is stuck in NIXL: %s", what, key, exc)
+            return
         self._log.warn("nixl: %s of %s failed: %s: %s", what, key, type(exc).__name__, exc)
+
+    def _quarantine_block(self, obj: MemoryObj) -> None:
+        """Keep ``obj`` allocated for good: a stuck request may still write into it."""
+        self._quarantine.append(obj)
+        self.counters.quarantined_bytes += obj.nbytes
+        logger.error(
+            "nixl: a %d-byte read buffer is withheld for good (a stuck NIXL request may still write it)",
+            obj.nbytes,
+        )
+
+    def _each_with_slot(
+        self, items: list[X], work: Callable[[ScratchSlot, X], None]
+    ) -> list[BaseException | None]:
+        """Worker thread: ``work(slot, item)`` for every item; one outcome per item. A stuck
+        request retires its scratch slot and the remaining items go on with a fresh one."""
+        scratch = self._scratch
+        assert scratch is not None
+        out: list[BaseException | None] = []
+        while len(out) < len(items):
+            try:
+                with scratch.slot() as slot:
+                    for item in items[len(out) :]:
+                        try:
+                            work(slot, item)
+                        except NixlStuckError as exc:
+                            out.append(exc)
+                            scratch.retire(slot)
+                            break
+                        except Exception as exc:
+                            out.append(exc)
+                        else:
+                            out.append(None)
+            except Exception as exc:  # no scratch area to be had
+                out.extend([exc] * (len(items) - len(out)))
+        return out
 
     # ---- contains -------------------------------------------------------------------------------
     def contains_nowait(self, key: CacheEngineKey) -> bool | None:
@@ -552,7 +681,7 @@ class NixlBackend(StorageBackend):
             plans.append(plan)
             answers.append(plan.future)
         for group in self._groups(plans, lambda p: p.meta.total_len):
-            self._submit(self._write_job, group, self._finish_writes, _release_sources)
+            self._submit(self._write_job, group, self._finish_writes, self._orphan_writes)
         out: list[bool] = []
         for a in answers:
             out.append(a if isinstance(a, bool) else await asyncio.shield(a))
@@ -609,33 +738,46 @@ class NixlBackend(StorageBackend):
                 if isinstance(self._layout, SlotFileLayout):
                     # A failed slot write may have left part of a record: invalidate, reuse.
                     self._release_location(plan.location)
+                for loc in plan.recycle:
+                    # Files of evicted entries the job did not get to consume: they are out
+                    # of the index and must not come back at a restart (already-consumed
+                    # names are gone and the delete is a no-op).
+                    self._discard_storage(loc)
             del self._writing[plan.key]
             if not plan.future.done():
                 plan.future.set_result(failure is None)
 
     def _write_job(self, plans: list[_Plan]) -> list[BaseException | None]:
         """Worker thread: write every planned record; one outcome per plan."""
-        layout, scratch, agent = self._layout, self._scratch, self._agent
-        assert layout is not None and scratch is not None and agent is not None
-        out: list[BaseException | None] = []
+        layout, agent = self._layout, self._agent
+        assert layout is not None and agent is not None
         chunk = self.settings.chunk_bytes
-        with scratch.slot() as slot:
-            for plan in plans:
-                src, registered = plan.obj, plan.registered
-                staged: MemoryObj | None = None
-                try:
-                    if not registered and not layout.piecewise:
-                        staged = self._stage_copy(src)
-                        src, registered = staged, True
-                    with layout.open_write(plan.location, plan.meta, plan.recycle) as loc:
-                        write_record(agent, slot, loc, plan.meta, src, registered, chunk, layout.piecewise)
-                    out.append(None)
-                except Exception as exc:
-                    out.append(exc)
-                finally:
-                    if staged is not None:
-                        staged.ref_count_down()
-        return out
+
+        def write(slot: ScratchSlot, plan: _Plan) -> None:
+            src, registered = plan.obj, plan.registered
+            staged: MemoryObj | None = None
+            try:
+                if not registered and not layout.piecewise:
+                    staged = self._stage_copy(src)
+                    src, registered = staged, True
+                with layout.open_write(plan.location, plan.meta, plan.recycle) as loc:
+                    write_record(agent, slot, loc, plan.meta, src, registered, chunk, layout.piecewise)
+            finally:
+                # A stuck write only reads its source: the block may go back.
+                if staged is not None:
+                    staged.ref_count_down()
+
+        return self._each_with_slot(plans, write)
+
+    def _orphan_writes(self, plans: list[_Plan], outcomes: list[BaseException | None]) -> None:
+        """Worker thread, the loop being gone: give sources back, delete unconsumed victims."""
+        layout = self._layout
+        for plan, failure in zip(plans, outcomes, strict=True):
+            plan.obj.ref_count_down()
+            if failure is not None and isinstance(layout, KeyFileLayout):
+                for loc in plan.recycle:
+                    with contextlib.suppress(OSError):
+                        layout.delete(loc)
 
     def _stage_copy(self, src: MemoryObj) -> MemoryObj:
         """A registered copy of ``src`` for one-piece writes (object stores)."""
@@ -683,7 +825,7 @@ class NixlBackend(StorageBackend):
         if not jobs:
             return results
         futs = [
-            self._submit(self._read_job, g, self._finish_reads, _release_read_buffers)
+            self._submit(self._read_job, g, self._finish_reads, self._orphan_reads)
             for g in self._groups(jobs, lambda j: j.entry.size)
         ]
         try:
@@ -701,8 +843,12 @@ class NixlBackend(StorageBackend):
                 self.counters.reads += 1
                 job.batch.deliver(job.index, job.dst)
                 continue
-            job.dst.ref_count_down()
             self.counters.read_failures += 1
+            if isinstance(failure, NixlStuckError):
+                self._quarantine_block(job.dst)  # never job.dst.ref_count_down()
+                self._failed("read", job.key, failure)
+                continue
+            job.dst.ref_count_down()
             if isinstance(failure, (RecordError, FileNotFoundError)):
                 self.counters.corrupt += 1
                 self._log.warn("nixl: dropping bad record of %s: %s", job.key, failure)
@@ -744,19 +890,23 @@ class NixlBackend(StorageBackend):
 
     def _read_job(self, jobs: list[_ReadJob]) -> list[BaseException | None]:
         """Worker thread: read and verify every record; one outcome per job."""
-        layout, scratch, agent = self._layout, self._scratch, self._agent
-        assert layout is not None and scratch is not None and agent is not None
+        layout, agent = self._layout, self._agent
+        assert layout is not None and agent is not None
         chunk = self.settings.chunk_bytes
-        out: list[BaseException | None] = []
-        with scratch.slot() as slot:
-            for job in jobs:
-                try:
-                    with layout.open_read(job.entry.location, job.entry.meta) as loc:
-                        read_record(agent, slot, loc, job.entry.meta, job.dst, job.registered, chunk)
-                    out.append(None)
-                except Exception as exc:
-                    out.append(exc)
-        return out
+
+        def read(slot: ScratchSlot, job: _ReadJob) -> None:
+            with layout.open_read(job.entry.location, job.entry.meta) as loc:
+                read_record(agent, slot, loc, job.entry.meta, job.dst, job.registered, chunk)
+
+        return self._each_with_slot(jobs, read)
+
+    def _orphan_reads(self, jobs: list[_ReadJob], outcomes: list[BaseException | None]) -> None:
+        """Worker thread, the loop being gone: give read buffers back (never a stuck one)."""
+        for job, failure in zip(jobs, outcomes, strict=True):
+            if isinstance(failure, NixlStuckError):
+                park(job.dst)
+            else:
+                job.dst.ref_count_down()
 
     # ---- remove / clear -------------------------------------------------------------------------
     async def remove(self, key: CacheEngineKey) -> bool:
@@ -801,6 +951,8 @@ class NixlBackend(StorageBackend):
             "staged": c.staged,
             "scanned": c.scanned,
             "reaped": c.reaped,
+            "stuck": c.stuck,
+            "quarantined_bytes": c.quarantined_bytes,
             "plugin": self.settings.plugin,
             "layout": self.layout_name if self._layout is not None else "closed",
             "free_slots": len(self._free_slots) if isinstance(self._layout, SlotFileLayout) else None,
@@ -827,16 +979,6 @@ def _split(items: list[X], parts: int, nbytes: Callable[[X], int], min_bytes: in
         groups[-1].append(it)
         acc += nbytes(it)
     return groups
-
-
-def _release_sources(plans: list[_Plan]) -> None:
-    for p in plans:
-        p.obj.ref_count_down()
-
-
-def _release_read_buffers(jobs: list[_ReadJob]) -> None:
-    for j in jobs:
-        j.dst.ref_count_down()
 
 
 def storage_root(ctx: BackendContext, settings: NixlSettings) -> str:

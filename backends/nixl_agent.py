@@ -180,6 +180,32 @@ class NixlTransferError(RuntimeError):
     """A NIXL call or transfer failed (the entry is treated as a miss/failed write)."""
 
 
+class NixlStuckError(NixlTransferError):
+    """A request NIXL could neither finish nor abort: it may still move bytes later.
+
+    Whoever catches it must never reuse the memory or the storage target of that request
+    (read destinations, scratch areas, open file descriptors): they are kept aside for the
+    life of the process instead (:func:`park`).
+    """
+
+
+_parked: list[object] = []
+_parked_lock = threading.Lock()
+
+
+def park(*things: object) -> None:
+    """Keep ``things`` alive for the life of the process (memory or handles a stuck request
+    may still use; see :class:`NixlStuckError`). Thread-safe."""
+    with _parked_lock:
+        _parked.extend(things)
+
+
+def parked_count() -> int:
+    """How many objects :func:`park` holds (for diagnostics and tests)."""
+    with _parked_lock:
+        return len(_parked)
+
+
 class NixlAgent:
     """One NIXL agent with one storage plugin; every method is thread-safe and blocking.
 
@@ -219,11 +245,18 @@ class NixlAgent:
         self.target_seg = "OBJ" if plugin in OBJECT_PLUGINS else "FILE"
         self._dev_ids = itertools.count(1)
         self._closed = False
+        self._stuck = 0
+        self._stuck_lock = threading.Lock()
 
     @property
     def closed(self) -> bool:
         """True after :meth:`close`."""
         return self._closed
+
+    @property
+    def stuck(self) -> int:
+        """How many requests ended in :class:`NixlStuckError` (they may still be running)."""
+        return self._stuck
 
     # ---- registration ------------------------------------------------------------------------
     def register_dram(self, ptr: int, nbytes: int) -> Any:
@@ -270,8 +303,9 @@ class NixlAgent:
         ``(offset, length, dev_id)`` on registered targets. Posts, then polls with back-off
         until the request is done; the handle is always released. Raises
         :class:`NixlTransferError` on any failure. A request still running at ``deadline_s`` is
-        aborted; if NIXL cannot abort it, the memory may still be written: the error then says
-        ``stuck`` and the caller must not reuse the buffer.
+        aborted. When releasing the handle fails (NIXL could not abort the request), the
+        memory and the targets may still be used by it: that raises :class:`NixlStuckError`,
+        and the caller must never reuse them.
         """
         if self._closed:
             raise NixlTransferError("the NIXL agent is closed")
@@ -296,8 +330,10 @@ class NixlAgent:
             try:
                 handle.release()
             except Exception as exc:
-                # Only a request NIXL could not abort lands here.
-                raise NixlTransferError(f"NIXL {op} stuck: the request could not be released: {exc}") from exc
+                # Only a request NIXL could not abort lands here: it may still move bytes.
+                with self._stuck_lock:
+                    self._stuck += 1
+                raise NixlStuckError(f"NIXL {op} stuck: the request could not be released: {exc}") from exc
         if state != "DONE":
             raise NixlTransferError(f"NIXL {op} ended in state {state}")
 
@@ -316,8 +352,19 @@ class NixlAgent:
             delay = min(max(delay * 2, 20e-6), 1e-3)
 
     def close(self) -> None:
-        """Drop the agent (registrations go with it). Idempotent."""
+        """Drop the agent (registrations go with it). Idempotent.
+
+        After a stuck request the agent is parked instead (:func:`park`): destroying it could
+        free state that request still uses, and its registrations must stay valid.
+        """
         if self._closed:
             return
         self._closed = True
+        if self._stuck:
+            logger.warning(
+                "NIXL agent %s had %d stuck request(s); it is kept alive for the life of the process",
+                self.name,
+                self._stuck,
+            )
+            park(self._agent)
         self._agent = None

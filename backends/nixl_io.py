@@ -28,6 +28,7 @@ import logging
 import os
 import queue
 import secrets
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,13 @@ from pathlib import Path
 import torch
 import xxhash
 
-from lmcache_async.backends.nixl_agent import HEADER_SCRATCH_BYTES, NixlAgent, NixlTransferError
+from lmcache_async.backends.nixl_agent import (
+    HEADER_SCRATCH_BYTES,
+    NixlAgent,
+    NixlStuckError,
+    NixlTransferError,
+    park,
+)
 from lmcache_async.memory import MemoryFormat, MemoryObj, address_view, populate_pages
 from lmcache_async.records import (
     PROBE_LEN,
@@ -63,6 +70,7 @@ class ScratchSlot:
     index: int
     header_ptr: int
     bounce: torch.Tensor
+    retired: bool = False
 
     @property
     def bounce_ptr(self) -> int:
@@ -70,7 +78,12 @@ class ScratchSlot:
 
 
 class Scratch:
-    """``slots`` scratch areas in one buffer registered with the agent once."""
+    """``slots`` scratch areas in one buffer registered with the agent once.
+
+    A slot used by a stuck request (:class:`NixlStuckError`) is retired with :meth:`retire`:
+    it never goes back to the queue, its memory stays allocated for the life of the process,
+    and a freshly registered area takes its place. Thread-safe.
+    """
 
     def __init__(self, agent: NixlAgent, slots: int, bounce_bytes: int) -> None:
         self.stride = HEADER_SCRATCH_BYTES + bounce_bytes
@@ -79,23 +92,75 @@ class Scratch:
         base = int(self.buffer.data_ptr())
         self._agent = agent
         self.handle = agent.register_dram(base, self.buffer.numel())
+        self._extra: list[tuple[torch.Tensor, object]] = []  # replacement areas and their handles
+        self.retired: list[ScratchSlot] = []
+        self._lock = threading.Lock()
+        self._live = slots
+        self._next_index = slots
         self._free: queue.SimpleQueue[ScratchSlot] = queue.SimpleQueue()
         for i in range(slots):
             off = i * self.stride
             bounce = self.buffer[off + HEADER_SCRATCH_BYTES : off + self.stride]
             self._free.put(ScratchSlot(i, base + off, bounce))
 
+    @property
+    def live(self) -> int:
+        """Slots that can still be handed out (retired ones excluded)."""
+        return self._live
+
     @contextlib.contextmanager
     def slot(self) -> Iterator[ScratchSlot]:
-        """A scratch area for the duration of one job (jobs never outnumber slots)."""
-        s = self._free.get(timeout=60.0)
+        """A scratch area for the duration of one job (jobs never outnumber slots).
+
+        Raises :class:`NixlTransferError` when every area was retired and none could be
+        replaced. A slot retired while held is not given back.
+        """
+        if self._live <= 0:
+            raise NixlTransferError("no NIXL scratch area left (all were used by stuck requests)")
+        try:
+            s = self._free.get(timeout=60.0)
+        except queue.Empty:
+            raise NixlTransferError("no NIXL scratch area became free within 60 s") from None
         try:
             yield s
         finally:
-            self._free.put(s)
+            if not s.retired:
+                self._free.put(s)
+
+    def retire(self, s: ScratchSlot) -> None:
+        """Never reuse ``s`` (a stuck request may still write into it); register a fresh area
+        in its place. Registration errors are logged: the tier then has one slot less."""
+        with self._lock:
+            if s.retired:
+                return
+            s.retired = True
+            self.retired.append(s)
+            self._live -= 1
+            index = self._next_index
+            self._next_index += 1
+        try:
+            buf = torch.zeros(self.stride, dtype=torch.uint8)
+            handle = self._agent.register_dram(int(buf.data_ptr()), buf.numel())
+        except Exception as exc:
+            logger.error("nixl: no replacement for a retired scratch area: %s", exc)
+            return
+        with self._lock:
+            self._extra.append((buf, handle))
+            self._live += 1
+        self._free.put(ScratchSlot(index, int(buf.data_ptr()), buf[HEADER_SCRATCH_BYTES:]))
 
     def close(self) -> None:
+        """Deregister the areas. With a retired slot, nothing is deregistered and the memory is
+        parked for the life of the process (the stuck request may still use it)."""
+        with self._lock:
+            extra, self._extra = self._extra, []
+            retired = list(self.retired)
+        if retired or self._agent.stuck:
+            park(self.buffer, *(b for b, _ in extra), *retired)
+            return
         self._agent.deregister(self.handle)
+        for _, handle in extra:
+            self._agent.deregister(handle)
 
 
 # ---- where the record's bytes are ---------------------------------------------------------------
@@ -282,7 +347,11 @@ class KeyFileLayout:
         ``recycle`` lists record files of entries evicted to make room: the first is renamed
         into the temporary name and overwritten (its pages are already in the page cache,
         which makes the write several times faster than into a fresh file), the rest are
-        deleted.
+        deleted. Whatever happens, none of them is left under its old name.
+
+        After a stuck request (:class:`NixlStuckError`) the descriptor and its registration
+        are parked, never closed: the request may still write through them, and a closed
+        descriptor's number would soon name another file.
         """
         tmp = self._path(str(location), f".{os.getpid()}{TMP_SUFFIX}")
         flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
@@ -296,19 +365,26 @@ class KeyFileLayout:
                 except OSError:
                     pass
             self.delete(old)
-        fd = os.open(tmp, flags if reused else flags | os.O_TRUNC, 0o644)
+        try:
+            fd = os.open(tmp, flags if reused else flags | os.O_TRUNC, 0o644)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         handle = None
         ok = False
+        stuck = False
         try:
             dev, handle = self.agent.register_target(fd=fd)
             yield Loc(dev, 0, dev, meta.header_len)
             if reused and os.fstat(fd).st_size > meta.total_len:
                 os.ftruncate(fd, meta.total_len)
             ok = True
+        except NixlStuckError:
+            stuck = True
+            raise
         finally:
-            if handle is not None:
-                self.agent.deregister(handle)
-            os.close(fd)
+            _release_target(self.agent, fd, handle, stuck)
             if ok:
                 os.replace(tmp, self._path(str(location)))
             else:
@@ -319,16 +395,18 @@ class KeyFileLayout:
     def open_read(self, location: str | int, meta: EntryMeta) -> Iterator[Loc]:
         fd = os.open(self._path(str(location)), os.O_RDONLY | os.O_CLOEXEC)
         handle = None
+        stuck = False
         try:
             size = os.fstat(fd).st_size
             if size != meta.total_len:
                 raise RecordError(f"record file has {size} bytes, expected {meta.total_len}")
             dev, handle = self.agent.register_target(fd=fd)
             yield Loc(dev, 0, dev, meta.header_len)
+        except NixlStuckError:
+            stuck = True
+            raise
         finally:
-            if handle is not None:
-                self.agent.deregister(handle)
-            os.close(fd)
+            _release_target(self.agent, fd, handle, stuck)
 
     def delete(self, location: str | int) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -383,6 +461,8 @@ class SlotFileLayout:
         self.fds: list[int] = []
         self.devs: list[int] = []
         self.handles: list[object] = []
+        self.stuck: set[int] = set()
+        """Slots a stuck request may still use: never reused, never closed."""
         try:
             for i in range(count):
                 fd = os.open(self.slot_path(i), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -401,7 +481,11 @@ class SlotFileLayout:
     def open_write(self, location: str | int, meta: EntryMeta, recycle: Sequence[str | int] = ()) -> Iterator[Loc]:
         i = int(location)
         dev = self.devs[i]
-        yield Loc(dev, 0, dev, meta.header_len)
+        try:
+            yield Loc(dev, 0, dev, meta.header_len)
+        except NixlStuckError:
+            self.stuck.add(i)
+            raise
         fd = self.fds[i]
         if os.fstat(fd).st_size > meta.total_len:
             os.ftruncate(fd, meta.total_len)  # a shorter record: give the tail back
@@ -413,7 +497,11 @@ class SlotFileLayout:
         if size < meta.total_len:
             raise RecordError(f"slot file has {size} bytes, expected {meta.total_len}")
         dev = self.devs[i]
-        yield Loc(dev, 0, dev, meta.header_len)
+        try:
+            yield Loc(dev, 0, dev, meta.header_len)
+        except NixlStuckError:
+            self.stuck.add(i)
+            raise
 
     def delete(self, location: str | int) -> None:
         """Invalidate the slot (zero its magic) so a restart does not find the old record.
@@ -460,12 +548,18 @@ class SlotFileLayout:
         return found, removed
 
     def close(self) -> None:
-        for h in self.handles:
+        """Deregister and close the slot files, except those of stuck requests (parked)."""
+        for i, (fd, h) in enumerate(zip(self.fds, self.handles, strict=False)):
+            if i in self.stuck:
+                park(fd, h)
+                continue
             self.agent.deregister(h)
-        self.handles.clear()
-        for fd in self.fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
+        for fd in self.fds[len(self.handles) :]:  # a construction that failed half-way
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.handles.clear()
         self.fds.clear()
 
 
@@ -489,14 +583,18 @@ class ObjectLayout:
     def _open(self, location: str | int) -> Iterator[Loc]:
         name = self.prefix + str(location)
         hdev, hh = self.agent.register_target(object_name=name + ".hdr")
+        handles = [hh]
         try:
             pdev, ph = self.agent.register_target(object_name=name)
-            try:
-                yield Loc(hdev, 0, pdev, 0)
-            finally:
-                self.agent.deregister(ph)
+            handles.append(ph)
+            yield Loc(hdev, 0, pdev, 0)
+        except NixlStuckError:
+            park(*handles)  # the stuck request may still use them
+            handles.clear()
+            raise
         finally:
-            self.agent.deregister(hh)
+            for h in reversed(handles):
+                self.agent.deregister(h)
 
     @contextlib.contextmanager
     def open_write(self, location: str | int, meta: EntryMeta, recycle: Sequence[str | int] = ()) -> Iterator[Loc]:
@@ -522,6 +620,16 @@ class ObjectLayout:
 Layout = KeyFileLayout | SlotFileLayout | ObjectLayout
 
 
+def _release_target(agent: NixlAgent, fd: int, handle: object | None, stuck: bool) -> None:
+    """Deregister and close a per-operation file target; after a stuck request, park both."""
+    if stuck:
+        park(fd, handle)
+        return
+    if handle is not None:
+        agent.deregister(handle)
+    os.close(fd)
+
+
 def _unlink(path: str) -> int:
     try:
         os.unlink(path)
@@ -535,6 +643,7 @@ __all__ = [
     "KeyFileLayout",
     "Layout",
     "Loc",
+    "NixlStuckError",
     "NixlTransferError",
     "ObjectLayout",
     "Scanned",

@@ -10,7 +10,8 @@ Wire layout per entry (see :mod:`.naming` and :mod:`.codec`):
   a read is one ``GET``.
 * larger payloads: ``MULTI; SET <part i> ...; SET <record> <header||token> NX; EXEC`` — the
   record appears together with its parts or not at all, and a put of a key already present
-  leaves the first entry untouched. A read is ``GET <record>`` then one pipeline of ``GET``s
+  leaves the first entry untouched (its own orphaned parts are unlinked, unless the record
+  found is the very one this put wrote: see below). A read is ``GET <record>`` then one pipeline of ``GET``s
   for the parts, copied into the read buffer as they arrive and checked against the payload
   checksum.
 
@@ -18,7 +19,12 @@ Connections: a small pool per server, ``max_connections`` (URL option, default 8
 connection is dropped — never reused — after any error or cancellation in the middle of a
 command, so a half-read reply can never reach the next caller; a pooled connection whose peer
 went away is noticed before use and reconnected, and one that fails before its first reply is
-retried once on a new connection (every command here is idempotent). Errors reaching the
+retried once on a new connection. Every command here may run twice that way: a connection can
+drop after the server executed the request but before its reply arrived. They are all
+idempotent except in what they answer, and the one answer acted on is handled: a retried
+multi-part put whose first try was executed finds its own record (``SET NX`` says nil) and
+keeps the parts, which the lost-race cleanup removes only when the record is not ours (one
+atomic script). Errors reaching the
 server raise (the manager counts them and opens its circuit breaker); the next call after the
 server is back reconnects. Every exchange is bounded by ``remote_timeout_s`` (socket timeouts).
 
@@ -92,6 +98,13 @@ Arg = bytes | memoryview | tuple[bytes | memoryview, ...]
 # Delete a multi-part entry only if its record still is the one we read (a newer write of the
 # same key must survive). KEYS = record, then its parts.
 _CAS_DELETE = b"if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('UNLINK', unpack(KEYS)) end return 0"
+# A put that lost the race for its key unlinks its own parts, unless the record is the one this
+# put wrote (a retried MULTI/EXEC whose first try was executed: the record names these parts).
+# KEYS = record, then our parts; ARGV[1] = our record value. -1 = the record is ours.
+_UNLINK_UNLESS_OURS = (
+    b"if redis.call('GET', KEYS[1]) == ARGV[1] then return -1 end "
+    b"return redis.call('UNLINK', unpack(KEYS, 2))"
+)
 
 
 def _blen(b: bytes | memoryview) -> int:
@@ -390,6 +403,7 @@ class RedisConnector(Connector):
         self.vanished = 0
         self.alloc_failed = 0
         self.lost_races = 0
+        self.replayed_puts = 0
         self.retries = 0
         self.bytes_written = 0
         self.bytes_read = 0
@@ -457,8 +471,9 @@ class RedisConnector(Connector):
                 return replies
             except (RedisConnectionError, ConnectionError) as exc:
                 # A pooled connection whose server restarted fails on first use before the
-                # loop has noticed the EOF; every command here is idempotent, so one retry on
-                # a new connection is safe as long as no reply was consumed yet.
+                # loop has noticed the EOF: one retry on a new connection, as long as no reply
+                # was consumed yet. The server may have executed the first try all the same
+                # (the reply was lost): see the module docstring for why that is safe.
                 if fresh or read or attempt or isinstance(exc, TimeoutError):
                     raise
                 self.retries += 1
@@ -533,9 +548,16 @@ class RedisConnector(Connector):
             _check(r)
         self.bytes_written += len(out.head) + out.payload.nbytes
         if result[-1] is None:
-            # Another writer published this key first: ours are orphans; theirs stay.
-            self.lost_races += 1
-            await self._call(rec, [[b"UNLINK", *names]])
+            # Another writer published this key first: ours are orphans; theirs stay. Or our
+            # own first try was executed and only its reply was lost (a retried exchange):
+            # then the record is ours and names these very parts, which must stay.
+            (n,) = await self._call(
+                rec, [[b"EVAL", _UNLINK_UNLESS_OURS, b"%d" % (1 + len(names)), rec, *names, out.head]]
+            )
+            if int(n) < 0:
+                self.replayed_puts += 1
+            else:
+                self.lost_races += 1
         return True
 
     async def get(self, name: EntryName, alloc: Allocate) -> MemoryObj | None:
@@ -699,6 +721,7 @@ class RedisConnector(Connector):
             "vanished": self.vanished,
             "alloc_failed": self.alloc_failed,
             "lost_races": self.lost_races,
+            "replayed_puts": self.replayed_puts,
             "retries": self.retries,
             "bytes_written": self.bytes_written,
             "bytes_read": self.bytes_read,

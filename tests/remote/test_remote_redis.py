@@ -219,6 +219,115 @@ async def test_missing_part_is_a_miss_and_the_entry_is_cleaned_up(
     src.ref_count_down()
 
 
+# ---- a request executed but its reply lost ----------------------------------------------------------
+class ReplyCuttingProxy:
+    """A loopback TCP proxy in front of a real server. Once :meth:`arm` is called, the next
+    connection that sends a ``MULTI`` gets its whole request forwarded and executed by the
+    server, and is then cut before any byte of the replies reaches the client."""
+
+    MULTI = b"*1\r\n$5\r\nMULTI\r\n"
+    EXEC = b"*1\r\n$4\r\nEXEC\r\n"
+
+    def __init__(self, host: str, port: int) -> None:
+        self._target = (host, port)
+        self._armed = False
+        self._server: asyncio.Server | None = None
+        self._handlers: set[asyncio.Task[None]] = set()
+        self._writers: list[asyncio.StreamWriter] = []
+        self.cut = 0
+        self.port = 0
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    def arm(self) -> None:
+        self._armed = True
+
+    async def close(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
+        for w in self._writers:
+            w.transport.abort()
+        for t in list(self._handlers):
+            t.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+        for _ in range(2):  # aborted transports finish closing in a loop callback
+            await asyncio.sleep(0)
+
+    async def _accept(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        self._writers.append(cwriter)
+        try:
+            sreader, swriter = await asyncio.open_connection(*self._target)
+            self._writers.append(swriter)
+            doomed = asyncio.Event()
+            executed = asyncio.Event()
+
+            async def upstream() -> None:
+                tail = b""
+                while data := await creader.read(1 << 16):
+                    seen = tail + data
+                    if self._armed and self.MULTI in seen:
+                        self._armed = False
+                        doomed.set()  # before the server can answer anything of it
+                    swriter.write(data)
+                    if doomed.is_set() and self.EXEC in seen:
+                        swriter.write(b"*1\r\n$4\r\nPING\r\n")  # its reply marks the end
+                        executed.set()
+                    await swriter.drain()
+                    tail = seen[-16:]
+                swriter.close()
+
+            async def downstream() -> None:
+                held = b""
+                while data := await sreader.read(1 << 16):
+                    if not doomed.is_set():
+                        cwriter.write(data)
+                        await cwriter.drain()
+                        continue
+                    held = (held + data)[-16:]
+                    if executed.is_set() and held.endswith(b"+PONG\r\n"):
+                        self.cut += 1
+                        cwriter.transport.abort()  # executed; the replies never arrive
+                        swriter.transport.abort()
+                        return
+                cwriter.close()
+
+            await asyncio.gather(upstream(), downstream(), return_exceptions=True)
+        finally:
+            self._handlers.discard(task)
+
+
+async def test_retried_multipart_put_keeps_the_parts_of_its_own_record(
+    redis_server: RedisServer, open_backend: Any, src_pool: PoolAllocator, prefix: str
+) -> None:
+    proxy = ReplyCuttingProxy(redis_server.host, redis_server.port)
+    await proxy.start()
+    try:
+        be = await open_backend(f"redis://127.0.0.1:{proxy.port}", part_size=64 << 10)
+        src = make_obj(src_pool, (1000, 100), torch.float32, seed=11)  # 7 parts
+        key = make_key(11)
+        proxy.arm()
+        # EXISTS on the pooled connection, then MULTI..EXEC: executed, its reply cut; the
+        # retry's SET NX finds the record the first try published.
+        assert await be.put(key, src)
+        assert proxy.cut == 1
+        assert len(keys_under(redis_server, prefix)) == 1 + 7  # the record and all its parts
+        got = await be.get(key)
+        assert got is not None and same(got, src)
+        got.ref_count_down()
+        st = be.stats()
+        assert st["retries"] == 1 and st["lost_races"] == 0 and st["replayed_puts"] == 1
+        assert st["vanished"] == 0
+        src.ref_count_down()
+    finally:
+        await proxy.close()
+
+
 # ---- cancellation -----------------------------------------------------------------------------------
 async def test_cancelled_gets_leave_no_half_read_reply_on_pooled_connections(
     redis_server: RedisServer, open_backend: Any, src_pool: PoolAllocator
