@@ -43,10 +43,17 @@ def _ensure_redis(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The default test run (unit, conformance, chaos, real servers)."""
+    """The default test run: unit, conformance, engines, every tier against real servers and
+    real NIXL POSIX, the chaos suite, and a bounded fuzzing run of the record parser.
+
+    Missing server binaries or a missing NIXL wheel fail the run here instead of skipping.
+    """
     _ensure_redis(session)
-    _install(session, "test")
-    session.run("pytest", *session.posargs)
+    _install(session, "test,nixl")
+    env = {"LMCACHE_ASYNC_REQUIRE_SERVERS": "1", "LMCACHE_ASYNC_REQUIRE_NIXL": "1"}
+    session.run("pytest", *session.posargs, env=env)
+    if not session.posargs:
+        session.run("python", "-m", "lmcache_async.testing.fuzz_records", "-atheris_runs=20000", env=env)
 
 
 @nox.session
