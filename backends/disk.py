@@ -24,6 +24,11 @@ operations, the index and the counters live in :mod:`.disk_store`, the shared bu
 * **Start.** :meth:`DiskBackend.start` rebuilds the index in the background by reading record
   headers, recounts the directory's bytes, reaps temporary files whose writer is gone and evicts
   down to the budget. Until then every lookup simply looks at the file.
+* **Lookups** (``contains``/``contains_nowait``) answer from the index, else ``os.stat`` the
+  file: no such file is "absent"; any other error (EACCES, EIO, a closed tier) is "unknown"
+  (``contains_nowait`` returns None, ``contains`` raises OSError, which the manager counts).
+* **Remove/clear after an abandoned put.** A write whose caller gave up keeps running; a
+  ``remove`` of its key (``clear``: of any key) waits for it, so it never publishes afterwards.
 * **Trouble.** A truncated, corrupt or foreign file is a miss, is deleted and counted.
   ``ENOSPC``/``EDQUOT``/``EROFS``/``EACCES``/``EPERM``/``EFBIG`` stop writes (counted, logged
   once); reads go on; writes are retried after a back-off and resume when they succeed.
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import functools
 import logging
 import os
@@ -294,20 +300,49 @@ class DiskBackend(StorageBackend):
             cfs.append(cf)
         try:
             results = await self._gather(cfs)
-            for (i, _d, _f), r in zip(jobs, results, strict=True):
-                if isinstance(r, BaseException):
-                    self.store.count("write_errors")
-                    self.store.warn("job", "disk tier: write failed: %r", r)
-                else:
-                    out[i] = r in (STORED, EXISTS)
-        finally:
-            for i, d, f in jobs:
-                self._writing.pop(d, None)
-                if not f.done():
-                    f.set_result(out[i])
+        except asyncio.CancelledError:
+            # The caller gave up, the jobs may run on: until each ends, a put of its key shares
+            # it and remove/clear wait for it (it must not publish after them).
+            for (_i, d, f), cf in zip(jobs, cfs, strict=True):
+                cf.add_done_callback(functools.partial(self._write_ended, loop, d, f))
+            raise
+        for (i, d, f), r in zip(jobs, results, strict=True):
+            if not isinstance(r, BaseException):
+                out[i] = r in (STORED, EXISTS)
+            self._settle_write(d, f, r)
         for i, f in waits:
             out[i] = await asyncio.shield(f)
         return out
+
+    def _write_ended(
+        self, loop: asyncio.AbstractEventLoop, digest: bytes, done: asyncio.Future[bool],
+        cf: concurrent.futures.Future[str],
+    ) -> None:
+        """Done-callback of an abandoned write job (any thread): settle its shared outcome on
+        the loop."""
+        if cf.cancelled():
+            outcome: str | BaseException = asyncio.CancelledError()
+        else:
+            exc = cf.exception()
+            outcome = exc if exc is not None else cf.result()
+        try:
+            loop.call_soon_threadsafe(self._settle_write, digest, done, outcome)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    def _settle_write(self, digest: bytes, done: asyncio.Future[bool], outcome: str | BaseException) -> None:
+        """Resolve a write's shared outcome and forget it (once; loop thread)."""
+        if done.done():
+            return
+        if self._writing.get(digest) is done:
+            del self._writing[digest]
+        if isinstance(outcome, BaseException):
+            if not isinstance(outcome, asyncio.CancelledError):
+                self.store.count("write_errors")
+                self.store.warn("job", "disk tier: write failed: %r", outcome)
+            done.set_result(False)
+        else:
+            done.set_result(outcome in (STORED, EXISTS))
 
     async def get(self, key: CacheEngineKey, alloc: Allocate | None = None) -> MemoryObj | None:
         """Read the record into a buffer from ``alloc`` (the staging area when None), verified
@@ -341,23 +376,38 @@ class DiskBackend(StorageBackend):
                 self.store.warn("job", "disk tier: read failed: %r", r)
         return out
 
-    async def batched_contains(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
-        return [self.contains_nowait(_check_key(k)) for k in keys]
-
-    def contains_nowait(self, key: CacheEngineKey) -> bool:
-        """Index hit, else one ``os.stat`` of the entry's file (any thread)."""
+    def _lookup(self, key: CacheEngineKey) -> bool:
+        """Index hit, else one ``os.stat`` of the entry's file. Raises OSError when the answer
+        is unknown: the tier is closed, or the file cannot be looked at (EACCES, EIO, ELOOP,
+        ...). Only "no such file" (ENOENT, ENOTDIR) means absent."""
         if self._closed:
-            return False
+            raise OSError(errno.EBADF, "disk tier is closed", self.root)
         digest = key_digest(key.to_string())
         if digest in self.store:
             return True
         try:
             return os.stat(entry_path(self.root, digest)).st_size >= 64
-        except OSError:
+        except (FileNotFoundError, NotADirectoryError):
             return False
 
+    async def batched_contains(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
+        """Presence of each key; raises OSError when a lookup cannot tell (see :meth:`contains`)."""
+        return [self._lookup(_check_key(k)) for k in keys]
+
+    def contains_nowait(self, key: CacheEngineKey) -> bool | None:
+        """Index hit, else one ``os.stat`` of the entry's file (any thread). None (unknown: the
+        manager then asks :meth:`contains` on its loop, which raises and so is counted) when the
+        tier is closed or the file cannot be looked at; False only when there is no such file."""
+        try:
+            return self._lookup(key)
+        except OSError:
+            return None
+
     async def contains(self, key: CacheEngineKey) -> bool:
-        return self.contains_nowait(_check_key(key))
+        """True when the entry's file is there. Raises OSError when that cannot be told (closed
+        tier, EACCES, EIO, ...), so the manager answers "unknown" and counts the error instead of
+        answering "absent" for an entry that may well exist."""
+        return self._lookup(_check_key(key))
 
     async def remove(self, key: CacheEngineKey) -> bool:
         _check_key(key)
@@ -365,14 +415,19 @@ class DiskBackend(StorageBackend):
             return False
         digest = key_digest(key.to_string())
         running = self._writing.get(digest)
-        if running is not None:
+        if running is not None:  # also a write whose caller gave up: it must not publish later
             await asyncio.shield(running)
         return await self._await(self._submit(self.store.remove, digest))
 
     async def clear(self) -> None:
-        """Delete every entry in the directory (other processes' too: the directory is the tier)."""
+        """Delete every entry in the directory (other processes' too: the directory is the tier).
+        Writes of this process still running when it is called (also those whose caller gave
+        up) end first, so none of them publishes an entry after the clear."""
         if self._closed:
             return
+        running = list(self._writing.values())
+        if running:
+            await asyncio.wait(running)
         await self._await(self._submit(self.store.clear))
 
     def stats(self) -> dict[str, Any]:

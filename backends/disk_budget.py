@@ -242,6 +242,8 @@ class DirBudget:
         self._mm: mmap.mmap | None = None
         self._closed = False
         self._tlock = threading.Lock()
+        self._plock = threading.Lock()
+        self._pending: set[int] = set()
         self.recovered_shards = 0
         """Shards recounted because a process died while changing them (or the file was new)."""
         try:
@@ -306,9 +308,33 @@ class DirBudget:
         ledger._set_dirty(DIRTY_NONE)
         self.recovered_shards += NUM_SHARDS
 
+    def recount_later(self, shard: int) -> None:
+        """Have the next :meth:`acquire` of this process recount ``shard`` (any thread).
+
+        For a change made to ``shard`` that could not be accounted under the lock (the lock
+        itself failed): the file stays uncounted only until this process next holds the lock
+        (or, at the latest, until the next start recounts everything)."""
+        with self._plock:
+            self._pending.add(shard)
+
+    def _recount_pending(self, ledger: Ledger) -> None:
+        if not self._pending:
+            return
+        with self._plock:
+            todo = sorted(self._pending)
+            self._pending.clear()
+        for n, shard in enumerate(todo):
+            try:
+                ledger.recount(shard)
+            except BaseException:
+                with self._plock:
+                    self._pending.update(todo[n:])
+                raise
+
     def acquire(self) -> Ledger:
         """Take the directory lock (blocking); returns the :class:`Ledger`, reconciled after
-        crashes. Pair with :meth:`release` (or use :meth:`locked`)."""
+        crashes (and with the shards of :meth:`recount_later` recounted). Pair with
+        :meth:`release` (or use :meth:`locked`)."""
         self._tlock.acquire()
         try:
             if self._closed:
@@ -322,6 +348,7 @@ class DirBudget:
                     mm = self._mm = self._map()
                 ledger = Ledger(self, mm)
                 self._reconcile(ledger, mm)
+                self._recount_pending(ledger)
             except BaseException:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
                 raise
@@ -365,11 +392,11 @@ class DirBudget:
         """Fast path of the publishing protocol: under the lock, count one published file of
         ``nbytes`` in ``shard`` when nothing needs repair (no dirty marker, generation still
         ``gen0``) and the directory stays within ``budget_bytes``. False (nothing changed):
-        take the general path with :meth:`acquire`."""
+        take the general path with :meth:`acquire` (also when a :meth:`recount_later` is due)."""
         self._tlock.acquire()
         try:
             mm = self._mm
-            if mm is None or self._closed:
+            if mm is None or self._closed or self._pending:
                 return False
             fd = self._fd
             fcntl.flock(fd, fcntl.LOCK_EX)

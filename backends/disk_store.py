@@ -10,21 +10,33 @@ open, write or read, close), never run on the event loop. It owns
 * the write stop/resume state and the counters reported by ``stats()``.
 
 Nothing here trusts a file: every read checks the record (:mod:`lmcache_async.records`), and a
-damaged, truncated or foreign file is deleted and counted.
+damaged, truncated or foreign file is deleted and counted. Nor does it trust the accounting
+blindly: files deleted behind the tier's back are noticed by reads and by eviction and their
+shards recounted (:class:`_Repairs`), so writes never stay refused until the next start; and a
+read or write racing a removal never leaves an index entry without a file
+(:meth:`DiskStore._note_present`).
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, Literal
 
 from lmcache_async.backend import Allocate
-from lmcache_async.backends.disk_budget import DirBudget, EntryFile, Ledger, list_shard
+from lmcache_async.backends.disk_budget import (
+    DirBudget,
+    EntryFile,
+    Ledger,
+    ShardListing,
+    list_shard,
+)
 from lmcache_async.backends.disk_layout import (
     ENTRY_SUFFIX,
     NUM_SHARDS,
@@ -91,6 +103,41 @@ class _Log:
         if n:
             msg += f" ({n} similar messages suppressed)"
         logger.warning(msg, *args)
+
+
+class _Repairs:
+    """Accounting repairs during one removal pass (under the directory lock).
+
+    A shard found to count files that are gone (an indexed file missing, a listing holding
+    fewer bytes than the accounting) is recounted, once per pass. If that recount really
+    finds bytes counted for missing files, files were deleted behind the tier's back, and such
+    files rarely go alone (``rm dir/*/*.lmc``): every shard is recounted once, so eviction
+    never pays for missing bytes with real entries. A recount that changes nothing (another
+    process deleted the file and accounted it) costs one listing.
+    """
+
+    def __init__(self) -> None:
+        self.shards: set[int] = set()
+        self.full = False
+
+    def shard(self, led: Ledger, shard: int) -> ShardListing | None:
+        """Recount ``shard`` (first time in this pass); its fresh listing, or None."""
+        if self.full or shard in self.shards:
+            return None
+        self.shards.add(shard)
+        before = led.shard(shard)[0]
+        listing = led.recount(shard)
+        if led.shard(shard)[0] < before:
+            self.everything(led)
+        return listing
+
+    def everything(self, led: Ledger) -> bool:
+        """Recount every shard (first time in this pass); False when done already."""
+        if self.full:
+            return False
+        self.full = True
+        led.recount_many(list(range(NUM_SHARDS)))
+        return True
 
 
 class DiskStore:
@@ -181,7 +228,14 @@ class DiskStore:
             if self._scan_removed is not None:
                 self._scan_removed.add(digest)
 
-    def _note_present(self, digest: bytes, size: int) -> None:
+    def _note_present(self, digest: bytes, size: int, still_there: Callable[[], bool]) -> None:
+        """Index ``digest`` (most recently used) unless its file was deleted meanwhile.
+
+        ``still_there`` looks at the file again *after* the insertion: a deletion racing this
+        either comes later and forgets the entry itself (every deletion unlinks first, then
+        forgets), or has unlinked already and is seen here. At worst a record published again
+        in between drops out of the index, which only costs a lookup an ``os.stat``.
+        """
         with self._ilock:
             idx = self._index
             if digest in idx:
@@ -189,6 +243,12 @@ class DiskStore:
             idx[digest] = size
             if self._scan_removed is not None:
                 self._scan_removed.discard(digest)
+        try:
+            there = still_there()
+        except OSError:
+            there = False
+        if not there:
+            self._note_removed(digest)
 
     # ---- write stop / resume ------------------------------------------------------------------
     def writes_allowed(self) -> bool:
@@ -223,27 +283,43 @@ class DiskStore:
             logger.warning("disk tier %s: writes resumed", self.root)
 
     # ---- removal primitives (directory lock held) ----------------------------------------------
-    def _unlink_entry(self, led: Ledger, digest: bytes, expect_ino: int | None = None) -> int | None:
+    def _unlink_entry(
+        self, led: Ledger, digest: bytes, expect_ino: int | None = None, *,
+        repairs: _Repairs | None = None,
+    ) -> int | None:
         """Delete the entry file of ``digest`` (only if it is inode ``expect_ino`` when given);
-        bytes freed, or None when nothing was deleted. The accounting follows."""
+        bytes freed, or None when nothing was deleted. The accounting follows.
+
+        ``repairs``: the caller knew the file (an indexed entry). If it is already gone, it was
+        deleted behind the tier's back (or by another process) and the accounting may still
+        count it: its shard is recounted (see :class:`_Repairs`).
+        """
         path = self._path(digest)
+        missing = False
 
         def fn() -> tuple[int, int]:
+            nonlocal missing
             try:
                 st = os.stat(path, follow_symlinks=False)
             except FileNotFoundError:
+                missing = True
                 return 0, 0
             if expect_ino is not None and st.st_ino != expect_ino:
                 return 0, 0  # replaced by a fresh record since the caller looked
             try:
                 os.unlink(path)
             except FileNotFoundError:
+                missing = True
                 return 0, 0
             return -st.st_size, -1
 
         db, df = led.change(digest[0], fn)
         self._note_removed(digest)
-        return -db if df else None
+        if df:
+            return -db
+        if missing and repairs is not None:
+            repairs.shard(led, digest[0])
+        return None
 
     def _pop_victim(self, exclude: bytes | None) -> bytes | None:
         with self._ilock:
@@ -253,37 +329,54 @@ class DiskStore:
                     return d
         return None
 
-    def _evict_unindexed(self, led: Ledger, need: int, exclude: bytes | None) -> int:
-        """Evict files this process has not indexed (oldest mtime first, shard by shard)."""
-        freed = 0
+    def _evict_unindexed(self, led: Ledger, need: int, exclude: bytes | None, repairs: _Repairs) -> bool:
+        """Evict files this process has not indexed (oldest mtime first, shard by shard) until
+        ``need`` more bytes fit in the budget. A shard whose accounting claims more bytes than
+        its files hold (files deleted behind the tier's back) is recounted instead of paying for
+        the missing bytes with real entries. True when anything was evicted or recounted."""
+        budget = self.budget_bytes
+        progress = False
         for _ in range(NUM_SHARDS):
+            if led.total_bytes + need <= budget:
+                break
             shard = self._evict_cursor
             self._evict_cursor = (shard + 1) % NUM_SHARDS
             listing = list_shard(self.root, shard)
+            if sum(e.size for e in listing.entries) < led.shard(shard)[0]:
+                fresh = repairs.shard(led, shard)
+                if fresh is not None:
+                    listing = fresh
+                    progress = True
+                    if led.total_bytes + need <= budget:
+                        break
             for e in sorted(listing.entries, key=lambda e: e.mtime_ns):
+                if led.total_bytes + need <= budget:
+                    return True
                 if e.digest == exclude:
                     continue
-                got = self._unlink_entry(led, e.digest, e.ino)
-                if got is not None:
-                    freed += got
+                if self._unlink_entry(led, e.digest, e.ino) is not None:
                     self.count("evictions")
-                    if freed >= need:
-                        return freed
-        return freed
+                    progress = True
+        return progress
 
     def _make_room(self, led: Ledger, need: int, exclude: bytes | None) -> bool:
-        """Evict (LRU) until ``need`` more bytes fit in the budget; False when they cannot."""
+        """Evict (LRU) until ``need`` more bytes fit in the budget; False when they cannot.
+
+        Self-repairing (:class:`_Repairs`): an indexed victim whose file is already gone has its
+        shard recounted, and when nothing at all can be evicted while the accounting says the
+        directory is over budget, every shard is recounted once before giving up (files deleted
+        behind the tier's back must not refuse writes until the next start)."""
         budget = self.budget_bytes
         if need > budget:
             return False
+        repairs = _Repairs()
         while led.total_bytes + need > budget:
             victim = self._pop_victim(exclude)
             if victim is None:
-                over = led.total_bytes + need - budget
-                if self._evict_unindexed(led, over, exclude) <= 0:
-                    return False
-                continue
-            if self._unlink_entry(led, victim) is not None:
+                if self._evict_unindexed(led, need, exclude, repairs) or repairs.everything(led):
+                    continue
+                return False
+            if self._unlink_entry(led, victim, repairs=repairs) is not None:
                 self.count("evictions")
         return True
 
@@ -308,7 +401,7 @@ class DiskStore:
         self.count("vanished")
         try:
             with self._budget.locked() as led:
-                led.recount(digest[0])
+                _Repairs().shard(led, digest[0])
         except OSError:
             pass
 
@@ -325,7 +418,7 @@ class DiskStore:
             self._write_failed(exc, "stat")
             return FAILED
         else:
-            self._note_present(digest, st.st_size)
+            self._note_present(digest, st.st_size, functools.partial(_exists, path))
             return EXISTS
         view = obj.byte_view()
         try:
@@ -364,11 +457,11 @@ class DiskStore:
                 except OSError:
                     pass
         if status == STORED:
-            self._note_present(digest, total)
+            self._note_present(digest, total, functools.partial(_exists, path))
             self.count("stored")
             self._write_ok()
         elif status == EXISTS:
-            self._note_present(digest, total)
+            self._note_present(digest, total, functools.partial(_exists, path))
         elif status == NO_SPACE:
             self.count("no_space")
         return status
@@ -377,7 +470,9 @@ class DiskStore:
         """Rename the written record into place, then account it (see
         :meth:`DirBudget.generation`): the rename, which can stall on a busy journal, runs
         outside the directory lock. Over budget, older entries are evicted; if nothing else can
-        go, the new entry itself is dropped."""
+        go, the new entry itself is dropped. If the accounting fails after the rename (the lock
+        or a repair under it raised), the record is deleted again and its shard recounted at
+        this process's next lock, so the budget never keeps an uncounted file."""
         budget = self._budget
         gen = budget.generation()
         if gen is None:  # first use: map the accounting file
@@ -387,20 +482,36 @@ class DiskStore:
         if not publish_noreplace(tmp, path):
             return EXISTS  # another writer published this key first
         shard = digest[0]
-        if gen is not None and budget.try_account_publish(shard, total, gen, self.budget_bytes):
-            return STORED
-        led = budget.acquire()
+        counted = False
         try:
-            if budget.generation() == gen:
-                led.add(shard, total, 1)
-            else:  # a recount ran meanwhile and may have counted this file already
-                led.recount(shard)
-            if self._make_room(led, 0, digest):
+            if gen is not None and budget.try_account_publish(shard, total, gen, self.budget_bytes):
                 return STORED
-            self._unlink_entry(led, digest)
-            return NO_SPACE
-        finally:
-            budget.release()
+            led = budget.acquire()
+            try:
+                if budget.generation() == gen:
+                    led.add(shard, total, 1)
+                else:  # a recount ran meanwhile and may have counted this file already
+                    led.recount(shard)
+                counted = True
+                if self._make_room(led, 0, digest):
+                    return STORED
+                self._unlink_entry(led, digest)
+                return NO_SPACE
+            finally:
+                budget.release()
+        except Exception:
+            if not counted:
+                self._drop_uncounted(digest, path)
+            raise
+
+    def _drop_uncounted(self, digest: bytes, path: str) -> None:
+        """Delete a published record whose accounting failed; its shard is recounted at the
+        next lock (a recount may have counted it meanwhile, or the deletion may fail)."""
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        self._budget.recount_later(digest[0])
 
     def read(self, digest: bytes, kstr: str, alloc: Allocate) -> MemoryObj | None:
         path = self._path(digest)
@@ -447,7 +558,7 @@ class DiskStore:
                 except OSError:
                     pass
             out, obj = obj, None
-            self._note_present(digest, st.st_size)
+            self._note_present(digest, st.st_size, functools.partial(_linked, fd))
             self.count("read_hits")
             return out
         except OSError as exc:
@@ -462,8 +573,11 @@ class DiskStore:
                 self._discard_corrupt(digest, *bad)
 
     def remove(self, digest: bytes) -> bool:
+        """Delete the entry; True when a file was deleted. An indexed entry whose file is gone
+        has its shard recounted (it was deleted behind the tier's back)."""
+        repairs = _Repairs() if digest in self._index else None
         with self._budget.locked() as led:
-            return self._unlink_entry(led, digest) is not None
+            return self._unlink_entry(led, digest, repairs=repairs) is not None
 
     def clear(self) -> None:
         for shard in range(NUM_SHARDS):
@@ -562,3 +676,16 @@ class DiskStore:
     def evict_to_budget(self) -> None:
         with self._budget.locked() as led:
             self._make_room(led, 0, None)
+
+
+def _exists(path: str) -> bool:
+    try:
+        os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _linked(fd: int) -> bool:
+    """False once the open file was unlinked (by anyone, any process)."""
+    return os.fstat(fd).st_nlink > 0
