@@ -44,16 +44,23 @@ def _ensure_redis(session: nox.Session) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """The default test run: unit, conformance, engines, every tier against real servers and
-    real NIXL POSIX, the chaos suite, and a bounded fuzzing run of the record parser.
+    real NIXL POSIX, and the chaos suite (with a bounded atheris run of the record parser).
 
     Missing server binaries or a missing NIXL wheel fail the run here instead of skipping.
     """
     _ensure_redis(session)
     _install(session, "test,nixl")
     env = {"LMCACHE_ASYNC_REQUIRE_SERVERS": "1", "LMCACHE_ASYNC_REQUIRE_NIXL": "1"}
-    session.run("pytest", *session.posargs, env=env)
-    if not session.posargs:
-        session.run("python", "-m", "lmcache_async.testing.fuzz_records", "-atheris_runs=20000", env=env)
+    session.run("pytest", *session.posargs, env=env)  # includes a bounded atheris run (tests/chaos)
+
+
+@nox.session
+def soak(session: nox.Session) -> None:
+    """The chaos suite's long soak variants (on demand)."""
+    _ensure_redis(session)
+    _install(session, "test,nixl")
+    env = {"LMCACHE_ASYNC_REQUIRE_SERVERS": "1", "LMCACHE_ASYNC_REQUIRE_NIXL": "1", "LMCACHE_ASYNC_SOAK": "1"}
+    session.run("pytest", "tests/chaos", "-m", "soak", *session.posargs, env=env)
 
 
 @nox.session

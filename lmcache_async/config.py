@@ -390,9 +390,12 @@ def convert_value(key: str, value: Any, source: str) -> Any:
     if kind in ("list_int", "list_str"):
         if text.startswith("["):
             try:
-                parsed = json.loads(text)
-            except json.JSONDecodeError:
-                parsed = yaml.safe_load(text)
+                try:
+                    parsed = json.loads(text)
+                except json.JSONDecodeError:
+                    parsed = yaml.safe_load(text)
+            except (yaml.YAMLError, RecursionError, ValueError):  # unparsable or absurdly nested
+                raise bad("expected a list") from None
             if not isinstance(parsed, list):
                 raise bad("expected a list")
             items = parsed
@@ -407,7 +410,7 @@ def convert_value(key: str, value: Any, source: str) -> Any:
     if kind == "dict":
         try:
             parsed = json.loads(text)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # malformed, absurdly nested, or a > 4300-digit int
             raise bad("expected a JSON object") from None
         if not isinstance(parsed, dict):
             raise bad("expected a JSON object")
@@ -453,10 +456,14 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read configuration file {p}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"configuration file {p} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
     try:
         data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, ValueError) as exc:  # ValueError: e.g. an integer of > 4300 digits
         raise ConfigError(f"configuration file {p} is not valid YAML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"configuration file {p} nests too deeply") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -490,8 +497,9 @@ def build_config(entries: Iterable[Entry], base: LMCacheEngineConfig | None = No
         values[key] = (convert_value(key, raw, source), raw, source)
     data = base.model_dump() if base is not None else {}
     data.update({k: v[0] for k, v in values.items()})
-    if "nixl_backends" in values and "nixl_backend" not in values and values["nixl_backends"][0]:
-        data["nixl_backend"] = values["nixl_backends"][0][0]
+    backends = values["nixl_backends"][0] if "nixl_backends" in values else None
+    if "nixl_backend" not in values and isinstance(backends, list) and backends and isinstance(backends[0], str):
+        data["nixl_backend"] = backends[0]  # anything else is reported by the validation below
     try:
         cfg = LMCacheEngineConfig.model_validate(data)
     except ValidationError as exc:
