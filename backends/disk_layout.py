@@ -225,6 +225,23 @@ def ensure_dir(path: str) -> bool:
     return True
 
 
+def make_private_dirs(path: str | os.PathLike[str]) -> None:
+    """Create ``path`` and every missing parent with mode 0700 (existing ones are left as they are)."""
+    missing: list[str] = []
+    p = os.path.abspath(os.fspath(path))
+    while not os.path.isdir(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, DIR_MODE)
+        except FileExistsError:
+            pass
+
+
 def fsync_dir(path: str) -> None:
     """fsync a directory so a rename or creation in it survives a power loss."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

@@ -261,11 +261,15 @@ class DiskStore:
             return
         with self._w_lock:
             first = not self._w_stopped
+            now = time.monotonic()
+            if first:
+                self._w_backoff = self._retry_base
+            elif now >= self._w_retry_at:  # a retry after the back-off failed: back off longer
+                self._w_backoff = min(self._w_backoff * 2, self._retry_max)
+            else:  # one more write that was already in flight when writes stopped
+                return
             self._w_stopped = True
-            self._w_backoff = (
-                self._retry_base if first else min(self._w_backoff * 2, self._retry_max)
-            )
-            self._w_retry_at = time.monotonic() + self._w_backoff
+            self._w_retry_at = now + self._w_backoff
         if first:
             logger.warning(
                 "disk tier %s: writes stopped (%s); reads go on, writes are retried after a "

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from lmcache_async.backend import Allocate, BackendContext, StorageBackend
+from lmcache_async.backends.disk_layout import make_private_dirs
 from lmcache_async.backends.nixl_agent import (
     HEADER_SCRATCH_BYTES,
     INSTALL_HINT,
@@ -195,7 +196,7 @@ class _RateLimitedLog:
 
 
 def _lock_directory(root: Path) -> int:
-    fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -251,7 +252,7 @@ class NixlBackend(StorageBackend):
             if not settings.is_object_store:
                 self.root = Path(target)
                 try:
-                    self.root.mkdir(parents=True, exist_ok=True)
+                    make_private_dirs(self.root)
                 except OSError as exc:
                     raise BackendUnavailableError(
                         f"nixl_path directory {target!r} cannot be created: {exc}"

@@ -366,7 +366,7 @@ class KeyFileLayout:
                     pass
             self.delete(old)
         try:
-            fd = os.open(tmp, flags if reused else flags | os.O_TRUNC, 0o644)
+            fd = os.open(tmp, flags if reused else flags | os.O_TRUNC, 0o600)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -465,7 +465,7 @@ class SlotFileLayout:
         """Slots a stuck request may still use: never reused, never closed."""
         try:
             for i in range(count):
-                fd = os.open(self.slot_path(i), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                fd = os.open(self.slot_path(i), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
                 self.fds.append(fd)
                 dev, handle = agent.register_target(fd=fd)
                 self.devs.append(dev)

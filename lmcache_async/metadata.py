@@ -29,6 +29,10 @@ class LMCacheEngineMetadata:
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str):
             raise TypeError(f"model_name must be a str, got {type(self.model_name).__name__}")
+        try:
+            self.model_name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"model_name {self.model_name!r} is not valid Unicode text") from None
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {self.world_size!r}")
         if not isinstance(self.worker_id, int) or not 0 <= self.worker_id < self.world_size:

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 import xxhash
 
 from lmcache_async.backend import Allocate
+from lmcache_async.backends.disk_layout import make_private_dirs
 from lmcache_async.memory import MemoryObj
 from lmcache_async.records import PROBE_LEN, RecordError, decode_header, peek_header_len
 
@@ -55,6 +56,45 @@ STALE_TMP_S = 900.0
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
 _NO_LINK_ERRNOS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV})
 _LOG_EVERY_S = 5.0
+
+
+def _writer_gone(host: str, pid_text: str) -> bool:
+    """True when a temporary file's writer ran on this host and is no longer alive."""
+    if host != _host_tag().rsplit(".", 1)[0] or not pid_text.isdigit():
+        return False
+    try:
+        os.kill(int(pid_text), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, owned by another user
+        return False
+    return False
+
+
+def reap_dead_writers(root: Path) -> int:
+    """Delete temporary files below ``root`` whose writer (same host) is gone, or that are older
+    than :data:`STALE_TMP_S` (writers on other hosts); returns how many were deleted."""
+    now = time.time()
+    reaped = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for fn in files:
+            if fn.endswith(".tmp") and _reap_temp(os.path.join(dirpath, fn), now):
+                reaped += 1
+    return reaped
+
+
+def _reap_temp(path: str, now: float) -> bool:
+    """Delete one temporary file if its writer is gone or it is stale; True when deleted."""
+    parts = os.path.basename(path).split(".")  # .<digest>.rec.<host>.<pid>.<random>.tmp
+    try:
+        stale = len(parts) >= 5 and _writer_gone(parts[-4], parts[-3])
+        if not stale:
+            stale = now - os.stat(path).st_mtime > STALE_TMP_S
+        if stale:
+            os.unlink(path)
+    except OSError:
+        return False
+    return stale
 
 
 def _host_tag() -> str:
@@ -80,6 +120,7 @@ class FSConnector(Connector):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._reaper: asyncio.Future[None] | None = None
         self._last_log = 0.0
         self.corrupt = 0
         self.foreign = 0
@@ -161,10 +202,25 @@ class FSConnector(Connector):
 
     # ---- lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
-        await self._run(self._root.mkdir, 0o755, True, True)
+        await self._run(make_private_dirs, self._root)
+        # Temporary files of writers that died (killed mid-write) are reaped in the background:
+        # a large shared tree must not delay the start.
+        self._reaper = asyncio.ensure_future(self._reap())
+
+    async def _reap(self) -> None:
+        try:
+            n = await self._run(reap_dead_writers, self._root)
+        except OSError as exc:
+            logger.debug("fs:// tier: reaping temporary files under %s failed: %s", self._root, exc)
+            return
+        if n:
+            logger.info("fs:// tier: removed %d temporary files of writers that are gone", n)
 
     async def close(self) -> None:
         self._closed = True
+        reaper = self._reaper
+        if reaper is not None and not reaper.done():
+            reaper.cancel()
 
     # ---- put ---------------------------------------------------------------------------------------------
     async def put(self, name: EntryName, obj: MemoryObj) -> bool:
@@ -193,9 +249,9 @@ class FSConnector(Connector):
             if not self._expired(st.st_mtime):
                 return False
             _unlink(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_private_dirs(path.parent)
         tmp = path.parent / f".{path.name}.{_host_tag()}.{secrets.token_hex(4)}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
         try:
             try:
                 _write_all(fd, [memoryview(head), payload])
@@ -319,11 +375,7 @@ class FSConnector(Connector):
                 if fn.endswith(".rec"):
                     _unlink(Path(p))
                 elif fn.endswith(".tmp"):
-                    try:
-                        if now - os.stat(p).st_mtime > STALE_TMP_S:
-                            _unlink(Path(p))
-                    except OSError:
-                        pass
+                    _reap_temp(p, now)
             for d in dirnames:
                 try:
                     os.rmdir(os.path.join(dirpath, d))

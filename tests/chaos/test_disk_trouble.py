@@ -200,12 +200,6 @@ def test_permission_denied_files_and_read_only_directory(tmp_path, figures):
             max_resume_s=round(out["resumed_after_s"], 1))  # fmt: skip
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known issue: every write that fails while writes are already stopped doubles the disk "
-    "tier's write back-off again (backends/disk_store.py DiskStore._write_failed), so one batch of "
-    "writes in flight when the disk fills pushes it to the 30 s maximum",
-)
 def test_one_burst_of_failed_writes_backs_off_once(small_fs):
     pytest.importorskip("lmcache_async.backends.disk")
     sm = _manager("disk", small_fs / "cache")

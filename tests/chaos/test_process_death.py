@@ -248,11 +248,6 @@ def test_sigkill_at_random_points(tier_name, zygote, tmp_path, figures):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known issue: the fs:// connector never reaps the temporary file of a writer that died "
-    "(start() only creates the directory; clear() removes .tmp files only after 900 s)",
-)
 def test_fs_restart_reaps_temporary_files_of_dead_writers(tmp_path):
     root = tmp_path / "fs"
     cfg = LMCacheEngineConfig.from_defaults(

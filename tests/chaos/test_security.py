@@ -135,13 +135,6 @@ def test_hostile_model_names_never_leave_the_cache_directory(tier, tmp_path, req
             refused=rejected, escaped=0)  # fmt: skip
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=UnicodeEncodeError,
-    reason="known issue: LMCacheEngineMetadata accepts a model name that is not valid Unicode; the "
-    "engines build keys from it unchecked (CacheEngineKey._trusted) and ECCacheEngine.put raises "
-    "UnicodeEncodeError from backends/remote/naming.py entry_name (via contains_nowait)",
-)
 def test_non_utf8_model_names_are_refused_or_contained(tmp_path, request):
     """A model name that is not valid Unicode (a lone surrogate, as ``os.fsdecode`` makes of
     undecodable bytes) is refused by keys; where a caller's metadata still carries one, nothing
@@ -246,14 +239,10 @@ def test_disk_files_are_private(tmp_path, request):
     _check_modes("disk", tmp_path, request)
 
 
-@pytest.mark.xfail(strict=True, reason="known issue: fs:// writes records 0644 and directories 0755 (fs.py _write)")
 def test_fs_files_are_private(tmp_path, request):
     _check_modes("fs", tmp_path, request)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="known issue: NIXL writes records and .lock 0644, its directory 0755 (nixl_io/nixl.py)"
-)
 def test_nixl_files_are_private(tmp_path, request):
     _check_modes("nixl", tmp_path, request)
 
