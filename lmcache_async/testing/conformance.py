@@ -11,8 +11,8 @@ package registers a pytest plugin providing the ``backend_context`` fixture)::
         async def make_backend(self, ctx, location):
             return MyBackend(ctx, root=location)
 
-Backends whose entries survive a restart set ``persistent = True`` on the test class; the
-suite then reopens the backend on the same location and expects every entry back.
+Backends whose entries survive a restart subclass :class:`PersistentBackendConformanceTests`
+instead: it also reopens the backend on the same location and expects every entry back.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from lmcache_async.backend import BackendContext, StorageBackend
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryFormat, MemoryObj, PoolAllocator
 
-__all__ = ["BackendConformanceTests", "make_key", "make_obj"]
+__all__ = ["BackendConformanceTests", "PersistentBackendConformanceTests", "make_key", "make_obj"]
 
 
 def make_key(i: int, model: str = "conformance/model", **kw: Any) -> CacheEngineKey:
@@ -72,8 +72,6 @@ def _same(a: MemoryObj, b: MemoryObj) -> bool:
 class BackendConformanceTests:
     """Generic tests every backend must pass. Subclass and implement :meth:`make_backend`."""
 
-    #: Entries survive closing and reopening the backend on the same location.
-    persistent: bool = False
     #: Bytes of the test pool the suite allocates source objects from.
     pool_bytes: int = 64 << 20
 
@@ -324,11 +322,14 @@ class BackendConformanceTests:
         await backend.clear()
         assert await backend.batched_contains(keys) == [False] * 5
 
+
+class PersistentBackendConformanceTests(BackendConformanceTests):
+    """The suite plus restart: entries survive closing and reopening the backend on the same
+    location. Subclass this instead of :class:`BackendConformanceTests` for persistent tiers."""
+
     async def test_restart_keeps_entries(
         self, backend: StorageBackend, src_pool: PoolAllocator, backend_context: Any, location: Path
     ) -> None:
-        if not self.persistent:
-            pytest.skip("backend is not persistent")
         keys = [make_key(400 + i) for i in range(6)]
         objs = [make_obj(src_pool, (8, 32), seed=i) for i in range(6)]
         assert all(await backend.batched_put(list(zip(keys, objs, strict=True))))

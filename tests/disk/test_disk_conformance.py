@@ -6,18 +6,16 @@ from pathlib import Path
 
 from lmcache_async.backend import BackendContext
 from lmcache_async.backends.disk import DiskBackend
-from lmcache_async.testing import BackendConformanceTests
+from lmcache_async.testing import PersistentBackendConformanceTests
 
 
-class TestDiskConformance(BackendConformanceTests):
-    persistent = True
+class TestDiskConformance(PersistentBackendConformanceTests):
 
     async def make_backend(self, ctx: BackendContext, location: Path) -> DiskBackend:
         return DiskBackend(location, 1 << 30, executor=ctx.executor, staging=ctx.staging)
 
 
-class TestDiskConformanceFsyncFull(BackendConformanceTests):
-    persistent = True
+class TestDiskConformanceFsyncFull(PersistentBackendConformanceTests):
 
     async def make_backend(self, ctx: BackendContext, location: Path) -> DiskBackend:
         return DiskBackend(location, 1 << 30, executor=ctx.executor, staging=ctx.staging, fsync="full")

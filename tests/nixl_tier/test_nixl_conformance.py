@@ -8,24 +8,22 @@ import pytest
 
 from lmcache_async.backend import BackendContext
 from lmcache_async.backends.nixl import NixlBackend, NixlSettings
-from lmcache_async.testing import BackendConformanceTests
+from lmcache_async.testing import PersistentBackendConformanceTests
 
 pytestmark = pytest.mark.nixl
 
 
-class TestNixlPosixFilesConformance(BackendConformanceTests):
+class TestNixlPosixFilesConformance(PersistentBackendConformanceTests):
     """One file per entry (``nixl_pool_size: 0``)."""
 
-    persistent = True
 
     async def make_backend(self, ctx: BackendContext, location: Path) -> NixlBackend:
         return NixlBackend(ctx, NixlSettings(plugin="POSIX", path=str(location), max_bytes=256 << 20))
 
 
-class TestNixlPosixSlotsConformance(BackendConformanceTests):
+class TestNixlPosixSlotsConformance(PersistentBackendConformanceTests):
     """Pre-created slot files (``nixl_pool_size: 64``)."""
 
-    persistent = True
 
     async def make_backend(self, ctx: BackendContext, location: Path) -> NixlBackend:
         return NixlBackend(

@@ -9,14 +9,13 @@ import pytest
 
 from lmcache_async.backend import BackendContext
 from lmcache_async.backends.remote import RemoteBackend
-from lmcache_async.testing import BackendConformanceTests
+from lmcache_async.testing import PersistentBackendConformanceTests
 from lmcache_async.testing.servers import RedisClusterServers, RedisServer
 
 
-class _RemoteConformance(BackendConformanceTests):
+class _RemoteConformance(PersistentBackendConformanceTests):
     """Entries live on the server, so reopening the backend finds them (persistent)."""
 
-    persistent = True
     part_size = 2 << 20
     url = ""
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 
 from lmcache_async.backend import BackendContext
+from lmcache_async.backends.cpu import CPUBackend
 from lmcache_async.memory import MemoryFormat, PoolAllocator
 from lmcache_async.testing import BackendConformanceTests, make_key
-from lmcache_async.backends.cpu import CPUBackend
 
 
 class TestCPUConformance(BackendConformanceTests):
