@@ -100,8 +100,10 @@ class LoopThread:
         return threading.get_ident() == self.thread_id
 
     def check_usable(self) -> None:
-        """Raise the named misuse error if the loop cannot take work from this process."""
-        if self._forked or os.getpid() != self._pid:
+        """Raise the named misuse error if the loop cannot take work from this process.
+
+        ``_forked`` is set in a child by the at-fork hook, so the hot path needs no ``getpid``."""
+        if self._forked:
             self._forked = True
             raise ForkedProcessError(
                 f"{self.name} was created in process {self._pid}; it cannot be used after fork(). "

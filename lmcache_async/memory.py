@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 GiB = 1 << 30
 MiB = 1 << 20
 DEFAULT_ALIGN = 256
+_VIEW_CACHE_MAX = 1 << 16
 _PAGE = 4096
 
 
@@ -152,11 +153,12 @@ class MemoryObj:
         shape: tuple[int, ...],
         dtype: torch.dtype,
         fmt: MemoryFormat,
+        nbytes: int | None = None,
     ) -> None:
         self._alloc = alloc
         self.offset = offset
         self.size = size  # bytes reserved (aligned)
-        self.nbytes = _nbytes(shape, dtype)  # payload bytes
+        self.nbytes = _nbytes(shape, dtype) if nbytes is None else nbytes  # payload bytes
         self._tensor: torch.Tensor | None = tensor
         self.shape = shape
         self.dtype = dtype
@@ -348,6 +350,7 @@ class PoolAllocator(_AllocatorBase):
         self.base_ptr = self.buffer.data_ptr()
         self._mv: memoryview | None = None
         self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self._view_cache: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor] = {}
         units = size_bytes // align
         # Free blocks in units of `align`: start -> length and end -> start for coalescing;
         # bins[k] holds starts of blocks whose length has bit_length k.
@@ -442,23 +445,38 @@ class PoolAllocator(_AllocatorBase):
     ) -> MemoryObj | None:
         """A block holding ``shape``/``dtype``, or ``None`` at once when none fits."""
         shp = validate_shape(shape)
-        if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
-        n = _nbytes(shp, dtype)
-        units = max(1, -(-n // self.align))
+        typed = self._typed.get(dtype)
+        if typed is None:
+            if not isinstance(dtype, torch.dtype):
+                raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+            typed = self._typed[dtype] = self.buffer.view(dtype)
+        itemsize = dtype.itemsize
+        numel = 1
+        for d in shp:
+            numel *= d
+        n = numel * itemsize
+        align = self.align
+        units = -(-n // align) or 1
         with self.lock:
             start = self._take(units)
             if start is None:
                 return None
-            size = units * self.align
+            size = units * align
             self.used_bytes += size
             self.num_objects += 1
-        off = start * self.align
-        typed = self._typed.get(dtype)
-        if typed is None:
-            typed = self._typed[dtype] = self.buffer.view(dtype)
-        view = typed.as_strided(shp, _contiguous_strides(shp), off // dtype.itemsize)
-        return MemoryObj(self, off, size, view, shp, dtype, fmt)
+        off = start * align
+        # Blocks are reused at the same offsets for the same shapes under steady churn; creating
+        # a view costs more than the rest of the allocation, so recent views are reused.
+        vkey = (off, shp, dtype)
+        view = self._view_cache.get(vkey)
+        strides = (1,) if len(shp) == 1 else _contiguous_strides(shp)
+        # (a holder may have changed a view's metadata in place, e.g. with ``t_()``)
+        if view is None or view.stride() != strides or view.shape != shp:
+            view = typed.as_strided(shp, strides, off // itemsize)
+            if len(self._view_cache) >= _VIEW_CACHE_MAX:
+                self._view_cache.clear()
+            self._view_cache[vkey] = view
+        return MemoryObj(self, off, size, view, shp, dtype, fmt, n)
 
     def byte_view(self, offset: int, nbytes: int) -> memoryview:
         mv = self._mv

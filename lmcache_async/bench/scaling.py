@@ -143,7 +143,10 @@ class _DiskFixture:
         self.keys = [db.make_key(i + 1) for i in range(n)]
         src = [torch.randn(ENTRY // 4) for _ in range(16)]
         for i, k in enumerate(self.keys):
-            self.sm.put_sync(k, src[i % 16])
+            if not self.sm.put_sync(k, src[i % 16]):  # staging full of pending writes: drain it
+                self.sm.flush_sync()
+                if not self.sm.put_sync(k, src[i % 16]):
+                    raise RuntimeError("the disk tier refused an entry")
         self.sm.flush_sync()
         self.paths = []
         for i in range(n):

@@ -158,3 +158,13 @@ def test_heap_objects_report_their_real_address():
     o = h.allocate((16,), torch.float32)
     assert o.data_ptr == o.tensor.data_ptr()
     o.ref_count_down()
+
+
+def test_reused_block_gets_a_correct_view_even_after_in_place_metadata_changes():
+    p = pool()
+    o = p.allocate((4, 4), torch.float32)
+    o.tensor.t_()  # a holder reshapes its view in place
+    o.ref_count_down()
+    again = p.allocate((4, 4), torch.float32)
+    assert again.tensor.shape == (4, 4) and again.tensor.is_contiguous()
+    again.ref_count_down()
