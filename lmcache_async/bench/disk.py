@@ -470,6 +470,7 @@ def run(opts: BenchOptions) -> list[Result]:
         return out
     finally:
         rig.close()
+        os.sync()  # leave no dirty pages behind: the next suite must not pay for our writeback
 
 
 if __name__ == "__main__":

@@ -364,7 +364,10 @@ def run(opts: BenchOptions) -> list[Result]:
     from lmcache_async.backends.nixl_agent import load_nixl
 
     load_nixl()
-    return asyncio.run(_run(opts))
+    try:
+        return asyncio.run(_run(opts))
+    finally:
+        os.sync()  # leave no dirty pages behind: the next suite must not pay for our writeback
 
 
 def main(argv: list[str] | None = None) -> None:
