@@ -89,6 +89,7 @@ class DiskBackend(StorageBackend):
         write_retry_s: float = 1.0,
         write_retry_max_s: float = 30.0,
         scan_jobs: int = 2,
+        write_jobs: int = 4,
     ) -> None:
         if not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
@@ -113,6 +114,7 @@ class DiskBackend(StorageBackend):
         self._jobs: set[concurrent.futures.Future[Any]] = set()
         self._scan_task: asyncio.Task[None] | None = None
         self._scan_jobs = max(1, scan_jobs)
+        self._write_jobs = max(1, write_jobs)
         self._closed = False
         self.rebuild_done = False
         self.rebuild_entries = 0
@@ -262,7 +264,9 @@ class DiskBackend(StorageBackend):
         return (await self.batched_put([(key, obj)]))[0]
 
     async def batched_put(self, items: Sequence[tuple[CacheEngineKey, MemoryObj]]) -> list[bool]:
-        """:meth:`put` for each item: one executor job per file, one loop wake-up per batch."""
+        """:meth:`put` for each item, one loop wake-up per batch. The files are written by at most
+        ``write_jobs`` executor jobs, each writing its share one file after the other: fewer
+        thread hand-offs per file than one job per file, the same parallelism."""
         for key, obj in items:
             _check_key(key)
             if not isinstance(obj, MemoryObj):
@@ -272,8 +276,7 @@ class DiskBackend(StorageBackend):
             return out
         loop = asyncio.get_running_loop()
         waits: list[tuple[int, asyncio.Future[bool]]] = []
-        jobs: list[tuple[int, bytes, asyncio.Future[bool]]] = []
-        cfs: list[concurrent.futures.Future[str]] = []
+        planned: list[tuple[int, bytes, str, MemoryObj, asyncio.Future[bool]]] = []
         for i, (key, obj) in enumerate(items):
             kstr = key.to_string()
             digest = key_digest(kstr)
@@ -287,44 +290,68 @@ class DiskBackend(StorageBackend):
             if header_length(len(kstr.encode("utf-8")), len(obj.shape)) + obj.nbytes > self.budget_bytes:
                 self.store.count("no_space")
                 continue
-            obj.ref_count_up()  # the job reads the block even if this call is cancelled
-            try:
-                cf = self._submit(self.store.write, digest, kstr, obj)
-            except RuntimeError:  # the executor was shut down
-                obj.ref_count_down()
-                break
-            cf.add_done_callback(functools.partial(_release_ref, obj))
             done: asyncio.Future[bool] = loop.create_future()
             self._writing[digest] = done
-            jobs.append((i, digest, done))
+            planned.append((i, digest, kstr, obj, done))
+        n_groups = min(len(planned), self._write_jobs)
+        groups = [planned[g::n_groups] for g in range(n_groups)]
+        cfs: list[concurrent.futures.Future[list[str | BaseException]]] = []
+        submitted: list[list[tuple[int, bytes, str, MemoryObj, asyncio.Future[bool]]]] = []
+        for group in groups:
+            objs = [obj for _, _, _, obj, _ in group]
+            for obj in objs:  # the job reads the blocks even if this call is cancelled
+                obj.ref_count_up()
+            try:
+                cf = self._submit(self._write_group, [(d, k, o) for _, d, k, o, _ in group])
+            except RuntimeError:  # the executor was shut down
+                for obj in objs:
+                    obj.ref_count_down()
+                for _, d, _, _, f in group:
+                    self._settle_write(d, f, asyncio.CancelledError())
+                continue
+            cf.add_done_callback(functools.partial(_release_refs, objs))
             cfs.append(cf)
+            submitted.append(group)
         try:
             results = await self._gather(cfs)
         except asyncio.CancelledError:
             # The caller gave up, the jobs may run on: until each ends, a put of its key shares
             # it and remove/clear wait for it (it must not publish after them).
-            for (_i, d, f), cf in zip(jobs, cfs, strict=True):
-                cf.add_done_callback(functools.partial(self._write_ended, loop, d, f))
+            for group, cf in zip(submitted, cfs, strict=True):
+                for j, (_i, d, _k, _o, f) in enumerate(group):
+                    cf.add_done_callback(functools.partial(self._write_ended, loop, d, f, j))
             raise
-        for (i, d, f), r in zip(jobs, results, strict=True):
-            if not isinstance(r, BaseException):
-                out[i] = r in (STORED, EXISTS)
-            self._settle_write(d, f, r)
+        for group, res in zip(submitted, results, strict=True):
+            for j, (i, d, _k, _o, f) in enumerate(group):
+                r = res if isinstance(res, BaseException) else res[j]
+                if not isinstance(r, BaseException):
+                    out[i] = r in (STORED, EXISTS)
+                self._settle_write(d, f, r)
         for i, f in waits:
             out[i] = await asyncio.shield(f)
         return out
 
+    def _write_group(self, group: list[tuple[bytes, str, MemoryObj]]) -> list[str | BaseException]:
+        """Write records one after the other (executor thread); one outcome per record."""
+        out: list[str | BaseException] = []
+        for digest, kstr, obj in group:
+            try:
+                out.append(self.store.write(digest, kstr, obj))
+            except Exception as exc:  # one bad file must not fail its neighbours
+                out.append(exc)
+        return out
+
     def _write_ended(
-        self, loop: asyncio.AbstractEventLoop, digest: bytes, done: asyncio.Future[bool],
-        cf: concurrent.futures.Future[str],
+        self, loop: asyncio.AbstractEventLoop, digest: bytes, done: asyncio.Future[bool], index: int,
+        cf: concurrent.futures.Future[list[str | BaseException]],
     ) -> None:
-        """Done-callback of an abandoned write job (any thread): settle its shared outcome on
-        the loop."""
+        """Done-callback of an abandoned write job (any thread): settle the shared outcome of its
+        ``index``-th record on the loop."""
         if cf.cancelled():
             outcome: str | BaseException = asyncio.CancelledError()
         else:
             exc = cf.exception()
-            outcome = exc if exc is not None else cf.result()
+            outcome = exc if exc is not None else cf.result()[index]
         try:
             loop.call_soon_threadsafe(self._settle_write, digest, done, outcome)
         except RuntimeError:  # the loop is closed: nobody waits any more
@@ -460,8 +487,9 @@ def _release(obj: MemoryObj | None) -> None:
         obj.ref_count_down()
 
 
-def _release_ref(obj: MemoryObj, _f: object) -> None:
-    obj.ref_count_down()
+def _release_refs(objs: list[MemoryObj], _f: object) -> None:
+    for obj in objs:
+        obj.ref_count_down()
 
 
 def _orphan_cb(orphan: Callable[[T], None], f: concurrent.futures.Future[T]) -> None:
@@ -502,4 +530,5 @@ def create(ctx: BackendContext) -> DiskBackend | None:
         executor=ctx.executor,
         staging=ctx.staging,
         fsync=cfg.local_disk_fsync,
+        write_jobs=cfg.executor_workers,
     )

@@ -18,6 +18,7 @@ BENCH_SUITES: dict[str, str] = {
     "remote": "lmcache_async.bench.remote",
     "nixl": "lmcache_async.bench.nixl",
     "scaling": "lmcache_async.bench.scaling",
+    "sweep": "lmcache_async.bench.sweep",
 }
 
 
