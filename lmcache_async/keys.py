@@ -9,7 +9,7 @@ round-trips exactly and its string can never contain a path separator.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -140,16 +140,16 @@ class CacheEngineKey:
         cls, model_name: str, world_size: int, worker_id: int, chunk_hash: int, dtype: torch.dtype, dname: str
     ) -> CacheEngineKey:
         """Build a tag-less key from fields already validated (token databases, ~3x faster)."""
+        # The slot descriptors' setters directly: half the cost of object.__setattr__ by name.
         k = object.__new__(cls)
-        s = object.__setattr__
-        s(k, "model_name", model_name)
-        s(k, "world_size", world_size)
-        s(k, "worker_id", worker_id)
-        s(k, "chunk_hash", chunk_hash)
-        s(k, "dtype", dtype)
-        s(k, "tags", None)
-        s(k, "_hash", hash((model_name, world_size, worker_id, chunk_hash, dname, None)))
-        s(k, "_str", None)
+        _set_model_name(k, model_name)
+        _set_world_size(k, world_size)
+        _set_worker_id(k, worker_id)
+        _set_chunk_hash(k, chunk_hash)
+        _set_dtype(k, dtype)
+        _set_tags(k, None)
+        _set_hash(k, hash((model_name, world_size, worker_id, chunk_hash, dname, None)))
+        _set_str(k, None)
         return k
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -251,3 +251,18 @@ class CacheEngineKey:
         if key.to_string() != s:
             raise ValueError(f"invalid cache key string {s!r}: non-canonical form")
         return key
+
+
+def _slot_setter(name: str) -> Callable[[CacheEngineKey, Any], None]:
+    setter: Callable[[CacheEngineKey, Any], None] = CacheEngineKey.__dict__[name].__set__
+    return setter
+
+
+_set_model_name = _slot_setter("model_name")
+_set_world_size = _slot_setter("world_size")
+_set_worker_id = _slot_setter("worker_id")
+_set_chunk_hash = _slot_setter("chunk_hash")
+_set_dtype = _slot_setter("dtype")
+_set_tags = _slot_setter("tags")
+_set_hash = _slot_setter("_hash")
+_set_str = _slot_setter("_str")

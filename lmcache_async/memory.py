@@ -350,7 +350,7 @@ class PoolAllocator(_AllocatorBase):
         self.base_ptr = self.buffer.data_ptr()
         self._mv: memoryview | None = None
         self._typed: dict[torch.dtype, torch.Tensor] = {}
-        self._view_cache: dict[tuple[int, tuple[int, ...], torch.dtype], torch.Tensor] = {}
+        self._view_cache: dict[tuple[int, tuple[int, ...], torch.dtype], tuple[torch.Tensor, tuple[int, ...]]] = {}
         units = size_bytes // align
         # Free blocks in units of `align`: start -> length and end -> start for coalescing;
         # bins[k] holds starts of blocks whose length has bit_length k.
@@ -468,14 +468,16 @@ class PoolAllocator(_AllocatorBase):
         # Blocks are reused at the same offsets for the same shapes under steady churn; creating
         # a view costs more than the rest of the allocation, so recent views are reused.
         vkey = (off, shp, dtype)
-        view = self._view_cache.get(vkey)
-        strides = (1,) if len(shp) == 1 else _contiguous_strides(shp)
+        cached = self._view_cache.get(vkey)
         # (a holder may have changed a view's metadata in place, e.g. with ``t_()``)
-        if view is None or view.stride() != strides or view.shape != shp:
+        if cached is not None and cached[0].stride() == cached[1] and cached[0].shape == shp:
+            view = cached[0]
+        else:
+            strides = (1,) if len(shp) == 1 else _contiguous_strides(shp)
             view = typed.as_strided(shp, strides, off // itemsize)
             if len(self._view_cache) >= _VIEW_CACHE_MAX:
                 self._view_cache.clear()
-            self._view_cache[vkey] = view
+            self._view_cache[vkey] = (view, strides)
         return MemoryObj(self, off, size, view, shp, dtype, fmt, n)
 
     def byte_view(self, offset: int, nbytes: int) -> memoryview:

@@ -412,7 +412,7 @@ class StorageManager:
             raise TypeError(f"fmt must be a MemoryFormat, got {type(fmt).__name__}")
         cpu = self._cpu
         if cpu is not None:
-            if key in cpu._index or key in self._pending:
+            if key in cpu._index or key in self._pending or (self._lower and self._held_below_nowait(key)):
                 return True
             if src_obj is not None and src_obj.allocator is self.pool:
                 src_obj.ref_count_up()
@@ -437,9 +437,18 @@ class StorageManager:
             if lower:
                 self._enqueue_write(key, obj, None)
             return True
-        if key in self._pending:
+        if key in self._pending or self._held_below_nowait(key):
             return True
         return self._stage_write(key, tensor, shape, dtype, fmt)
+
+    def _held_below_nowait(self, key: CacheEngineKey) -> bool:
+        """True when a lower tier that answers on the caller's thread (disk, NIXL: their
+        indexes are in memory) holds ``key``, so a put of it is the no-op the contract says.
+
+        A tier that can only answer through the loop (remote) is not asked here: a put of a
+        key only such a tier holds stores the caller's bytes in the CPU tier and the remote
+        keeps its first copy (content-addressed keys carry the same bytes either way)."""
+        return any(tier.backend.contains_nowait(key) for tier in self._lower)
 
     def _stage_write(
         self, key: CacheEngineKey, tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, fmt: MemoryFormat

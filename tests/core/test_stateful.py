@@ -113,7 +113,7 @@ class CpuOnlyLossy(_Base):
     lossless = False
 
 
-_settings = settings(max_examples=25, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck))
+_settings = settings(max_examples=100, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck))
 TestLosslessWithLowerTier = LosslessWithLowerTier.TestCase
 TestLosslessWithLowerTier.settings = _settings
 TestCpuOnlyLossy = CpuOnlyLossy.TestCase

@@ -46,6 +46,31 @@ def test_entry_that_left_the_cpu_tier_is_served_from_disk(make_manager, tmp_path
     assert disk["hits"] == 1 and disk["corrupt"] == 0
 
 
+def test_put_of_a_key_only_the_disk_holds_is_a_no_op(make_manager, tmp_path):
+    """Content-addressed: the first bytes stay, in every tier, even when the CPU tier has let
+    the entry go and a later put of the same key carries other bytes."""
+    sm = make_manager(
+        max_local_cpu_size=1.5 / 1024,  # room for one 1 MiB entry
+        local_disk=str(tmp_path / "disk"),
+        max_local_disk_size=0.05,
+    )
+    a = torch.randn(MiB // 4)
+    assert sm.put_sync(key(1), a)
+    sm.flush_sync(timeout=30)
+    assert sm.put_sync(key(2), torch.randn(MiB // 4))  # evicts key 1 from the CPU tier
+    sm.flush_sync(timeout=30)
+    assert key(1) not in sm.backend("cpu")._index  # type: ignore[union-attr]
+    assert sm.put_sync(key(1), torch.zeros(MiB // 4))
+    assert key(1) not in sm.backend("cpu")._index  # type: ignore[union-attr]
+    sm.flush_sync(timeout=30)
+    got = sm.get_sync(key(1))
+    assert got is not None
+    try:
+        assert torch.equal(got.tensor, a)
+    finally:
+        got.ref_count_down()
+
+
 def test_a_full_cpu_tier_does_not_block_reads_from_disk(make_manager, tmp_path):
     sm = make_manager(
         max_local_cpu_size=1.5 / 1024,

@@ -66,6 +66,13 @@ class MemBackend(StorageBackend):
         await self._gate()
         return key in self.data
 
+    def contains_nowait(self, key: CacheEngineKey) -> bool | None:
+        """Like a local tier's in-memory index: answered here unless the tier plays a remote
+        one or is delayed/failing (then the manager asks :meth:`contains` on its loop)."""
+        if self._remote or self.mode != "ok" or self.delay:
+            return None
+        return key in self.data
+
     async def remove(self, key: CacheEngineKey) -> bool:
         await self._gate()
         return self.data.pop(key, None) is not None
