@@ -9,6 +9,7 @@ round-trips exactly and its string can never contain a path separator.
 from __future__ import annotations
 
 import hashlib
+import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -66,7 +67,24 @@ def stable_u64_from_str(s: str) -> int:
     """
     if not isinstance(s, str):
         raise TypeError(f"s must be a str, got {type(s).__name__}")
-    return int.from_bytes(hashlib.sha256(s.encode("utf-8")).digest()[:8], "big")
+    return int.from_bytes(_short_sha256(s.encode("utf-8")).digest()[:8], "big")
+
+
+def _pick_short_sha256() -> Callable[[bytes], Any]:
+    """CPython's built-in SHA-256 for short inputs: the same digest as OpenSSL's, with far less
+    set-up per call (measured here: ~0.9 µs vs ~6 µs per call when the caches are cold, as they
+    are next to a 1 MiB copy). OpenSSL stays faster for long inputs (token chunks)."""
+    for name in ("_sha2", "_sha256"):  # CPython >= 3.12, 3.11
+        try:
+            fn: Callable[[bytes], Any] = importlib.import_module(name).sha256
+        except (ImportError, AttributeError):
+            continue
+        if fn(b"lmcache").digest() == hashlib.sha256(b"lmcache").digest():
+            return fn
+    return hashlib.sha256
+
+
+_short_sha256 = _pick_short_sha256()
 
 
 class CacheEngineKey:
