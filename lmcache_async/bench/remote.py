@@ -267,7 +267,7 @@ async def _sweep(rig: _Rig, nbytes: int, count: int, part_sizes: list[int], reps
                     med(base),
                     higher_is_better=True,
                     note=f"median of paired rounds {_paired(s, base):.3f}",
-                    params={"size": nbytes, "part_size": ps, "concurrency": rig.conc},
+                    params={"entry_size": nbytes, "part_size": ps, "in_flight": rig.conc},  # not plotted
                 )
             )
     return out
@@ -335,7 +335,7 @@ def _pair(
         target=target,
         target_kind="min",
         note=f"median of paired rounds {r[op + '_paired']:.3f}",
-        params={"size": nbytes, **params},
+        params={"size": nbytes, "panel": "remote tier", **params},
     )
 
 
@@ -348,8 +348,8 @@ async def _run(opts: BenchOptions, url: str) -> list[Result]:
         n1 = 16 if opts.quick else 32
         opts.say(f"remote: 1 MiB entries x {n1}, concurrency {rig.conc}, part size {default_part >> 10} KiB")
         r = await _put_get(rig, MiB, n1, default_part, reps)
-        out.append(_pair("1 MiB put", MiB, r, "put", "raw SET", 0.85, concurrency=rig.conc))
-        out.append(_pair("1 MiB get", MiB, r, "get", "raw GET", 0.85, concurrency=rig.conc))
+        out.append(_pair("1 MiB put", MiB, r, "put", "raw SET", 0.85, series="put", in_flight=rig.conc))
+        out.append(_pair("1 MiB get", MiB, r, "get", "raw GET", 0.85, series="get", in_flight=rig.conc))
 
         n16 = 4 if opts.quick else 8
         opts.say(f"remote: 16 MiB entries x {n16}, parts of {default_part >> 10} KiB vs single-key SET/GET")
@@ -362,8 +362,9 @@ async def _run(opts: BenchOptions, url: str) -> list[Result]:
                 "put",
                 "raw single-key SET",
                 2.0,
+                series="put",
                 part_size=default_part,
-                concurrency=rig.conc,
+                in_flight=rig.conc,
             )
         )
         out.append(
@@ -374,18 +375,41 @@ async def _run(opts: BenchOptions, url: str) -> list[Result]:
                 "get",
                 "raw single-key GET",
                 1.5,
+                series="get",
                 part_size=default_part,
-                concurrency=rig.conc,
+                in_flight=rig.conc,
             )
         )
         if rig.conc != 1:
             opts.say("remote: 16 MiB entries, one at a time")
             r = await _put_get(rig, 16 * MiB, n16, default_part, reps, conc=1)
-            kw: dict[str, Any] = {"part_size": default_part, "concurrency": 1}
+            kw: dict[str, Any] = {"part_size": default_part, "in_flight": 1}
             # Informational: with one request in flight the client and the server take turns,
             # which shrinks what pipelining the parts can win.
-            out.append(_pair("16 MiB put, concurrency 1", 16 * MiB, r, "put", "raw single-key SET", None, **kw))
-            out.append(_pair("16 MiB get, concurrency 1", 16 * MiB, r, "get", "raw single-key GET", None, **kw))
+            out.append(
+                _pair(
+                    "16 MiB put, concurrency 1",
+                    16 * MiB,
+                    r,
+                    "put",
+                    "raw single-key SET",
+                    None,
+                    series="put, 1 in flight",
+                    **kw,
+                )
+            )
+            out.append(
+                _pair(
+                    "16 MiB get, concurrency 1",
+                    16 * MiB,
+                    r,
+                    "get",
+                    "raw single-key GET",
+                    None,
+                    series="get, 1 in flight",
+                    **kw,
+                )
+            )
 
         opts.say("remote: batched contains of 256 keys")
         out += await _contains(rig, reps)
