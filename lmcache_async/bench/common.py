@@ -336,6 +336,23 @@ class FileBaseline:
             pass
 
 
+def with_redis(opts: BenchOptions, label: str, fn: Callable[[str], list[Result]]) -> list[Result]:
+    """``fn(url)`` against ``opts.redis_url``, else against a ``redis-server``/``valkey-server``
+    started on a loopback port for the call; no results (and a progress line naming ``label``)
+    when there is neither."""
+    if opts.redis_url is not None:
+        return fn(opts.redis_url)
+    from lmcache_async.testing.servers import RedisServer, find_server_binary
+
+    binary = find_server_binary()
+    if binary is None:
+        opts.say(f"{label} skipped: no redis-server/valkey-server binary")
+        return []
+    with RedisServer(binary) as srv:
+        opts.say(f"{label}: started {srv!r}")
+        return fn(srv.url)
+
+
 def throughput_gbs(r: Result) -> tuple[float | None, float | None]:
     """``(value, baseline)`` of ``r`` as GB/s (10^9 bytes/s), using ``params["size"]`` (times
     ``params["entries"]``) to convert a time per operation; ``(None, None)`` when ``r`` has no

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from lmcache_async.backend import BackendContext
-from lmcache_async.bench.common import BenchOptions, MiB, Result
+from lmcache_async.bench.common import BenchOptions, MiB, Result, with_redis
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import HeapAllocator, MemoryFormat, MemoryObj, PoolAllocator
@@ -425,17 +425,7 @@ async def _run(opts: BenchOptions, url: str) -> list[Result]:
 
 def run(opts: BenchOptions) -> list[Result]:
     """Every remote-tier figure (see the module docstring)."""
-    if opts.redis_url is not None:
-        return asyncio.run(_run(opts, opts.redis_url))
-    from lmcache_async.testing.servers import RedisServer, find_server_binary
-
-    binary = find_server_binary()
-    if binary is None:
-        opts.say("remote: no redis-server/valkey-server binary; suite skipped")
-        return []
-    with RedisServer(binary) as srv:
-        opts.say(f"remote: started {srv!r}")
-        return asyncio.run(_run(opts, srv.url))
+    return with_redis(opts, "remote", lambda url: asyncio.run(_run(opts, url)))
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from lmcache_async.bench.common import BenchOptions, CopyBaseline, MiB, Result, alternate
+from lmcache_async.bench.common import BenchOptions, CopyBaseline, MiB, Result, alternate, with_redis
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.errors import BackendUnavailableError
 from lmcache_async.keys import CacheEngineKey
@@ -496,17 +496,7 @@ def _nixl_missing() -> str | None:
 
 
 def _remote(opts: BenchOptions, sizes: Sequence[int], round_bytes: int) -> list[Result]:
-    if opts.redis_url is not None:
-        return sweep_remote(opts, sizes, round_bytes, opts.redis_url)
-    from lmcache_async.testing.servers import RedisServer, find_server_binary
-
-    binary = find_server_binary()
-    if binary is None:
-        opts.say("sweep: remote tier skipped: no redis-server/valkey-server binary")
-        return []
-    with RedisServer(binary) as srv:
-        opts.say(f"sweep: started {srv!r}")
-        return sweep_remote(opts, sizes, round_bytes, srv.url)
+    return with_redis(opts, "sweep: remote tier", lambda url: sweep_remote(opts, sizes, round_bytes, url))
 
 
 def run(opts: BenchOptions) -> list[Result]:

@@ -23,32 +23,9 @@ def _wait_ready(sm: StorageManager) -> DiskBackend:
     return be
 
 
-def test_entry_that_left_the_cpu_tier_is_served_from_disk(make_manager, tmp_path):
-    sm = make_manager(
-        max_local_cpu_size=1.5 / 1024,  # room for one 1 MiB entry
-        local_disk=str(tmp_path / "disk"),
-        max_local_disk_size=0.05,
-    )
-    a = torch.randn(MiB // 4)
-    b = torch.randn(MiB // 4)
-    assert sm.put_sync(key(1), a)
-    sm.flush_sync(timeout=30)
-    assert sm.put_sync(key(2), b)  # evicts A from the CPU tier
-    sm.flush_sync(timeout=30)
-    assert key(1) not in sm.backend("cpu")._index  # type: ignore[union-attr]
-    got = sm.get_sync(key(1))
-    assert got is not None
-    try:
-        assert torch.equal(got.tensor, a)
-    finally:
-        got.ref_count_down()
-    disk = sm.stats()["tiers"]["disk"]
-    assert disk["hits"] == 1 and disk["corrupt"] == 0
-
-
-def test_put_of_a_key_only_the_disk_holds_is_a_no_op(make_manager, tmp_path):
-    """Content-addressed: the first bytes stay, in every tier, even when the CPU tier has let
-    the entry go and a later put of the same key carries other bytes."""
+def _key_1_only_on_disk(make_manager, tmp_path) -> tuple[StorageManager, torch.Tensor]:
+    """A manager whose CPU tier holds one 1 MiB entry, after key 1 (returned bytes) went to
+    disk and left the CPU tier for key 2."""
     sm = make_manager(
         max_local_cpu_size=1.5 / 1024,  # room for one 1 MiB entry
         local_disk=str(tmp_path / "disk"),
@@ -60,15 +37,33 @@ def test_put_of_a_key_only_the_disk_holds_is_a_no_op(make_manager, tmp_path):
     assert sm.put_sync(key(2), torch.randn(MiB // 4))  # evicts key 1 from the CPU tier
     sm.flush_sync(timeout=30)
     assert key(1) not in sm.backend("cpu")._index  # type: ignore[union-attr]
-    assert sm.put_sync(key(1), torch.zeros(MiB // 4))
-    assert key(1) not in sm.backend("cpu")._index  # type: ignore[union-attr]
-    sm.flush_sync(timeout=30)
+    return sm, a
+
+
+def _assert_key_1_reads(sm: StorageManager, expected: torch.Tensor) -> None:
     got = sm.get_sync(key(1))
     assert got is not None
     try:
-        assert torch.equal(got.tensor, a)
+        assert torch.equal(got.tensor, expected)
     finally:
         got.ref_count_down()
+
+
+def test_entry_that_left_the_cpu_tier_is_served_from_disk(make_manager, tmp_path):
+    sm, a = _key_1_only_on_disk(make_manager, tmp_path)
+    _assert_key_1_reads(sm, a)
+    disk = sm.stats()["tiers"]["disk"]
+    assert disk["hits"] == 1 and disk["corrupt"] == 0
+
+
+def test_put_of_a_key_only_the_disk_holds_is_a_no_op(make_manager, tmp_path):
+    """Content-addressed: the first bytes stay, in every tier, even when the CPU tier has let
+    the entry go and a later put of the same key carries other bytes."""
+    sm, a = _key_1_only_on_disk(make_manager, tmp_path)
+    assert sm.put_sync(key(1), torch.zeros(MiB // 4))
+    assert key(1) not in sm.backend("cpu")._index  # type: ignore[union-attr]
+    sm.flush_sync(timeout=30)
+    _assert_key_1_reads(sm, a)
 
 
 def test_a_full_cpu_tier_does_not_block_reads_from_disk(make_manager, tmp_path):
