@@ -38,11 +38,14 @@ class _Base(RuleBasedStateMachine):
 
     @rule(k=st.integers(0, len(KEYS) - 1), seed=st.integers(0, 1000), size=st.sampled_from(SIZES))
     def put(self, k: int, seed: int, size: int) -> None:
+        # A put of a present key is a no-op (the first bytes stay); of an absent one (never put,
+        # removed, or evicted from a CPU-only cache) it stores these bytes.
+        present = self.sm.contains_sync(KEYS[k])
+        if self.lossless:
+            assert present == (k in self.model)
         ok = self.sm.put_sync(KEYS[k], value(seed, size))
-        if ok and k not in self.model:
+        if ok and not present:
             self.model[k] = (seed, size)
-        if ok and not self.lossless:
-            self.model.setdefault(k, (seed, size))
 
     @rule(k=st.integers(0, len(KEYS) - 1))
     def get(self, k: int) -> None:
