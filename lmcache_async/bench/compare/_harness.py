@@ -41,7 +41,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -360,6 +360,22 @@ def _now() -> float:
     return time.perf_counter()
 
 
+def _kept_round(out: Outcome, items: Sequence[Any], fetch: Callable[[Any], Any]) -> float:
+    """One repetition of reads whose results the caller keeps until it ends: seconds per item;
+    hits and misses are added to ``out``."""
+    kept: list[Any] = []
+    gc.collect()
+    t0 = _now()
+    for item in items:
+        kept.append(fetch(item))
+    dt = _now() - t0
+    hits = sum(1 for x in kept if x is not None)
+    out.hits += hits
+    out.misses += len(items) - hits
+    del kept
+    return dt / len(items)
+
+
 # ---- workloads ---------------------------------------------------------------------------------
 def _disk_budget(n: int, size: int, reps: int, warmup: int) -> int:
     """Disk bytes for every repetition's entries: no run depends on disk eviction or removal
@@ -410,20 +426,7 @@ def w_ec_get(a: Any, out: Outcome, size: int, reps: int, warmup: int, workdir: s
             raise RuntimeError("ec_get returned wrong bytes")
         del check
 
-        def one() -> float:
-            kept: list[Any] = []
-            gc.collect()
-            t0 = _now()
-            for h in hashes:
-                kept.append(a.ec_get(h))
-            dt = _now() - t0
-            hits = sum(1 for x in kept if x is not None)
-            out.hits += hits
-            out.misses += n - hits
-            del kept
-            return dt / n
-
-        _reps(out, reps, warmup, one)
+        _reps(out, reps, warmup, lambda: _kept_round(out, hashes, a.ec_get))
     finally:
         a.ec_close()
 
@@ -520,20 +523,8 @@ def _hs_retrieve(with_out: bool) -> Callable[..., None]:
                 raise RuntimeError("hs_retrieve returned wrong values")
             del check
 
-            def one() -> float:
-                kept: list[Any] = []
-                gc.collect()
-                t0 = _now()
-                for i, seq in enumerate(seqs):
-                    kept.append(a.hs_retrieve(seq, outs[i] if use_out else None))
-                dt = _now() - t0
-                hits = sum(1 for x in kept if x is not None)
-                out.hits += hits
-                out.misses += n - hits
-                del kept
-                return dt / n
-
-            _reps(out, reps, warmup, one)
+            args = [(seq, outs[i] if use_out else None) for i, seq in enumerate(seqs)]
+            _reps(out, reps, warmup, lambda: _kept_round(out, args, lambda arg: a.hs_retrieve(*arg)))
         finally:
             a.hs_close()
 
