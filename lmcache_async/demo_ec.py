@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from lmcache_async._subprocess import module_command
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.engines.encoder_cache import ECCacheEngine
 from lmcache_async.metadata import LMCacheEngineMetadata
@@ -86,7 +86,7 @@ def _consume(disk: str | None, count: int) -> dict[str, Any]:
 def _child(args: list[str]) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
     proc = subprocess.run(
-        [sys.executable, "-m", "lmcache_async.demo_ec", *args],
+        module_command("lmcache_async.demo_ec", *args),
         capture_output=True,
         text=True,
         timeout=_TIMEOUT_S,

@@ -65,3 +65,19 @@ def test_built_wheel_contains_and_imports_backends(tmp_path):
         env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
     )
     assert out.stdout.strip() == "lmcache_async.backends.cpu"
+    # Children we start (demo processes, benchmark workers) import the installed package even
+    # when started from the source checkout, whose lmcache_async/ has no backends/ inside.
+    child = (
+        "import subprocess; from lmcache_async._subprocess import module_command as m;"
+        "subprocess.run(m('lmcache_async.backends.cpu'), check=True);"
+        "subprocess.run(m('lmcache_async._subprocess'), check=True)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-P", "-c", child],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=str(ROOT),
+        env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
+    )
+    assert out.stdout.strip() == str(target / "lmcache_async")

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from lmcache_async._subprocess import module_command
 from lmcache_async.bench.compare import _harness
 from lmcache_async.bench.compare.worker import LMCACHE_SIDE, default_lmcache_python
 
@@ -336,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
     env.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
     rows: list[Row] = []
     with open(log_path, "w", encoding="utf-8") as log:
-        ours_cmd = [sys.executable, "-m", "lmcache_async.bench.compare.worker", "--serve", "--system"]
+        ours_cmd = module_command("lmcache_async.bench.compare.worker", "--serve", "--system")
         workers = {
             "ours": Worker("ours", [*ours_cmd, "ours"], log),
             "baseline": Worker("baseline", [*ours_cmd, "baseline"], log),
