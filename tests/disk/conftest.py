@@ -16,6 +16,12 @@ from lmcache_async.memory import HeapAllocator, MemoryFormat, MemoryObj, PoolAll
 
 
 @pytest.fixture
+def pool() -> PoolAllocator:
+    """Source blocks for the entries a test writes (not pre-touched)."""
+    return PoolAllocator(32 << 20, name="disk-test-src", pretouch=False)
+
+
+@pytest.fixture
 def staging() -> Callable[[Sequence[int], torch.dtype, MemoryFormat], MemoryObj | None]:
     pool = PoolAllocator(64 << 20, name="disk-test-staging", pretouch=False)
     heap = HeapAllocator("disk-test-heap")

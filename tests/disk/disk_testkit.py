@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -55,3 +56,13 @@ def make_entry(pool: PoolAllocator, i: int, nbytes: int = 4096) -> MemoryObj:
 def same_bytes(obj: MemoryObj, i: int, nbytes: int) -> bool:
     """True when ``obj`` holds exactly :func:`payload` ``(i, nbytes)``."""
     return obj.nbytes == nbytes and bytes(obj.byte_view()) == payload(i, nbytes).numpy().tobytes()
+
+
+async def put_entry(be: Any, pool: PoolAllocator, i: int, nbytes: int = 4096) -> bool:
+    """Put entry ``i`` (``nbytes`` of :func:`payload`) into the disk backend ``be``; the source
+    block is released whatever happens."""
+    obj = make_entry(pool, i, nbytes)
+    try:
+        return bool(await be.put(key(i), obj))
+    finally:
+        obj.ref_count_down()

@@ -27,22 +27,9 @@ from lmcache_async.backends.disk_layout import (
 from lmcache_async.memory import MemoryFormat, PoolAllocator
 from lmcache_async.records import MAGIC, decode_header
 
-from .disk_testkit import dir_bytes, entry_files, key, make_entry, path_of, same_bytes, tmp_files
+from .disk_testkit import dir_bytes, entry_files, key, make_entry, path_of, put_entry, same_bytes, tmp_files
 
 N = 4096  # payload bytes per entry in these tests
-
-
-@pytest.fixture
-def pool() -> PoolAllocator:
-    return PoolAllocator(32 << 20, name="disk-test-src", pretouch=False)
-
-
-async def _put(be: DiskBackend, pool: PoolAllocator, i: int, nbytes: int = N) -> bool:
-    obj = make_entry(pool, i, nbytes)
-    try:
-        return await be.put(key(i), obj)
-    finally:
-        obj.ref_count_down()
 
 
 def _file_size(be: DiskBackend, nbytes: int = N) -> int:
@@ -52,7 +39,7 @@ def _file_size(be: DiskBackend, nbytes: int = N) -> int:
 # ---- layout ----------------------------------------------------------------------------------------
 async def test_one_self_describing_file_per_entry_in_a_shard(make_disk, pool, tmp_path):
     be = await make_disk(tmp_path / "d")
-    assert await _put(be, pool, 1)
+    assert await put_entry(be, pool, 1)
     files = entry_files(tmp_path / "d")
     assert files == [path_of(tmp_path / "d", key(1))]
     f = files[0]
@@ -66,7 +53,7 @@ async def test_one_self_describing_file_per_entry_in_a_shard(make_disk, pool, tm
 
 async def test_files_0600_and_directories_0700(make_disk, pool, tmp_path):
     be = await make_disk(tmp_path / "d")
-    await _put(be, pool, 2)
+    await put_entry(be, pool, 2)
     f = path_of(tmp_path / "d", key(2))
     assert stat.S_IMODE(f.stat().st_mode) == 0o600
     assert stat.S_IMODE(f.parent.stat().st_mode) == 0o700
@@ -88,15 +75,15 @@ async def test_no_key_names_a_path_outside_the_directory(make_disk, pool, tmp_pa
 # ---- LRU and the budget ------------------------------------------------------------------------------
 async def test_lru_by_bytes_evicts_least_recently_used(make_disk, pool, tmp_path):
     probe = await make_disk(tmp_path / "probe")
-    await _put(probe, pool, 0)
+    await put_entry(probe, pool, 0)
     size = _file_size(probe)
     be = await make_disk(tmp_path / "d", budget_bytes=4 * size)
     for i in range(4):
-        assert await _put(be, pool, i)
+        assert await put_entry(be, pool, i)
     got = await be.get(key(0))  # 0 becomes the most recent
     assert got is not None
     got.ref_count_down()
-    assert await _put(be, pool, 4)
+    assert await put_entry(be, pool, 4)
     present = [await be.contains(key(i)) for i in range(5)]
     assert present == [True, False, True, True, True]
     assert be.stats()["evictions"] == 1
@@ -105,7 +92,7 @@ async def test_lru_by_bytes_evicts_least_recently_used(make_disk, pool, tmp_path
 
 async def test_entry_larger_than_budget_is_refused(make_disk, pool, tmp_path):
     be = await make_disk(tmp_path / "d", budget_bytes=N)
-    assert await _put(be, pool, 1) is False
+    assert await put_entry(be, pool, 1) is False
     assert be.stats()["no_space"] == 1
     assert entry_files(be.root) == [] and tmp_files(be.root) == []
 
@@ -113,7 +100,7 @@ async def test_entry_larger_than_budget_is_refused(make_disk, pool, tmp_path):
 async def test_remove_and_clear_give_the_bytes_back(make_disk, pool, tmp_path):
     be = await make_disk(tmp_path / "d")
     for i in range(6):
-        await _put(be, pool, i)
+        await put_entry(be, pool, i)
     assert be.accounted() == (dir_bytes(be.root), 6)
     assert await be.remove(key(0))
     assert be.accounted() == (dir_bytes(be.root), 5)
@@ -126,7 +113,7 @@ async def test_remove_and_clear_give_the_bytes_back(make_disk, pool, tmp_path):
 async def test_external_deletion_is_noticed_on_read_and_accounted(make_disk, pool, tmp_path):
     be = await make_disk(tmp_path / "d")
     for i in range(3):
-        await _put(be, pool, i)
+        await put_entry(be, pool, i)
     path_of(be.root, key(1)).unlink()
     assert await be.get(key(1)) is None
     assert be.stats()["vanished"] == 1
@@ -135,14 +122,14 @@ async def test_external_deletion_is_noticed_on_read_and_accounted(make_disk, poo
 
 async def test_two_backends_on_one_directory_share_one_budget(make_disk, pool, tmp_path):
     probe = await make_disk(tmp_path / "probe")
-    await _put(probe, pool, 0)
+    await put_entry(probe, pool, 0)
     size = _file_size(probe)
     a = await make_disk(tmp_path / "d", budget_bytes=5 * size)
     b = await make_disk(tmp_path / "d", budget_bytes=5 * size)
     for i in range(5):
-        assert await _put(a, pool, i)
+        assert await put_entry(a, pool, i)
     for i in range(100, 108):  # b has not seen a's entries: it evicts its own LRU, then by file age
-        assert await _put(b, pool, i)
+        assert await put_entry(b, pool, i)
         assert dir_bytes(a.root) <= 5 * size
     assert a.accounted() == b.accounted() == (dir_bytes(a.root), 5)
     assert await b.contains(key(107))
@@ -151,7 +138,7 @@ async def test_two_backends_on_one_directory_share_one_budget(make_disk, pool, t
 async def test_startup_counts_existing_bytes_and_evicts_down_to_budget(make_disk, pool, tmp_path):
     be = await make_disk(tmp_path / "d")
     for i in range(10):
-        await _put(be, pool, i)
+        await put_entry(be, pool, i)
     size = _file_size(be)
     await be.close()
     small = await make_disk(tmp_path / "d", budget_bytes=4 * size)
@@ -163,7 +150,7 @@ async def test_startup_counts_existing_bytes_and_evicts_down_to_budget(make_disk
 async def test_a_crash_between_file_change_and_accounting_is_repaired(make_disk, pool, tmp_path):
     be = await make_disk(tmp_path / "d")
     for i in range(3):
-        await _put(be, pool, i)
+        await put_entry(be, pool, i)
     # What a writer killed mid-change leaves: the shard marked dirty, figures not updated.
     victim = path_of(be.root, key(1))
     budget = DirBudget(be.root)
@@ -182,7 +169,7 @@ async def test_a_recount_racing_a_publish_is_never_counted_twice(make_disk, pool
     from lmcache_async.backends import disk_store
 
     be = await make_disk(tmp_path / "d")
-    await _put(be, pool, 1)  # maps the accounting file
+    await put_entry(be, pool, 1)  # maps the accounting file
     real = disk_store.publish_noreplace
 
     def recount(final: str) -> None:  # another process recounting the shard (its start-up scan)
@@ -201,7 +188,7 @@ async def test_a_recount_racing_a_publish_is_never_counted_twice(make_disk, pool
 
     monkeypatch.setattr(disk_store, "publish_noreplace", racing_publish)
     for i in range(2, 6):
-        assert await _put(be, pool, i)
+        assert await put_entry(be, pool, i)
     assert be.accounted() == (dir_bytes(be.root), 5)
 
 
@@ -209,7 +196,7 @@ async def test_a_recount_racing_a_publish_is_never_counted_twice(make_disk, pool
 async def test_index_is_rebuilt_from_headers_at_start(make_disk, pool, tmp_path):
     be = await make_disk(tmp_path / "d")
     for i in range(20):
-        await _put(be, pool, i)
+        await put_entry(be, pool, i)
     await be.close()
     again = await make_disk(tmp_path / "d")
     st = again.stats()
@@ -223,7 +210,7 @@ async def test_index_is_rebuilt_from_headers_at_start(make_disk, pool, tmp_path)
 async def test_lookups_answer_while_the_rebuild_runs(make_disk, pool, tmp_path):
     be = await make_disk(tmp_path / "d")
     for i in range(50):
-        await _put(be, pool, i)
+        await put_entry(be, pool, i)
     await be.close()
     again = await make_disk(tmp_path / "d", ready=False)
     assert again.contains_nowait(key(7))
@@ -238,7 +225,7 @@ async def test_a_miss_looks_at_the_file_written_by_another_instance(make_disk, p
     reader = await make_disk(tmp_path / "d")  # started before the writer wrote anything
     writer = await make_disk(tmp_path / "d")
     assert not reader.contains_nowait(key(5))
-    await _put(writer, pool, 5)
+    await put_entry(writer, pool, 5)
     assert reader.contains_nowait(key(5))
     got = await reader.get(key(5))
     assert got is not None and same_bytes(got, 5, N)
@@ -260,7 +247,7 @@ async def test_concurrent_puts_of_one_key_from_two_instances_leave_one_accounted
 async def test_contains_nowait_is_safe_from_other_threads(make_disk, pool, tmp_path):
     be = await make_disk(tmp_path / "d")
     for i in range(10):
-        await _put(be, pool, i)
+        await put_entry(be, pool, i)
     answers: list[list[bool]] = [[] for _ in range(4)]
 
     def worker(out: list[bool]) -> None:
@@ -422,11 +409,11 @@ async def test_caller_mistakes_raise(make_disk, pool, tmp_path):
 
 async def test_close_is_idempotent_and_later_calls_miss(make_disk, pool, tmp_path):
     be = await make_disk(tmp_path / "d")
-    await _put(be, pool, 1)
+    await put_entry(be, pool, 1)
     await be.close()
     await be.close()
     assert await be.get(key(1)) is None
-    assert await _put(be, pool, 2) is False
+    assert await put_entry(be, pool, 2) is False
     assert len(entry_files(tmp_path / "d")) == 1
 
 

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from lmcache_async.memory import MemoryFormat, PoolAllocator
+from lmcache_async.memory import MemoryFormat
 from lmcache_async.records import encode_header
 
 from .disk_testkit import dir_bytes, entry_files, key, make_entry, path_of, same_bytes
@@ -49,11 +49,6 @@ def _damage(mode: str, path, other, rng: random.Random) -> None:
 
 
 MODES = ["flip_payload", "flip_header", "flip_magic", "truncate", "empty", "append", "foreign_record", "garbage"]
-
-
-@pytest.fixture
-def pool() -> PoolAllocator:
-    return PoolAllocator(8 << 20, name="corrupt-src", pretouch=False)
 
 
 async def _fill(be, pool) -> None:

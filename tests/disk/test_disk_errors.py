@@ -13,9 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_async.memory import PoolAllocator
-
-from .disk_testkit import dir_bytes, entry_files, key, make_entry, same_bytes, tmp_files
+from .disk_testkit import dir_bytes, entry_files, key, put_entry, same_bytes, tmp_files
 
 ENTRY = 256 << 10
 
@@ -41,17 +39,8 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
             _run("umount", "-l", str(mnt))
 
 
-@pytest.fixture
-def pool() -> PoolAllocator:
-    return PoolAllocator(16 << 20, name="errors-src", pretouch=False)
-
-
-async def _put(be, pool, i: int, n: int = ENTRY) -> bool:
-    obj = make_entry(pool, i, n)
-    try:
-        return bool(await be.put(key(i), obj))
-    finally:
-        obj.ref_count_down()
+async def _put(be, pool, i: int, nbytes: int = ENTRY) -> bool:
+    return await put_entry(be, pool, i, nbytes)
 
 
 async def _retry_until(pred, timeout: float = 10.0) -> bool:

@@ -20,22 +20,9 @@ from lmcache_async.backends.disk import DiskBackend
 from lmcache_async.backends.disk_layout import ACCT_NAME, key_digest
 from lmcache_async.memory import PoolAllocator
 
-from .disk_testkit import dir_bytes, entry_files, key, make_entry, path_of, same_bytes, tmp_files
+from .disk_testkit import dir_bytes, entry_files, key, make_entry, path_of, put_entry, same_bytes, tmp_files
 
 N = 4096
-
-
-@pytest.fixture
-def pool() -> PoolAllocator:
-    return PoolAllocator(32 << 20, name="disk-repair-src", pretouch=False)
-
-
-async def _put(be: DiskBackend, pool: PoolAllocator, i: int, nbytes: int = N) -> bool:
-    obj = make_entry(pool, i, nbytes)
-    try:
-        return await be.put(key(i), obj)
-    finally:
-        obj.ref_count_down()
 
 
 def _shard_of(i: int) -> int:
@@ -44,7 +31,7 @@ def _shard_of(i: int) -> int:
 
 async def _entry_size(make_disk, tmp_path: Path, pool: PoolAllocator) -> int:
     probe = await make_disk(tmp_path / "probe")
-    assert await _put(probe, pool, 0)
+    assert await put_entry(probe, pool, 0)
     return os.path.getsize(path_of(probe.root, key(0)))
 
 
@@ -53,12 +40,12 @@ async def test_writes_go_on_after_every_file_was_deleted_behind_the_tiers_back(m
     size = await _entry_size(make_disk, tmp_path, pool)
     be = await make_disk(tmp_path / "d", budget_bytes=10 * size)
     for i in range(12):
-        assert await _put(be, pool, i)
+        assert await put_entry(be, pool, i)
     assert be.accounted() == (10 * size, 10)
     for f in entry_files(be.root):  # rm dir/*/*.lmc
         f.unlink()
     for i in range(100, 110):
-        assert await _put(be, pool, i), i
+        assert await put_entry(be, pool, i), i
     assert sorted(entry_files(be.root)) == sorted(path_of(be.root, key(i)) for i in range(100, 110))
     assert be.accounted() == (dir_bytes(be.root), 10)
     assert be.stats()["no_space"] == 0
@@ -73,12 +60,12 @@ async def test_a_process_that_never_indexed_the_deleted_files_repairs_the_budget
     other = await make_disk(tmp_path / "d", budget_bytes=10 * size)  # indexes nothing: dir empty
     writer = await make_disk(tmp_path / "d", budget_bytes=10 * size)
     for i in range(10):
-        assert await _put(writer, pool, i)
+        assert await put_entry(writer, pool, i)
     await writer.close()
     for f in entry_files(other.root):
         f.unlink()
     for i in range(100, 105):
-        assert await _put(other, pool, i), i
+        assert await put_entry(other, pool, i), i
     assert len(entry_files(other.root)) == 5
     assert other.accounted() == (dir_bytes(other.root), 5)
 
@@ -87,14 +74,14 @@ async def test_eviction_never_deletes_real_entries_to_pay_for_deleted_ones(make_
     size = await _entry_size(make_disk, tmp_path, pool)
     a = await make_disk(tmp_path / "d", budget_bytes=10 * size)
     for i in range(5):
-        assert await _put(a, pool, i)
+        assert await put_entry(a, pool, i)
     b = await make_disk(tmp_path / "d", budget_bytes=10 * size)  # indexes 0..4 at start
     for i in range(5, 10):
-        assert await _put(a, pool, i)  # unknown to b
+        assert await put_entry(a, pool, i)  # unknown to b
     for i in range(5):
         path_of(a.root, key(i)).unlink()
     for i in range(100, 105):  # fits once the five deleted files are no longer counted
-        assert await _put(b, pool, i), i
+        assert await put_entry(b, pool, i), i
     for i in range(5, 10):
         assert path_of(a.root, key(i)).exists(), i
     assert b.accounted() == (dir_bytes(b.root), 10)
@@ -140,7 +127,7 @@ def test_the_manager_reports_a_failed_disk_lookup_as_unknown_and_counts_it(make_
 async def test_a_read_racing_a_removal_does_not_index_the_removed_entry(make_disk, staging, pool, tmp_path, how):
     size = await _entry_size(make_disk, tmp_path, pool)
     be = await make_disk(tmp_path / "d", budget_bytes=2 * size)
-    assert await _put(be, pool, 1)
+    assert await put_entry(be, pool, 1)
     digest = key_digest(key(1).to_string())
 
     def alloc(shape, dtype, fmt):  # runs inside the read job, with the file open
@@ -166,7 +153,7 @@ async def test_a_read_racing_a_removal_does_not_index_the_removed_entry(make_dis
 # ---- accounting that fails after the record was published ------------------------------------------------
 async def test_a_publish_whose_accounting_fails_leaves_the_budget_right(make_disk, pool, tmp_path):
     be = await make_disk(tmp_path / "d")
-    assert await _put(be, pool, 1)
+    assert await put_entry(be, pool, 1)
     bad = next(s for s in range(256) if s not in (_shard_of(1), _shard_of(2)))
     shard = Path(be.root) / f"{bad:02x}"
     shutil.rmtree(shard)
@@ -174,13 +161,13 @@ async def test_a_publish_whose_accounting_fails_leaves_the_budget_right(make_dis
     with open(Path(be.root) / ACCT_NAME, "r+b") as f:  # as a process killed while changing it
         f.seek(12)
         f.write(struct.pack("<i", bad))
-    assert not await _put(be, pool, 2)  # published, then the lock holder's repair failed
+    assert not await put_entry(be, pool, 2)  # published, then the lock holder's repair failed
     assert be.stats()["write_errors"] >= 1
     shard.unlink()
     shard.mkdir(mode=0o700)
     assert be.accounted() == (dir_bytes(be.root), len(entry_files(be.root)))
     assert tmp_files(be.root) == []
-    assert await _put(be, pool, 3)
+    assert await put_entry(be, pool, 3)
     assert be.accounted() == (dir_bytes(be.root), len(entry_files(be.root)))
 
 

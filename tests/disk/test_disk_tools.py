@@ -5,19 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 
-import pytest
-
 from lmcache_async.disk_tools import add_inspect_parser, format_report, inspect_dir, purge_dir, run_inspect
-from lmcache_async.memory import PoolAllocator
 
 from .disk_testkit import dir_bytes, entry_files, key, make_entry, path_of
 
 N = 4096
-
-
-@pytest.fixture
-def pool() -> PoolAllocator:
-    return PoolAllocator(8 << 20, name="tools-src", pretouch=False)
 
 
 async def _fill(be, pool, ids, model="disk/model") -> None:
