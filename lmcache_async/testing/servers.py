@@ -20,6 +20,7 @@ the ``cryptography`` package when it is installed).
 
 from __future__ import annotations
 
+import abc
 import atexit
 import contextlib
 import os
@@ -34,7 +35,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 from urllib.parse import quote
 
 __all__ = [
@@ -279,7 +280,30 @@ class _Reader:
 
 
 # ---- one server -----------------------------------------------------------------------------------
-class RedisServer:
+class _Started(abc.ABC):
+    """``with`` support for something with ``start()`` (returning itself) and ``stop()``: a
+    failed start still stops what it began."""
+
+    @abc.abstractmethod
+    def start(self) -> Self:
+        """Start; returns ``self``."""
+
+    @abc.abstractmethod
+    def stop(self) -> None:
+        """Stop what was started (idempotent)."""
+
+    def __enter__(self) -> Self:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class RedisServer(_Started):
     """One ``redis-server``/``valkey-server`` process on ``127.0.0.1`` (see the module docstring).
 
     ``password``/``username`` enable authentication (an ACL user when ``username`` is given);
@@ -514,23 +538,13 @@ class RedisServer:
             raise reply
         return reply
 
-    def __enter__(self) -> RedisServer:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
     def __repr__(self) -> str:
         state = "paused" if self.paused else ("running" if self.alive else "stopped")
         return f"RedisServer(port={self.port}, {state}, binary={Path(self.binary).name})"
 
 
 # ---- a cluster ------------------------------------------------------------------------------------
-class RedisClusterServers:
+class RedisClusterServers(_Started):
     """``n`` cluster-mode servers (primaries only) with the slots split evenly between them."""
 
     def __init__(
@@ -612,12 +626,3 @@ class RedisClusterServers:
         self.wait_ok(timeout)
         return self
 
-    def __enter__(self) -> RedisClusterServers:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
