@@ -15,6 +15,7 @@ from redis.exceptions import RedisError
 
 from lmcache_async import StorageManager
 from lmcache_async.backends.remote import RemoteBackend
+from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import HeapAllocator, MemoryObj, PoolAllocator
 from lmcache_async.testing import make_key, make_obj
 from lmcache_async.testing.servers import RedisClusterServers, RedisServer
@@ -156,14 +157,20 @@ async def test_ttl_applies_to_record_and_parts(
 
 
 # ---- bad records --------------------------------------------------------------------------------------
+async def _stored(be: Any, src_pool: PoolAllocator, i: int) -> tuple[CacheEngineKey, str, MemoryObj]:
+    """Entry ``i`` put into ``be``: its key, the name of its record and its source (the caller
+    releases it)."""
+    src = make_obj(src_pool, seed=i)
+    key = make_key(i)
+    assert await be.put(key, src)
+    return key, be.entry_name(key).record, src
+
+
 async def test_corrupt_payload_is_a_counted_miss_and_removed(
     redis_server: RedisServer, open_backend: Any, src_pool: PoolAllocator
 ) -> None:
     be = await open_backend(redis_server.url)
-    src = make_obj(src_pool, seed=6)
-    key = make_key(6)
-    await be.put(key, src)
-    record = be.entry_name(key).record
+    key, record, src = await _stored(be, src_pool, 6)
     size = redis_server.command("STRLEN", record)
     redis_server.command("SETRANGE", record, size - 10, b"\xff\x00\xff")
     assert await be.get(key) is None
@@ -176,10 +183,7 @@ async def test_truncated_record_is_a_counted_miss(
     redis_server: RedisServer, open_backend: Any, src_pool: PoolAllocator
 ) -> None:
     be = await open_backend(redis_server.url)
-    src = make_obj(src_pool, seed=6)
-    key = make_key(6)
-    await be.put(key, src)
-    record = be.entry_name(key).record
+    key, record, src = await _stored(be, src_pool, 6)
     value = redis_server.command("GET", record)
     redis_server.command("SET", record, value[: len(value) // 2])
     assert await be.get(key) is None
