@@ -146,6 +146,52 @@ def _paired(a: list[float], b: list[float]) -> float:
     return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
 
+Op = Callable[[int], Awaitable[None]]
+"""One operation on entry ``i``."""
+
+
+def _tier_ops(be: Any, srcs: Sequence[MemoryObj]) -> tuple[Op, Op]:
+    """put and get of entry ``i`` through the tier ``be`` (a miss raises)."""
+
+    async def put(i: int) -> None:
+        assert await be.put(_key(i), srcs[i])
+
+    async def get(i: int) -> None:
+        obj = await be.get(_key(i))
+        assert obj is not None
+        obj.ref_count_down()
+
+    return put, get
+
+
+def _raw_ops(rig: _Rig, views: Sequence[memoryview]) -> tuple[Op, Op]:
+    """Raw single-key SET and GET of entry ``i``'s bytes (a miss raises)."""
+
+    async def raw_set(i: int) -> None:
+        await rig.raw.set(f"raw:{i}", views[i])
+
+    async def raw_get(i: int) -> None:
+        assert await rig.raw.get(f"raw:{i}") is not None
+
+    return raw_set, raw_get
+
+
+def _rates(
+    rig: _Rig, count: int, conc: int, nbytes: int
+) -> tuple[Callable[[Op], Awaitable[float]], Callable[[Op], Awaitable[float]]]:
+    """``rate(op)``: GB/s of ``op`` over the ``count`` entries; ``fresh(op)``: the same after
+    deleting every key (puts into an empty server)."""
+
+    async def rate(op: Op) -> float:
+        return await _rate(count, conc, nbytes, op)
+
+    async def fresh(op: Op) -> float:
+        await rig.wipe()
+        return await rate(op)
+
+    return rate, fresh
+
+
 async def _put_get(
     rig: _Rig, nbytes: int, count: int, part_size: int, reps: int, conc: int | None = None
 ) -> dict[str, float]:
@@ -158,26 +204,9 @@ async def _put_get(
     await be.start()
     conc = rig.conc if conc is None else conc
 
-    async def tier_put(i: int) -> None:
-        assert await be.put(_key(i), srcs[i])
-
-    async def tier_get(i: int) -> None:
-        obj = await be.get(_key(i))
-        assert obj is not None
-        obj.ref_count_down()
-
-    async def raw_set(i: int) -> None:
-        await rig.raw.set(f"raw:{i}", views[i])
-
-    async def raw_get(i: int) -> None:
-        assert await rig.raw.get(f"raw:{i}") is not None
-
-    async def fresh(op: Callable[[int], Awaitable[None]]) -> float:
-        await rig.wipe()
-        return await _rate(count, conc, nbytes, op)
-
-    async def rate(op: Callable[[int], Awaitable[None]]) -> float:
-        return await _rate(count, conc, nbytes, op)
+    tier_put, tier_get = _tier_ops(be, srcs)
+    raw_set, raw_get = _raw_ops(rig, views)
+    rate, fresh = _rates(rig, count, conc, nbytes)
 
     try:
         put, sset = await _alternate(reps, [lambda: fresh(tier_put), lambda: fresh(raw_set)])
@@ -211,38 +240,17 @@ async def _sweep(rig: _Rig, nbytes: int, count: int, part_sizes: list[int], reps
     for be in bes:
         await be.start()
 
-    def tier(be: Any, op: str) -> Callable[[int], Awaitable[None]]:
-        async def put(i: int) -> None:
-            assert await be.put(_key(i), srcs[i])
-
-        async def get(i: int) -> None:
-            obj = await be.get(_key(i))
-            assert obj is not None
-            obj.ref_count_down()
-
-        return put if op == "put" else get
-
-    async def raw_set(i: int) -> None:
-        await rig.raw.set(f"raw:{i}", views[i])
-
-    async def raw_get(i: int) -> None:
-        assert await rig.raw.get(f"raw:{i}") is not None
-
-    async def fresh(op: Callable[[int], Awaitable[None]]) -> float:
-        await rig.wipe()
-        return await _rate(count, rig.conc, nbytes, op)
-
-    async def rate(op: Callable[[int], Awaitable[None]]) -> float:
-        return await _rate(count, rig.conc, nbytes, op)
+    raw_set, raw_get = _raw_ops(rig, views)
+    rate, fresh = _rates(rig, count, rig.conc, nbytes)
 
     out: list[Result] = []
     try:
-        puts = [tier(be, "put") for be in bes] + [raw_set]
+        puts = [_tier_ops(be, srcs)[0] for be in bes] + [raw_set]
         put_samples = await _alternate(reps, [_bind(fresh, op) for op in puts])
         await rig.wipe()
         for op in puts:
             await rate(op)
-        gets = [tier(be, "get") for be in bes] + [raw_get]
+        gets = [_tier_ops(be, srcs)[1] for be in bes] + [raw_get]
         get_samples = await _alternate(reps, [_bind(rate, op) for op in gets])
     finally:
         for be in bes:
