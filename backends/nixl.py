@@ -125,6 +125,14 @@ class _Plan:
     recycle: list[str | int]
 
 
+@dataclass
+class _Queued:
+    """Work of one kind (reads or writes) waiting for the next loop iteration's hand-off."""
+
+    items: list[Any]
+    done: asyncio.Future[None]
+
+
 class _ReadBatch:
     """Results of one ``batched_get``; buffers arriving after the caller gave up go back."""
 
@@ -172,6 +180,7 @@ class _Counters:
     staged: int = 0
     scanned: int = 0
     reaped: int = 0
+    jobs: int = 0
     stuck: int = 0
     quarantined_bytes: int = 0
     extra: dict[str, int] = field(default_factory=dict)
@@ -284,6 +293,7 @@ class NixlBackend(StorageBackend):
         self._reserved = 0
         self._writing: dict[CacheEngineKey, asyncio.Future[bool]] = {}
         self._free_slots: list[int] = []
+        self._queued: dict[str, _Queued] = {}
         self._ready = asyncio.Event()
         self._start_task: asyncio.Task[None] | None = None
         self.counters = _Counters()
@@ -518,6 +528,48 @@ class NixlBackend(StorageBackend):
             cf.add_done_callback(on_job_done)
         return done
 
+    def _enqueue(
+        self,
+        kind: str,
+        items: list[X],
+        fn: Callable[[list[X]], list[BaseException | None]],
+        finish: Callable[[list[X], list[BaseException | None]], None],
+        orphan: Callable[[list[X], list[BaseException | None]], None],
+        nbytes: Callable[[X], int],
+    ) -> asyncio.Future[None]:
+        """On the loop: queue ``items`` for the hand-off at the next loop iteration. Every
+        call of ``kind`` made during this iteration goes out together, split into at most one
+        job per worker (see :meth:`_submit`), so concurrent single ``put``/``get`` calls pay
+        one thread hand-off between them, like one batch. The returned future is done once
+        every item queued with it was finished."""
+        q = self._queued.get(kind)
+        if q is None:
+            loop = asyncio.get_running_loop()
+            q = _Queued([], loop.create_future())
+            self._queued[kind] = q
+            self._track(q.done)  # close() and teardown wait for it
+            loop.call_soon(self._hand_off, kind, fn, finish, orphan, nbytes)
+        q.items.extend(items)
+        return q.done
+
+    def _hand_off(
+        self,
+        kind: str,
+        fn: Callable[[list[X]], list[BaseException | None]],
+        finish: Callable[[list[X], list[BaseException | None]], None],
+        orphan: Callable[[list[X], list[BaseException | None]], None],
+        nbytes: Callable[[X], int],
+    ) -> None:
+        q = self._queued.pop(kind)
+        futs = [self._submit(fn, group, finish, orphan) for group in self._groups(q.items, nbytes)]
+        self.counters.jobs += len(futs)
+
+        def all_done(_: object) -> None:
+            if not q.done.done():
+                q.done.set_result(None)
+
+        asyncio.gather(*futs).add_done_callback(all_done)
+
     def _groups(self, items: list[X], nbytes: Callable[[X], int]) -> list[list[X]]:
         """Up to ``workers`` jobs of similar byte counts (one can checksum while another
         transfers); one job when there is too little work to share."""
@@ -531,17 +583,23 @@ class NixlBackend(StorageBackend):
 
     def _make_room(self, size: int, recycle: list[str | int] | None = None) -> bool:
         """Evict unread entries (LRU/FIFO order) until ``size`` more bytes (and, for slots, a
-        slot) fit. False when they cannot. With ``recycle``, the victims' record files are
-        handed over for the coming write to reuse instead of being deleted now."""
+        slot) fit. False when they cannot. With ``recycle``, the victims' files or slots are
+        handed over to the coming write job instead of being deleted or invalidated here: it
+        reuses one and deletes/invalidates the rest off the event loop."""
         cap = self.settings.max_bytes
-        slots = isinstance(self._layout, SlotFileLayout)
-        files = isinstance(self._layout, KeyFileLayout)
-        while self._bytes + self._reserved + size > cap or (slots and size and not self._free_slots):
+        layout = self._layout
+        slots = isinstance(layout, SlotFileLayout)
+        stuck = layout.stuck if isinstance(layout, SlotFileLayout) else set()
+        handover = recycle is not None and isinstance(layout, KeyFileLayout | SlotFileLayout)
+        while self._bytes + self._reserved + size > cap or (
+            slots and size and not self._free_slots and not recycle
+        ):
             victim = next(((k, e) for k, e in self._index.items() if e.readers == 0), None)
             if victim is None:
                 return False
             key, entry = victim
-            if recycle is not None and files:
+            if handover and entry.location not in stuck:  # a stuck slot is never reused
+                assert recycle is not None
                 del self._index[key]
                 self._bytes -= entry.size
                 entry.removed = True
@@ -681,8 +739,9 @@ class NixlBackend(StorageBackend):
                 continue
             plans.append(plan)
             answers.append(plan.future)
-        for group in self._groups(plans, lambda p: p.meta.total_len):
-            self._submit(self._write_job, group, self._finish_writes, self._orphan_writes)
+        if plans:
+            self._enqueue("write", plans, self._write_job, self._finish_writes, self._orphan_writes,
+                          lambda p: p.meta.total_len)
         out: list[bool] = []
         for a in answers:
             out.append(a if isinstance(a, bool) else await asyncio.shield(a))
@@ -704,13 +763,17 @@ class NixlBackend(StorageBackend):
         recycle: list[str | int] = []
         if not self._make_room(meta.total_len, recycle):
             for loc in recycle:  # nothing will reuse them
-                self._discard_storage(loc)
+                self._release_location(loc)
             self.counters.no_space += 1
             return None
         layout = self._layout
         assert layout is not None
-        slots = isinstance(layout, SlotFileLayout)
-        location: str | int = self._free_slots.pop() if slots else layout.new_location(kstr)
+        location: str | int
+        if isinstance(layout, SlotFileLayout):
+            # An evicted entry's slot first (the job invalidates it before writing).
+            location = recycle[0] if recycle else self._free_slots.pop()
+        else:
+            location = layout.new_location(kstr)
         registered = self._is_registered(obj)
         if not registered:
             if layout.piecewise:
@@ -728,22 +791,30 @@ class NixlBackend(StorageBackend):
         for plan, failure in zip(plans, outcomes, strict=True):
             plan.obj.ref_count_down()
             self._reserved -= plan.meta.total_len
+            layout = self._layout
+            slots = isinstance(layout, SlotFileLayout)
             if failure is None:
                 entry = _Entry(plan.meta, plan.location)
                 self._index[plan.key] = entry
                 self._bytes += entry.size
                 self.counters.writes += 1
+                if isinstance(layout, SlotFileLayout):
+                    # The job invalidated the other evicted slots: free for the next writes.
+                    self._free_slots.extend(
+                        int(loc) for loc in plan.recycle if loc != plan.location and loc not in layout.stuck
+                    )
             else:
                 self.counters.write_failures += 1
                 self._failed("write", plan.key, failure)
-                if isinstance(self._layout, SlotFileLayout):
+                if slots:
                     # A failed slot write may have left part of a record: invalidate, reuse.
                     self._release_location(plan.location)
                 for loc in plan.recycle:
-                    # Files of evicted entries the job did not get to consume: they are out
-                    # of the index and must not come back at a restart (already-consumed
-                    # names are gone and the delete is a no-op).
-                    self._discard_storage(loc)
+                    # What the job may not have got to: evicted entries' files (consumed
+                    # names are gone and the delete is a no-op) or slots (invalidated again).
+                    # They are out of the index and must not come back at a restart.
+                    if loc != plan.location:
+                        self._release_location(loc)
             del self._writing[plan.key]
             if not plan.future.done():
                 plan.future.set_result(failure is None)
@@ -825,12 +896,10 @@ class NixlBackend(StorageBackend):
             jobs.append(_ReadJob(i, key, entry, buf[0], buf[1], batch))
         if not jobs:
             return results
-        futs = [
-            self._submit(self._read_job, g, self._finish_reads, self._orphan_reads)
-            for g in self._groups(jobs, lambda j: j.entry.size)
-        ]
+        done = self._enqueue("read", jobs, self._read_job, self._finish_reads, self._orphan_reads,
+                             lambda j: j.entry.size)
         try:
-            await asyncio.shield(futs[0] if len(futs) == 1 else asyncio.gather(*futs))
+            await asyncio.shield(done)
         except asyncio.CancelledError:
             batch.abandon()  # what already arrived goes back now, the rest when it arrives
             raise
@@ -952,6 +1021,7 @@ class NixlBackend(StorageBackend):
             "staged": c.staged,
             "scanned": c.scanned,
             "reaped": c.reaped,
+            "jobs": c.jobs,
             "stuck": c.stuck,
             "quarantined_bytes": c.quarantined_bytes,
             "plugin": self.settings.plugin,

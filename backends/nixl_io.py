@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import logging
 import os
 import queue
@@ -330,15 +331,20 @@ class KeyFileLayout:
     def __init__(self, agent: NixlAgent, root: Path) -> None:
         self.agent = agent
         self.root = root
+        self._dir = str(root) + os.sep
+        # Stems end in <random per instance>-<counter>: unique within this instance, and
+        # across restarts unless 32 random bits repeat for the same key.
+        self._stem_tag = secrets.token_hex(4)
+        self._stem_counter = itertools.count()
 
-    @staticmethod
-    def new_location(key: str) -> str:
-        """A fresh file stem for ``key`` (never reused, so a late delete can't hit a rewrite)."""
+    def new_location(self, key: str) -> str:
+        """A fresh file stem for ``key`` (never reused, so a late delete can't hit a rewrite).
+        Called on the event loop only."""
         digest = hashlib.blake2b(key.encode("utf-8"), digest_size=16).hexdigest()
-        return f"{digest}.{secrets.token_hex(4)}"
+        return f"{digest}.{self._stem_tag}-{next(self._stem_counter):x}"
 
-    def _path(self, stem: str, suffix: str = RECORD_SUFFIX) -> Path:
-        return self.root / (stem + suffix)
+    def _path(self, stem: str, suffix: str = RECORD_SUFFIX) -> str:
+        return self._dir + stem + suffix
 
     @contextlib.contextmanager
     def open_write(self, location: str | int, meta: EntryMeta, recycle: Sequence[str | int] = ()) -> Iterator[Loc]:
@@ -479,6 +485,11 @@ class SlotFileLayout:
 
     @contextlib.contextmanager
     def open_write(self, location: str | int, meta: EntryMeta, recycle: Sequence[str | int] = ()) -> Iterator[Loc]:
+        """Slot ``location`` for the record. ``recycle`` lists slots of entries evicted to make
+        room (``location`` may be one of them): each is invalidated first, so a crash during
+        the write cannot bring an evicted entry back at a restart."""
+        for old in recycle:
+            self.delete(old)
         i = int(location)
         dev = self.devs[i]
         try:

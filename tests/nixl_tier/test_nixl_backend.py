@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import statistics
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -152,6 +153,36 @@ async def test_write_errors_become_false_and_counters(big_context, tmp_path, fil
     await be.close()
 
 
+# ---- hand-offs ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("pool_size", LAYOUTS)
+async def test_concurrent_single_calls_share_one_hand_off(big_context, tmp_path, fill, pool_size) -> None:
+    """Single puts/gets started in the same loop iteration go to the workers together: one job
+    per worker at most, and every caller still gets its own result."""
+    ctx = big_context()
+    be = await _open(ctx, tmp_path, pool_size=16 if pool_size else 0)
+    workers = be.settings.workers
+    keys = [make_key(700 + i) for i in range(12)]
+    objs = [_obj(ctx, fill, 256 * 1024, 700 + i) for i in range(12)]
+    jobs = be.stats()["jobs"]
+    assert all(await asyncio.gather(*(be.put(k, o) for k, o in zip(keys, objs, strict=True))))
+    assert 1 <= be.stats()["jobs"] - jobs <= workers
+    jobs = be.stats()["jobs"]
+    got = await asyncio.gather(*(be.get(k) for k in [*keys, make_key(799)]))
+    assert 1 <= be.stats()["jobs"] - jobs <= workers
+    assert got[-1] is None
+    for g, o in zip(got, objs, strict=False):
+        assert g is not None and _eq(g.tensor, o.tensor)
+        g.ref_count_down()
+    jobs = be.stats()["jobs"]
+    for k, o in zip(keys, objs, strict=True):  # one at a time: one job each
+        g = await be.get(k)
+        assert g is not None and _eq(g.tensor, o.tensor)
+        g.ref_count_down()
+        o.ref_count_down()
+    assert be.stats()["jobs"] - jobs == len(keys)
+    await be.close()
+
+
 # ---- restart -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("pool_size", LAYOUTS)
 async def test_restart_reuses_entries_in_lru_order(big_context, tmp_path, fill, pool_size) -> None:
@@ -281,6 +312,74 @@ async def test_slot_pool_exhaustion_evicts_the_oldest(big_context, tmp_path, fil
     assert [await be.contains(k) for k in keys] == [False, True, True]
     assert be.stats()["evictions"] == 1 and be.stats()["free_slots"] == 0
     await be.close()
+
+
+async def test_slots_freed_by_a_put_are_invalidated_by_its_job_off_the_loop(
+    big_context, tmp_path, fill, monkeypatch
+) -> None:
+    """A put that evicts two entries writes into the first victim's slot and invalidates the
+    other one on the worker thread (an invalidation may wait for writeback: never on the loop)."""
+    ctx = big_context()
+    rec = MiB + 4096
+    be = await _open(ctx, tmp_path, pool_size=4, max_bytes=2 * rec)
+    a, b, c = make_key(520), make_key(521), make_key(522)
+    objs = [_obj(ctx, fill, MiB, 520), _obj(ctx, fill, MiB, 521), _obj(ctx, fill, MiB + MiB // 2, 522)]
+    assert await be.put(a, objs[0]) and await be.put(b, objs[1])
+    slot_a, slot_b = be._index[a].location, be._index[b].location
+    assert be.stats()["free_slots"] == 2
+    layout = be._layout
+    invalidated: list[tuple[object, bool]] = []
+    real_delete = layout.delete
+    loop_thread = threading.get_ident()
+
+    def delete(location) -> None:
+        invalidated.append((location, threading.get_ident() == loop_thread))
+        real_delete(location)
+
+    monkeypatch.setattr(layout, "delete", delete)
+    assert await be.put(c, objs[2])  # needs both victims' bytes
+    monkeypatch.undo()
+    assert sorted(loc for loc, _ in invalidated) == sorted([slot_a, slot_b])
+    assert not any(on_loop for _, on_loop in invalidated)
+    assert be._index[c].location == slot_a
+    assert be.stats()["free_slots"] == 3 and be.stats()["evictions"] == 2
+    assert (tmp_path / f"slot-{slot_b:06d}{RECORD_SUFFIX}").read_bytes()[:8] == EMPTY_MAGIC
+    got = await be.get(c)
+    assert got is not None and _eq(got.tensor, objs[2].tensor)
+    got.ref_count_down()
+    await be.close()
+    again = await _open(ctx, tmp_path, pool_size=4, max_bytes=2 * rec)  # a restart finds only `c`
+    assert [await again.contains(k) for k in (a, b, c)] == [False, False, True]
+    await again.close()
+    for o in objs:
+        o.ref_count_down()
+
+
+async def test_failed_write_into_an_evicted_slot_invalidates_and_frees_it(
+    big_context, tmp_path, fill, monkeypatch
+) -> None:
+    ctx = big_context()
+    rec = MiB + 4096
+    be = await _open(ctx, tmp_path, pool_size=2, max_bytes=2 * rec)
+    a, b, c = make_key(530), make_key(531), make_key(532)
+    objs = [_obj(ctx, fill, MiB, 530 + i) for i in range(3)]
+    assert await be.put(a, objs[0]) and await be.put(b, objs[1])
+    monkeypatch.setattr("lmcache_async.backends.nixl.write_record", _fail_write)
+    assert await be.put(c, objs[2]) is False  # evicted `a`, then the write failed
+    monkeypatch.undo()
+    await _settle(be)
+    assert be.stats()["free_slots"] == 1 and be.stats()["entries"] == 1
+    assert await be.put(c, objs[2])  # the slot is usable again
+    await be.close()
+    again = await _open(ctx, tmp_path, pool_size=2, max_bytes=2 * rec)
+    assert [await again.contains(k) for k in (a, b, c)] == [False, True, True]
+    await again.close()
+    for o in objs:
+        o.ref_count_down()
+
+
+def _fail_write(*args, **kwargs) -> None:
+    raise OSError("injected write failure")
 
 
 async def test_entry_being_read_is_never_evicted(big_context, tmp_path, fill) -> None:
