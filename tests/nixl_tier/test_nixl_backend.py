@@ -5,6 +5,7 @@ a loop that stays responsive during big transfers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -181,6 +182,107 @@ async def test_concurrent_single_calls_share_one_hand_off(big_context, tmp_path,
         o.ref_count_down()
     assert be.stats()["jobs"] - jobs == len(keys)
     await be.close()
+
+
+# ---- kept record files (one file per entry) -------------------------------------------------------
+def _fds_under(root: Path) -> int:
+    """How many of this process's descriptors name a record file under ``root`` (deleted
+    ones included)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(str(root)) and RECORD_SUFFIX in target:
+                n += 1
+    return n
+
+
+async def test_record_files_stay_open_for_the_next_read_within_the_cap(
+    big_context, tmp_path, fill, monkeypatch
+) -> None:
+    ctx = big_context()
+    be = await _open(ctx, tmp_path)
+    layout = be._layout
+    layout.open_files._cap = 2
+    registered: list[int] = []
+    real = be._agent.register_target
+
+    def counting(*args, **kwargs):
+        registered.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(be._agent, "register_target", counting)
+    keys = [make_key(800 + i) for i in range(3)]
+    objs = [_obj(ctx, fill, MiB, 800 + i) for i in range(3)]
+    for k, o in zip(keys, objs, strict=True):
+        assert await be.put(k, o)
+    assert len(registered) == 3 and len(layout.open_files) == 2 and _fds_under(tmp_path) == 2
+    for k, o in zip(keys[1:], objs[1:], strict=True):  # kept: no open, no registration
+        got = await be.get(k)
+        assert got is not None and _eq(got.tensor, o.tensor)
+        got.ref_count_down()
+    assert len(registered) == 3
+    got = await be.get(keys[0])  # not kept any more: opened again, and kept
+    assert got is not None and _eq(got.tensor, objs[0].tensor)
+    got.ref_count_down()
+    assert len(registered) == 4 and len(layout.open_files) == 2
+    assert await be.remove(keys[0])
+    await _settle(be)
+    assert len(layout.open_files) == 1 and _fds_under(tmp_path) == 1  # closed with its record
+    await be.close()
+    assert _fds_under(tmp_path) == 0
+    for o in objs:
+        o.ref_count_down()
+
+
+async def test_a_kept_file_damaged_or_deleted_meanwhile_is_a_miss(big_context, tmp_path, fill) -> None:
+    ctx = big_context()
+    be = await _open(ctx, tmp_path)
+    a, b, c = make_key(810), make_key(811), make_key(812)
+    objs = [_obj(ctx, fill, MiB, 810 + i) for i in range(3)]
+    for k, o in zip((a, b, c), objs, strict=True):
+        assert await be.put(k, o)
+    assert len(be._layout.open_files) == 3
+    _record_of(be, a).unlink()  # the kept descriptor still reads the old inode
+    with open(_record_of(be, b), "ab") as f:  # garbage appended
+        f.write(b"x" * 10)
+    path = _record_of(be, c)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # payload bit rot, seen through the kept descriptor (same inode)
+    path.write_bytes(bytes(data))
+    assert [await be.get(k) for k in (a, b, c)] == [None, None, None]
+    st = be.stats()
+    assert st["read_failures"] == 3 and st["entries"] == 0
+    await _settle(be)
+    assert len(be._layout.open_files) == 0 and _fds_under(tmp_path) == 0
+    await be.close()
+    for o in objs:
+        o.ref_count_down()
+
+
+async def test_a_file_kept_by_a_read_is_reopened_for_writing_when_recycled(big_context, tmp_path, fill) -> None:
+    ctx = big_context()
+    rec = MiB + 4096
+    be = await _open(ctx, tmp_path, max_bytes=rec)
+    a, b = make_key(820), make_key(821)
+    oa, ob = _obj(ctx, fill, MiB, 820), _obj(ctx, fill, MiB, 821)
+    assert await be.put(a, oa)
+    await be.close()
+    be = await _open(ctx, tmp_path, max_bytes=rec)  # after a restart, reads open read-only
+    got = await be.get(a)
+    assert got is not None and _eq(got.tensor, oa.tensor)
+    got.ref_count_down()
+    kept = next(iter(be._layout.open_files._files.values()))
+    assert not kept.writable
+    assert await be.put(b, ob)  # evicts `a`: its file is reused, opened again for writing
+    got = await be.get(b)
+    assert got is not None and _eq(got.tensor, ob.tensor)
+    got.ref_count_down()
+    assert be.stats()["evictions"] == 1 and len(_records(tmp_path)) == 1
+    await be.close()
+    assert _fds_under(tmp_path) == 0
+    for o in (oa, ob):
+        o.ref_count_down()
 
 
 # ---- restart -----------------------------------------------------------------------------------
