@@ -293,6 +293,7 @@ class NixlBackend(StorageBackend):
         self._reserved = 0
         self._writing: dict[CacheEngineKey, asyncio.Future[bool]] = {}
         self._free_slots: list[int] = []
+        self._zeroing: set[asyncio.Task[None]] = set()
         self._queued: dict[str, _Queued] = {}
         self._ready = asyncio.Event()
         self._start_task: asyncio.Task[None] | None = None
@@ -621,12 +622,28 @@ class NixlBackend(StorageBackend):
             self._release_location(entry.location)
 
     def _release_location(self, location: str | int) -> None:
-        """Delete what ``location`` holds and make it reusable (a slot a stuck request may
+        """Delete what ``location`` holds and make it reusable: a file is deleted, a slot is
+        zeroed on a worker thread and freed once that is done (a slot a stuck request may
         still use is never reused)."""
-        self._discard_storage(location)
         layout = self._layout
-        if isinstance(layout, SlotFileLayout) and int(location) not in layout.stuck:
-            self._free_slots.append(int(location))
+        if isinstance(layout, SlotFileLayout):
+            task = asyncio.get_running_loop().create_task(self._zero_slot(layout, int(location)))
+            self._track(task)
+            self._zeroing.add(task)
+            task.add_done_callback(self._zeroing.discard)
+            return
+        self._discard_storage(location)
+
+    async def _zero_slot(self, layout: SlotFileLayout, slot: int) -> None:
+        """Zero ``slot``'s magic off the loop (an 8-byte write into a page under writeback can
+        wait for the disk), then free it. A slot that could not be zeroed is not reused."""
+        try:
+            await self._run(layout.delete, slot)
+        except Exception as exc:
+            self._log.warn("nixl: invalidating slot %s failed: %s", slot, exc)
+            return
+        if slot not in layout.stuck and self._layout is layout:
+            self._free_slots.append(slot)
 
     def _discard_storage(self, location: str | int) -> None:
         layout = self._layout
@@ -722,6 +739,9 @@ class NixlBackend(StorageBackend):
             return []
         if not await self._ensure_ready():
             return [False] * len(items)
+        if self._zeroing and not self._free_slots:
+            # Slots being zeroed after remove/clear: free in a moment, not worth an eviction.
+            await asyncio.gather(*list(self._zeroing), return_exceptions=True)
         answers: list[bool | asyncio.Future[bool]] = []
         plans: list[_Plan] = []
         loop = asyncio.get_running_loop()

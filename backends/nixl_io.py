@@ -656,8 +656,10 @@ class SlotFileLayout:
     def delete(self, location: str | int) -> None:
         """Invalidate the slot (zero its magic) so a restart does not find the old record.
 
-        A few bytes at offset 0 of an open file: cheap enough for the event loop. The bytes
-        are reclaimed when the next record of the slot is shorter (``open_write`` truncates).
+        A few bytes at offset 0 of an open file, but they can wait for the page's writeback:
+        the tier calls this on worker threads, and on the loop only while it rebuilds its index
+        at start (a slot holding a second record of a key, or an unreadable key). The bytes are
+        reclaimed when the next record of the slot is shorter (``open_write`` truncates).
         """
         os.pwrite(self.fds[int(location)], EMPTY_MAGIC, 0)
 

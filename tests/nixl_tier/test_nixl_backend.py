@@ -457,6 +457,42 @@ async def test_slots_freed_by_a_put_are_invalidated_by_its_job_off_the_loop(
         o.ref_count_down()
 
 
+async def test_removed_slots_are_zeroed_off_the_loop_and_freed_after(big_context, tmp_path, fill, monkeypatch) -> None:
+    ctx = big_context()
+    be = await _open(ctx, tmp_path, pool_size=2)
+    a, b, c = make_key(540), make_key(541), make_key(542)
+    objs = [_obj(ctx, fill, 256 * 1024, 540 + i) for i in range(3)]
+    assert await be.put(a, objs[0]) and await be.put(b, objs[1])
+    slot_a = be._index[a].location
+    layout = be._layout
+    on_loop: list[bool] = []
+    real_delete = layout.delete
+    loop_thread = threading.get_ident()
+
+    def delete(location) -> None:
+        on_loop.append(threading.get_ident() == loop_thread)
+        real_delete(location)
+
+    monkeypatch.setattr(layout, "delete", delete)
+    assert await be.remove(a)
+    assert be.stats()["free_slots"] == 0  # not reusable before it was zeroed
+    await _settle(be)
+    assert on_loop == [False] and be.stats()["free_slots"] == 1
+    assert (tmp_path / f"slot-{slot_a:06d}{RECORD_SUFFIX}").read_bytes()[:8] == EMPTY_MAGIC
+    await be.clear()  # every slot is being zeroed: a put right away waits for that, not fails
+    assert await be.put(c, objs[2])
+    monkeypatch.undo()
+    assert not any(on_loop)
+    await _settle(be)
+    assert be.stats()["entries"] == 1 and be.stats()["free_slots"] == 1
+    await be.close()
+    again = await _open(ctx, tmp_path, pool_size=2)
+    assert [await again.contains(k) for k in (a, b, c)] == [False, False, True]
+    await again.close()
+    for o in objs:
+        o.ref_count_down()
+
+
 async def test_failed_write_into_an_evicted_slot_invalidates_and_frees_it(
     big_context, tmp_path, fill, monkeypatch
 ) -> None:
