@@ -125,9 +125,23 @@ class _Plan:
     recycle: list[str | int]
 
 
+@dataclass(frozen=True)
+class _JobKind:
+    """One kind of worker job (writes, reads, slot zeroing): what a job does with its items on
+    a worker thread, what the loop does with the outcomes, and what the worker does instead
+    when the loop is gone (give memory back only); ``nbytes`` sizes an item for the split
+    between workers."""
+
+    name: str
+    run: Callable[[list[Any]], list[BaseException | None]]
+    finish: Callable[[list[Any], list[BaseException | None]], None]
+    orphan: Callable[[list[Any], list[BaseException | None]], None]
+    nbytes: Callable[[Any], int]
+
+
 @dataclass
 class _Queued:
-    """Work of one kind (reads or writes) waiting for the next loop iteration's hand-off."""
+    """Work of one kind waiting for the next loop iteration's hand-off."""
 
     items: list[Any]
     done: asyncio.Future[None]
@@ -293,8 +307,11 @@ class NixlBackend(StorageBackend):
         self._reserved = 0
         self._writing: dict[CacheEngineKey, asyncio.Future[bool]] = {}
         self._free_slots: list[int] = []
-        self._zeroing: set[asyncio.Task[None]] = set()
+        self._zeroing: set[asyncio.Future[None]] = set()
         self._queued: dict[str, _Queued] = {}
+        self._writes = _JobKind("write", self._write_job, self._finish_writes, self._orphan_writes, _plan_bytes)
+        self._reads = _JobKind("read", self._read_job, self._finish_reads, self._orphan_reads, _read_bytes)
+        self._zeroings = _JobKind("zero", self._zero_job, self._finish_zeroing, _no_orphan, _slot_bytes)
         self._ready = asyncio.Event()
         self._start_task: asyncio.Task[None] | None = None
         self.counters = _Counters()
@@ -529,40 +546,26 @@ class NixlBackend(StorageBackend):
             cf.add_done_callback(on_job_done)
         return done
 
-    def _enqueue(
-        self,
-        kind: str,
-        items: list[X],
-        fn: Callable[[list[X]], list[BaseException | None]],
-        finish: Callable[[list[X], list[BaseException | None]], None],
-        orphan: Callable[[list[X], list[BaseException | None]], None],
-        nbytes: Callable[[X], int],
-    ) -> asyncio.Future[None]:
+    def _enqueue(self, kind: _JobKind, items: list[Any]) -> asyncio.Future[None]:
         """On the loop: queue ``items`` for the hand-off at the next loop iteration. Every
         call of ``kind`` made during this iteration goes out together, split into at most one
         job per worker (see :meth:`_submit`), so concurrent single ``put``/``get`` calls pay
         one thread hand-off between them, like one batch. The returned future is done once
         every item queued with it was finished."""
-        q = self._queued.get(kind)
+        q = self._queued.get(kind.name)
         if q is None:
             loop = asyncio.get_running_loop()
             q = _Queued([], loop.create_future())
-            self._queued[kind] = q
+            self._queued[kind.name] = q
             self._track(q.done)  # close() and teardown wait for it
-            loop.call_soon(self._hand_off, kind, fn, finish, orphan, nbytes)
+            loop.call_soon(self._hand_off, kind)
         q.items.extend(items)
         return q.done
 
-    def _hand_off(
-        self,
-        kind: str,
-        fn: Callable[[list[X]], list[BaseException | None]],
-        finish: Callable[[list[X], list[BaseException | None]], None],
-        orphan: Callable[[list[X], list[BaseException | None]], None],
-        nbytes: Callable[[X], int],
-    ) -> None:
-        q = self._queued.pop(kind)
-        futs = [self._submit(fn, group, finish, orphan) for group in self._groups(q.items, nbytes)]
+    def _hand_off(self, kind: _JobKind) -> None:
+        q = self._queued.pop(kind.name)
+        groups = self._groups(q.items, kind.nbytes)
+        futs = [self._submit(kind.run, group, kind.finish, kind.orphan) for group in groups]
         self.counters.jobs += len(futs)
 
         def all_done(_: object) -> None:
@@ -591,7 +594,7 @@ class NixlBackend(StorageBackend):
         layout = self._layout
         slots = isinstance(layout, SlotFileLayout)
         stuck = layout.stuck if isinstance(layout, SlotFileLayout) else set()
-        handover = recycle is not None and isinstance(layout, KeyFileLayout | SlotFileLayout)
+        handover = recycle if isinstance(layout, KeyFileLayout | SlotFileLayout) else None
         while self._bytes + self._reserved + size > cap or (
             slots and size and not self._free_slots and not recycle
         ):
@@ -599,12 +602,11 @@ class NixlBackend(StorageBackend):
             if victim is None:
                 return False
             key, entry = victim
-            if handover and entry.location not in stuck:  # a stuck slot is never reused
-                assert recycle is not None
+            if handover is not None and entry.location not in stuck:  # a stuck slot is never reused
                 del self._index[key]
                 self._bytes -= entry.size
                 entry.removed = True
-                recycle.append(entry.location)
+                handover.append(entry.location)
             else:
                 self._drop(key, entry)
             self.counters.evictions += 1
@@ -625,25 +627,37 @@ class NixlBackend(StorageBackend):
         """Delete what ``location`` holds and make it reusable: a file is deleted, a slot is
         zeroed on a worker thread and freed once that is done (a slot a stuck request may
         still use is never reused)."""
-        layout = self._layout
-        if isinstance(layout, SlotFileLayout):
-            task = asyncio.get_running_loop().create_task(self._zero_slot(layout, int(location)))
-            self._track(task)
-            self._zeroing.add(task)
-            task.add_done_callback(self._zeroing.discard)
+        if isinstance(self._layout, SlotFileLayout):
+            # An 8-byte write into a page under writeback can wait for the disk: a zero job.
+            done = self._enqueue(self._zeroings, [int(location)])
+            if done not in self._zeroing:
+                self._zeroing.add(done)
+                done.add_done_callback(self._zeroing.discard)
             return
         self._discard_storage(location)
 
-    async def _zero_slot(self, layout: SlotFileLayout, slot: int) -> None:
-        """Zero ``slot``'s magic off the loop (an 8-byte write into a page under writeback can
-        wait for the disk), then free it. A slot that could not be zeroed is not reused."""
-        try:
-            await self._run(layout.delete, slot)
-        except Exception as exc:
-            self._log.warn("nixl: invalidating slot %s failed: %s", slot, exc)
-            return
-        if slot not in layout.stuck and self._layout is layout:
-            self._free_slots.append(slot)
+    def _zero_job(self, slots: list[int]) -> list[BaseException | None]:
+        """Worker thread: zero each slot's magic; one outcome per slot."""
+        layout = self._layout
+        assert isinstance(layout, SlotFileLayout)
+        out: list[BaseException | None] = []
+        for slot in slots:
+            try:
+                layout.delete(slot)
+            except Exception as exc:
+                out.append(exc)
+            else:
+                out.append(None)
+        return out
+
+    def _finish_zeroing(self, slots: list[int], outcomes: list[BaseException | None]) -> None:
+        """On the loop: free the zeroed slots (one that could not be zeroed is not reused)."""
+        layout = self._layout
+        for slot, failure in zip(slots, outcomes, strict=True):
+            if failure is not None:
+                self._log.warn("nixl: invalidating slot %s failed: %s", slot, failure)
+            elif isinstance(layout, SlotFileLayout) and slot not in layout.stuck:
+                self._free_slots.append(slot)
 
     def _discard_storage(self, location: str | int) -> None:
         layout = self._layout
@@ -760,8 +774,7 @@ class NixlBackend(StorageBackend):
             plans.append(plan)
             answers.append(plan.future)
         if plans:
-            self._enqueue("write", plans, self._write_job, self._finish_writes, self._orphan_writes,
-                          lambda p: p.meta.total_len)
+            self._enqueue(self._writes, plans)
         out: list[bool] = []
         for a in answers:
             out.append(a if isinstance(a, bool) else await asyncio.shield(a))
@@ -808,33 +821,31 @@ class NixlBackend(StorageBackend):
 
     def _finish_writes(self, plans: list[_Plan], outcomes: list[BaseException | None]) -> None:
         """On the loop, after a write job: index what was written, count what failed."""
+        layout = self._layout
+        slots = layout if isinstance(layout, SlotFileLayout) else None
         for plan, failure in zip(plans, outcomes, strict=True):
             plan.obj.ref_count_down()
             self._reserved -= plan.meta.total_len
-            layout = self._layout
-            slots = isinstance(layout, SlotFileLayout)
+            # evicted entries' files or slots the job handled besides the record's own
+            others = [loc for loc in plan.recycle if loc != plan.location]
             if failure is None:
                 entry = _Entry(plan.meta, plan.location)
                 self._index[plan.key] = entry
                 self._bytes += entry.size
                 self.counters.writes += 1
-                if isinstance(layout, SlotFileLayout):
-                    # The job invalidated the other evicted slots: free for the next writes.
-                    self._free_slots.extend(
-                        int(loc) for loc in plan.recycle if loc != plan.location and loc not in layout.stuck
-                    )
+                if slots is not None:  # the job zeroed them: free for the next writes
+                    self._free_slots.extend(int(loc) for loc in others if loc not in slots.stuck)
             else:
                 self.counters.write_failures += 1
                 self._failed("write", plan.key, failure)
-                if slots:
+                if slots is not None:
                     # A failed slot write may have left part of a record: invalidate, reuse.
                     self._release_location(plan.location)
-                for loc in plan.recycle:
-                    # What the job may not have got to: evicted entries' files (consumed
-                    # names are gone and the delete is a no-op) or slots (invalidated again).
-                    # They are out of the index and must not come back at a restart.
-                    if loc != plan.location:
-                        self._release_location(loc)
+                # What the job may not have got to (a consumed file name is gone and its
+                # delete is a no-op; a slot is zeroed again): out of the index, so they must
+                # not come back at a restart.
+                for loc in others:
+                    self._release_location(loc)
             del self._writing[plan.key]
             if not plan.future.done():
                 plan.future.set_result(failure is None)
@@ -916,8 +927,7 @@ class NixlBackend(StorageBackend):
             jobs.append(_ReadJob(i, key, entry, buf[0], buf[1], batch))
         if not jobs:
             return results
-        done = self._enqueue("read", jobs, self._read_job, self._finish_reads, self._orphan_reads,
-                             lambda j: j.entry.size)
+        done = self._enqueue(self._reads, jobs)
         try:
             await asyncio.shield(done)
         except asyncio.CancelledError:
@@ -1052,6 +1062,22 @@ class NixlBackend(StorageBackend):
     def __repr__(self) -> str:
         where = self.root if self.root is not None else self.settings.path
         return f"NixlBackend(plugin={self.settings.plugin}, where={str(where)!r}, entries={len(self._index)})"
+
+
+def _plan_bytes(plan: _Plan) -> int:
+    return plan.meta.total_len
+
+
+def _read_bytes(job: _ReadJob) -> int:
+    return job.entry.size
+
+
+def _slot_bytes(_slot: int) -> int:
+    return 0  # a few bytes each: one job
+
+
+def _no_orphan(_items: list[Any], _outcomes: list[BaseException | None]) -> None:
+    """Nothing to give back (the loop is gone, and so is the tier's use of the items)."""
 
 
 def _split(items: list[X], parts: int, nbytes: Callable[[X], int], min_bytes: int) -> list[list[X]]:
