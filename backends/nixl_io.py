@@ -383,7 +383,7 @@ class OpenFiles:
                 while len(self._files) > self._cap:
                     out.append(self._files.popitem(last=False)[1])
         for old in out:
-            _release_target(self._agent, old.fd, old.handle, stuck=False)
+            self._close(old)
 
     def drop(self, name: str) -> None:
         """Record ``name`` is going away: close its kept file (or, when an operation has it
@@ -393,7 +393,7 @@ class OpenFiles:
             if f is None and name in self._taken:
                 self._dropped.add(name)
         if f is not None:
-            _release_target(self._agent, f.fd, f.handle, stuck=False)
+            self._close(f)
 
     def release(self, f: OpenFile, taken_as: str | None = None) -> None:
         """Deregister and close ``f`` (owned by the caller; ``taken_as``: the name it was
@@ -402,14 +402,28 @@ class OpenFiles:
             with self._lock:
                 self._taken.discard(taken_as)
                 self._dropped.discard(taken_as)
-        _release_target(self._agent, f.fd, f.handle, stuck=False)
+        self._close(f)
+
+    def settle(self, name: str, f: OpenFile, taken_as: str | None, ok: bool, stuck: bool) -> None:
+        """After an operation on ``f``: keep it as ``name``'s file when it went well, park it
+        after a stuck request (never closed: the request may still use it, and a closed
+        descriptor's number would soon name another file), else close it."""
+        if stuck:
+            park(f.fd, f.handle)
+        elif ok:
+            self.give_back(name, f, taken_as)
+        else:
+            self.release(f, taken_as)
 
     def close(self) -> None:
         with self._lock:
             files = list(self._files.values())
             self._files.clear()
         for f in files:
-            _release_target(self._agent, f.fd, f.handle, stuck=False)
+            self._close(f)
+
+    def _close(self, f: OpenFile) -> None:
+        _release_target(self._agent, f.fd, f.handle, stuck=False)
 
 
 # ---- layouts -----------------------------------------------------------------------------------
@@ -494,12 +508,7 @@ class KeyFileLayout:
             stuck = True
             raise
         finally:
-            if stuck:
-                park(f.fd, f.handle)
-            elif ok:
-                self.open_files.give_back(str(location), f, taken_as=reused)
-            else:
-                self.open_files.release(f, taken_as=reused)
+            self.open_files.settle(str(location), f, reused, ok, stuck)
             if not ok:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
@@ -539,12 +548,7 @@ class KeyFileLayout:
             stuck = True
             raise
         finally:
-            if stuck:
-                park(f.fd, f.handle)
-            elif ok:
-                self.open_files.give_back(name, f, taken_as=taken_as)
-            else:
-                self.open_files.release(f, taken_as=taken_as)
+            self.open_files.settle(name, f, taken_as, ok, stuck)
 
     @staticmethod
     def _check_size(st: os.stat_result, meta: EntryMeta) -> None:
