@@ -45,7 +45,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -205,6 +205,51 @@ def _measure(opts: BenchOptions, fns: Sequence[Round]) -> list[float]:
     return alternate(fns, reps=max(opts.reps, 1), warmup=max(opts.warmup, 1))
 
 
+Point = Callable[[int, int], Sequence[float]]
+"""``point(nbytes, n)``: seconds per entry of (tier put, baseline put, tier get, baseline get)."""
+
+
+def _sweep_points(
+    opts: BenchOptions,
+    tier: str,
+    sizes: Sequence[int],
+    entries: Callable[[int], int],
+    point: Point,
+    base_names: tuple[str, str],
+    note: str,
+) -> list[Result]:
+    """Every size's put/get Results of ``tier`` (``entries(nbytes)`` entries per round)."""
+    out: list[Result] = []
+    for nbytes in sizes:
+        n = entries(nbytes)
+        opts.say(f"sweep: {tier} tier, {size_label(nbytes)} x {n}")
+        out += _results(tier, nbytes, n, point(nbytes, n), base_names, note)
+    return out
+
+
+class _Baseline(Protocol):
+    def put(self) -> float: ...
+    def get(self) -> float: ...
+    def close(self) -> None: ...
+
+
+def _against(opts: BenchOptions, sm: StorageManager, baseline: Callable[[list[torch.Tensor], int], _Baseline]) -> Point:
+    """A point measuring ``sm``'s one lower tier beside ``baseline(sources, n)`` on the same
+    bytes; the tier is cleared and the baseline closed after each point."""
+
+    def point(nbytes: int, n: int) -> list[float]:
+        srcs = _sources(nbytes, n)
+        tier = _LowerTierRounds(sm, srcs, n)
+        base = baseline(srcs, n)
+        try:
+            return _measure(opts, [tier.put, base.put, tier.get, base.get])
+        finally:
+            sm.clear_sync()
+            base.close()
+
+    return point
+
+
 # ---- cpu --------------------------------------------------------------------------------------
 CPU_SPAN = 256 * MiB  # the pool and the copy baseline's destinations both rotate over this
 
@@ -254,23 +299,18 @@ def _cpu_point(opts: BenchOptions, sm: StorageManager, nbytes: int, n: int) -> l
 
 def sweep_cpu(opts: BenchOptions, sizes: Sequence[int], round_bytes: int) -> list[Result]:
     sm = _manager("sweep-cpu", max_local_cpu_size=CPU_SPAN / (1 << 30), staging_size=0)
-    out: list[Result] = []
     try:
-        for nbytes in sizes:
-            n = _entries(nbytes, 2 * round_bytes)  # no I/O: twice the entries for steadier figures
-            opts.say(f"sweep: cpu tier, {size_label(nbytes)} x {n}")
-            times = _cpu_point(opts, sm, nbytes, n)
-            out += _results(
-                "cpu",
-                nbytes,
-                n,
-                times,
-                ("copy_ (rotating)", "copy_ (rotating)"),
-                "get = get_sync + copy_ into the consumer's buffer (get_sync itself copies nothing)",
-            )
+        return _sweep_points(
+            opts,
+            "cpu",
+            sizes,
+            lambda nbytes: _entries(nbytes, 2 * round_bytes),  # no I/O: twice the entries, steadier
+            lambda nbytes, n: _cpu_point(opts, sm, nbytes, n),
+            ("copy_ (rotating)", "copy_ (rotating)"),
+            "get = get_sync + copy_ into the consumer's buffer (get_sync itself copies nothing)",
+        )
     finally:
         sm.close_sync()
-    return out
 
 
 # ---- disk -------------------------------------------------------------------------------------
@@ -333,31 +373,20 @@ def sweep_disk(opts: BenchOptions, sizes: Sequence[int], round_bytes: int, workd
     tier_dir = os.path.join(workdir, "disk-tier")
     sm = _lower_manager("disk", local_disk=tier_dir, max_local_disk_size=1.0, local_disk_fsync="none")
     ex = concurrent.futures.ThreadPoolExecutor(sm.config.executor_workers, thread_name_prefix="lmcache-async-bench-io")
-    out: list[Result] = []
+    base_dir = os.path.join(workdir, "file-baseline")
     try:
-        for nbytes in sizes:
-            n = _entries(nbytes, round_bytes)
-            opts.say(f"sweep: disk tier, {size_label(nbytes)} x {n}")
-            srcs = _sources(nbytes, n)
-            tier = _LowerTierRounds(sm, srcs, n)
-            base = _FileRounds(os.path.join(workdir, "file-baseline"), srcs, n, ex)
-            try:
-                times = _measure(opts, [tier.put, base.put, tier.get, base.get])
-            finally:
-                sm.clear_sync()
-                base.close()
-            out += _results(
-                "disk",
-                nbytes,
-                n,
-                times,
-                ("file write (temp+rename)", "file readinto"),
-                "fsync none; reads from the page cache",
-            )
+        return _sweep_points(
+            opts,
+            "disk",
+            sizes,
+            lambda nbytes: _entries(nbytes, round_bytes),
+            _against(opts, sm, lambda srcs, n: _FileRounds(base_dir, srcs, n, ex)),
+            ("file write (temp+rename)", "file readinto"),
+            "fsync none; reads from the page cache",
+        )
     finally:
         sm.close_sync()
         ex.shutdown(wait=True)
-    return out
 
 
 # ---- remote -----------------------------------------------------------------------------------
@@ -404,31 +433,18 @@ class _RawRedisRounds:
 def sweep_remote(opts: BenchOptions, sizes: Sequence[int], round_bytes: int, url: str) -> list[Result]:
     prefix = f"lmcache-async-sweep-{uuid.uuid4().hex[:8]}"
     sm = _lower_manager("remote", remote_url=url, remote_key_prefix=prefix, remote_timeout_s=30.0)
-    out: list[Result] = []
     try:
-        for nbytes in sizes:
-            n = _entries(nbytes, round_bytes)
-            opts.say(f"sweep: remote tier, {size_label(nbytes)} x {n}")
-            srcs = _sources(nbytes, n)
-            tier = _LowerTierRounds(sm, srcs, n)
-            base = _RawRedisRounds(url, srcs, n, f"{prefix}-raw")
-            try:
-                times = _measure(opts, [tier.put, base.put, tier.get, base.get])
-            finally:
-                sm.clear_sync()
-                base.close()
-            part = sm.config.remote_part_size
-            out += _results(
-                "remote",
-                nbytes,
-                n,
-                times,
-                ("raw SET", "raw GET"),
-                f"one connection each; tier parts of {part >> 10} KiB",
-            )
+        return _sweep_points(
+            opts,
+            "remote",
+            sizes,
+            lambda nbytes: _entries(nbytes, round_bytes),
+            _against(opts, sm, lambda srcs, n: _RawRedisRounds(url, srcs, n, f"{prefix}-raw")),
+            ("raw SET", "raw GET"),
+            f"one connection each; tier parts of {sm.config.remote_part_size >> 10} KiB",
+        )
     finally:
         sm.close_sync()
-    return out
 
 
 # ---- nixl -------------------------------------------------------------------------------------
@@ -464,23 +480,18 @@ def sweep_nixl(opts: BenchOptions, sizes: Sequence[int], round_bytes: int, workd
         nixl_backend="POSIX",
         remote_timeout_s=30.0,
     )
-    out: list[Result] = []
     try:
-        for nbytes in sizes:
-            n = _entries(nbytes, round_bytes)
-            opts.say(f"sweep: nixl tier, {size_label(nbytes)} x {n}")
-            times = _nixl_point(opts, sm, nbytes, n, Path(workdir) / "nixl-bare")
-            out += _results(
-                "nixl",
-                nbytes,
-                n,
-                times,
-                ("bare NIXL write (new files)", "bare NIXL read"),
-                "POSIX plugin, one file per entry",
-            )
+        return _sweep_points(
+            opts,
+            "nixl",
+            sizes,
+            lambda nbytes: _entries(nbytes, round_bytes),
+            lambda nbytes, n: _nixl_point(opts, sm, nbytes, n, Path(workdir) / "nixl-bare"),
+            ("bare NIXL write (new files)", "bare NIXL read"),
+            "POSIX plugin, one file per entry",
+        )
     finally:
         sm.close_sync()
-    return out
 
 
 # ---- the suite --------------------------------------------------------------------------------
