@@ -412,7 +412,7 @@ class StorageManager:
             raise TypeError(f"fmt must be a MemoryFormat, got {type(fmt).__name__}")
         cpu = self._cpu
         if cpu is not None:
-            if key in cpu._index or key in self._pending or (self._lower and self._held_below_nowait(key)):
+            if key in cpu._index or key in self._pending or self._held_below_nowait(key):
                 return True
             if src_obj is not None and src_obj.allocator is self.pool:
                 src_obj.ref_count_up()

@@ -317,13 +317,16 @@ async def _bench_size(opts: BenchOptions, entry_bytes: int, count: int, label: s
                 await be.clear()
                 await be.close()
                 shutil.rmtree(root, ignore_errors=True)
-            how = {"one": "put", "concurrent": f"{count} put in flight", "batched": "batched_put"}[calls]
+            put_how, get_how = {
+                "one": ("put", "get"),
+                "concurrent": (f"{count} put in flight", f"{count} get in flight"),
+                "batched": ("batched_put", "batched_get"),
+            }[calls]
             note = f"{count} x {label}, {mode}" + ("" if fresh else ", tier full (each put evicts)")
-            out.append(Result(SUITE, f"{how} {label} ({mode})", _gbps(total, tp), "GB/s",
+            out.append(Result(SUITE, f"{put_how} {label} ({mode})", _gbps(total, tp), "GB/s",
                               "bare NIXL write" + (" to new files" if fresh else ""), _gbps(total, bp),
                               higher_is_better=True, target=TARGET, target_kind="min", note=note))
-            how = {"one": "get", "concurrent": f"{count} get in flight", "batched": "batched_get"}[calls]
-            out.append(Result(SUITE, f"{how} {label} ({mode})", _gbps(total, tg), "GB/s",
+            out.append(Result(SUITE, f"{get_how} {label} ({mode})", _gbps(total, tg), "GB/s",
                               "bare NIXL read", _gbps(total, bg), higher_is_better=True,
                               target=TARGET, target_kind="min", note=note))
             if calls == "one" and not fresh:
