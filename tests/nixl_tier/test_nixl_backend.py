@@ -416,6 +416,26 @@ async def test_slot_pool_exhaustion_evicts_the_oldest(big_context, tmp_path, fil
     await be.close()
 
 
+def _record_zeroing(monkeypatch, be: NixlBackend) -> list[tuple[object, bool]]:
+    """From now on, every slot the tier zeroes: ``(slot, whether on the loop's thread)``."""
+    layout = be._layout
+    calls: list[tuple[object, bool]] = []
+    real_delete = layout.delete
+    loop_thread = threading.get_ident()
+
+    def delete(location) -> None:
+        calls.append((location, threading.get_ident() == loop_thread))
+        real_delete(location)
+
+    monkeypatch.setattr(layout, "delete", delete)
+    return calls
+
+
+def _slot_magic(root: Path, slot: int) -> bytes:
+    with open(root / f"slot-{slot:06d}{RECORD_SUFFIX}", "rb") as f:
+        return f.read(8)
+
+
 async def test_slots_freed_by_a_put_are_invalidated_by_its_job_off_the_loop(
     big_context, tmp_path, fill, monkeypatch
 ) -> None:
@@ -429,23 +449,14 @@ async def test_slots_freed_by_a_put_are_invalidated_by_its_job_off_the_loop(
     assert await be.put(a, objs[0]) and await be.put(b, objs[1])
     slot_a, slot_b = be._index[a].location, be._index[b].location
     assert be.stats()["free_slots"] == 2
-    layout = be._layout
-    invalidated: list[tuple[object, bool]] = []
-    real_delete = layout.delete
-    loop_thread = threading.get_ident()
-
-    def delete(location) -> None:
-        invalidated.append((location, threading.get_ident() == loop_thread))
-        real_delete(location)
-
-    monkeypatch.setattr(layout, "delete", delete)
+    invalidated = _record_zeroing(monkeypatch, be)
     assert await be.put(c, objs[2])  # needs both victims' bytes
     monkeypatch.undo()
     assert sorted(loc for loc, _ in invalidated) == sorted([slot_a, slot_b])
     assert not any(on_loop for _, on_loop in invalidated)
     assert be._index[c].location == slot_a
     assert be.stats()["free_slots"] == 3 and be.stats()["evictions"] == 2
-    assert (tmp_path / f"slot-{slot_b:06d}{RECORD_SUFFIX}").read_bytes()[:8] == EMPTY_MAGIC
+    assert _slot_magic(tmp_path, slot_b) == EMPTY_MAGIC
     got = await be.get(c)
     assert got is not None and _eq(got.tensor, objs[2].tensor)
     got.ref_count_down()
@@ -464,25 +475,16 @@ async def test_removed_slots_are_zeroed_off_the_loop_and_freed_after(big_context
     objs = [_obj(ctx, fill, 256 * 1024, 540 + i) for i in range(3)]
     assert await be.put(a, objs[0]) and await be.put(b, objs[1])
     slot_a = be._index[a].location
-    layout = be._layout
-    on_loop: list[bool] = []
-    real_delete = layout.delete
-    loop_thread = threading.get_ident()
-
-    def delete(location) -> None:
-        on_loop.append(threading.get_ident() == loop_thread)
-        real_delete(location)
-
-    monkeypatch.setattr(layout, "delete", delete)
+    zeroed = _record_zeroing(monkeypatch, be)
     assert await be.remove(a)
     assert be.stats()["free_slots"] == 0  # not reusable before it was zeroed
     await _settle(be)
-    assert on_loop == [False] and be.stats()["free_slots"] == 1
-    assert (tmp_path / f"slot-{slot_a:06d}{RECORD_SUFFIX}").read_bytes()[:8] == EMPTY_MAGIC
+    assert [on_loop for _, on_loop in zeroed] == [False] and be.stats()["free_slots"] == 1
+    assert _slot_magic(tmp_path, slot_a) == EMPTY_MAGIC
     await be.clear()  # every slot is being zeroed: a put right away waits for that, not fails
     assert await be.put(c, objs[2])
     monkeypatch.undo()
-    assert not any(on_loop)
+    assert not any(on_loop for _, on_loop in zeroed)
     await _settle(be)
     assert be.stats()["entries"] == 1 and be.stats()["free_slots"] == 1
     await be.close()
