@@ -454,46 +454,35 @@ class KeyFileLayout:
 
     @contextlib.contextmanager
     def open_write(self, location: str | int, meta: EntryMeta, recycle: Sequence[str | int] = ()) -> Iterator[Loc]:
-        """A registered temporary file for the record, renamed to its name on success.
+        """A registered file for the record, renamed to the record's name on success.
 
-        ``recycle`` lists record files of entries evicted to make room: the first is renamed
-        into the temporary name and overwritten (its pages are already in the page cache,
-        which makes the write several times faster than into a fresh file), the rest are
-        deleted. Whatever happens, none of them is left under its old name.
+        ``recycle`` lists record files of entries evicted to make room: the first one still
+        there is overwritten in place (its pages are already in the page cache, which makes
+        the write several times faster than into a fresh file) and then renamed; the rest are
+        deleted. Without one, a fresh temporary file is written and renamed. Whatever happens,
+        none of the evicted files is left under its old name, and the record's name only ever
+        holds a whole record. (An evicted file torn by a crash in the middle of the write is
+        caught by the payload checksum when it is read after a restart.)
 
         After a stuck request (:class:`NixlStuckError`) the descriptor and its registration
         are parked, never closed: the request may still write through them, and a closed
         descriptor's number would soon name another file.
         """
-        tmp = self._path(str(location), f".{os.getpid()}{TMP_SUFFIX}")
-        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
-        reused: str | None = None
-        for old in recycle:
-            if reused is None:
-                try:
-                    os.rename(self._path(str(old)), tmp)
-                    reused = str(old)
-                    continue
-                except OSError:
-                    pass
-            self.delete(old)
-        f = self.open_files.take(reused) if reused is not None else None
-        if f is not None and not f.writable:  # kept by a read: open it again for writing
-            self.open_files.release(f, taken_as=reused)
-            f = None
+        target, reused, f = self._writable(recycle)
         if f is None:
+            target = self._path(str(location), f".{os.getpid()}{TMP_SUFFIX}")
             try:
-                fd = os.open(tmp, flags if reused is not None else flags | os.O_TRUNC, 0o600)
+                fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             except BaseException:
                 with contextlib.suppress(OSError):
-                    os.unlink(tmp)
+                    os.unlink(target)
                 raise
             try:
                 dev, handle = self.agent.register_target(fd=fd)
             except BaseException:
                 os.close(fd)
                 with contextlib.suppress(OSError):
-                    os.unlink(tmp)
+                    os.unlink(target)
                 raise
             f = OpenFile(fd, handle, dev, writable=True)
         ok = False
@@ -502,7 +491,7 @@ class KeyFileLayout:
             yield Loc(f.dev, 0, f.dev, meta.header_len)
             if reused is not None and os.fstat(f.fd).st_size > meta.total_len:
                 os.ftruncate(f.fd, meta.total_len)
-            os.replace(tmp, self._path(str(location)))
+            os.replace(target, self._path(str(location)))
             ok = True
         except NixlStuckError:
             stuck = True
@@ -511,7 +500,38 @@ class KeyFileLayout:
             self.open_files.settle(str(location), f, reused, ok, stuck)
             if not ok:
                 with contextlib.suppress(OSError):
-                    os.unlink(tmp)
+                    os.unlink(target)
+
+    def _writable(self, recycle: Sequence[str | int]) -> tuple[str, str | None, OpenFile | None]:
+        """The first evicted record file of ``recycle`` that is still there, open and
+        registered for writing: ``(path, name, file)``; ``("", None, None)`` when there is none.
+        Every other one is deleted."""
+        found: tuple[str, str | None, OpenFile | None] = ("", None, None)
+        for old in recycle:
+            name = str(old)
+            if found[2] is not None:
+                self.delete(name)
+                continue
+            path = self._path(name)
+            f = self.open_files.take(name)
+            if f is not None and not f.writable:  # kept by a read: open it again for writing
+                self.open_files.release(f, taken_as=name)
+                f = None
+            if f is None:
+                try:
+                    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+                except OSError:
+                    self.delete(name)
+                    continue
+                try:
+                    dev, handle = self.agent.register_target(fd=fd)
+                except Exception:
+                    os.close(fd)
+                    self.delete(name)
+                    continue
+                f = OpenFile(fd, handle, dev, writable=True)
+            found = (path, name, f)
+        return found
 
     @contextlib.contextmanager
     def open_read(self, location: str | int, meta: EntryMeta) -> Iterator[Loc]:

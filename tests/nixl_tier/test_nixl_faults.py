@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 from lmcache_async.backend import BackendContext
 from lmcache_async.backends.nixl import NixlBackend, NixlSettings
@@ -26,6 +28,7 @@ from lmcache_async.backends.nixl_io import RECORD_SUFFIX, TMP_SUFFIX
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.memory import MemoryFormat, MemoryObj, PoolAllocator
 from lmcache_async.metadata import LMCacheEngineMetadata
+from lmcache_async.records import encode_header
 from lmcache_async.testing import make_key
 
 pytestmark = pytest.mark.nixl
@@ -313,3 +316,70 @@ async def test_write_failing_before_it_reuses_evicted_files_deletes_them(
     await again.close()
     for o in objs:
         o.ref_count_down()
+
+
+async def test_write_failing_inside_a_reused_evicted_file_deletes_it(
+    big_context, tmp_path, fill, monkeypatch
+) -> None:
+    ctx = big_context(**SMALL_POOLS)
+    rec = MiB + 4096
+    be = await _open(ctx, tmp_path, max_bytes=2 * rec)
+    a, b, c = make_key(63), make_key(64), make_key(65)
+    objs = [_obj(ctx, fill, MiB, 63 + i) for i in range(3)]
+    assert await be.put(a, objs[0]) and await be.put(b, objs[1])
+    a_file = tmp_path / f"{be._index[a].location}{RECORD_SUFFIX}"
+    a_inode = a_file.stat().st_ino
+    written_into: list[tuple[int, bool]] = []
+
+    def half_write(agent, slot, loc, meta, src, registered, chunk, piecewise=True) -> None:
+        # The payload lands (over `a`'s bytes, in place), then the request for the header fails.
+        written_into.append((os.fstat(loc.payload_dev).st_ino, a_file.exists()))
+        n = meta.payload_len
+        agent.transfer("WRITE", [(src.data_ptr, n)], [(loc.payload_off, n, loc.payload_dev)])
+        raise NixlTransferError("injected: the header request failed")
+
+    monkeypatch.setattr("lmcache_async.backends.nixl.write_record", half_write)
+    assert await be.put(c, objs[2]) is False  # evicted `a`, wrote into its file, then failed
+    monkeypatch.undo()
+    await _settle(be)
+    assert written_into == [(a_inode, True)]  # the evicted file was reused in place, under its name
+    assert not a_file.exists()  # half-written: gone, not left under its old name
+    names = [p.name for p in tmp_path.iterdir() if p.name.endswith((RECORD_SUFFIX, TMP_SUFFIX))]
+    assert names == [f"{be._index[b].location}{RECORD_SUFFIX}"]
+    await be.close()
+
+    again = await _open(ctx, tmp_path, max_bytes=2 * rec)
+    assert [await again.contains(k) for k in (a, b, c)] == [False, True, False]
+    await again.close()
+    for o in objs:
+        o.ref_count_down()
+
+
+async def test_an_evicted_file_torn_by_a_crash_is_a_miss_after_restart(big_context, tmp_path, fill) -> None:
+    # A process killed while it overwrote an evicted entry's file leaves that file under its
+    # old name holding the new header and part of the old payload; the restart indexes it
+    # under the new key, and the first read catches it by the payload checksum.
+    ctx = big_context(**SMALL_POOLS)
+    be = await _open(ctx, tmp_path)
+    a, c = make_key(66), make_key(67)
+    oa, oc = _obj(ctx, fill, MiB, 66), _obj(ctx, fill, MiB, 67)
+    assert await be.put(a, oa)
+    a_file = tmp_path / f"{be._index[a].location}{RECORD_SUFFIX}"
+    hlen = be._index[a].meta.header_len
+    await be.close()
+    torn_header = encode_header(
+        c.to_string(), tuple(oc.shape), oc.dtype, oc.fmt, xxhash.xxh3_64_intdigest(oc.tensor.numpy().tobytes())
+    )
+    assert len(torn_header) == hlen
+    with open(a_file, "r+b") as f:
+        f.write(torn_header)  # the new header landed, the new payload did not
+
+    again = await _open(ctx, tmp_path)
+    assert await again.contains(c) and not await again.contains(a)
+    assert await again.get(c, _pool_alloc(ctx)) is None
+    assert again.stats()["corrupt"] == 1 and not await again.contains(c)
+    await _settle(again)
+    assert not a_file.exists()
+    await again.close()
+    oa.ref_count_down()
+    oc.ref_count_down()
