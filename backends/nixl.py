@@ -805,6 +805,8 @@ class NixlBackend(StorageBackend):
         if isinstance(layout, SlotFileLayout):
             # An evicted entry's slot first (the job invalidates it before writing).
             location = recycle[0] if recycle else self._free_slots.pop()
+        elif isinstance(layout, KeyFileLayout) and recycle:
+            location = recycle[0]  # overwritten in place by the job, under its name
         else:
             location = layout.new_location(kstr)
         registered = self._is_registered(obj)
@@ -838,8 +840,9 @@ class NixlBackend(StorageBackend):
             else:
                 self.counters.write_failures += 1
                 self._failed("write", plan.key, failure)
-                if slots is not None:
-                    # A failed slot write may have left part of a record: invalidate, reuse.
+                if slots is not None or plan.location in plan.recycle:
+                    # A failed write into a slot or an evicted entry's file may have left part
+                    # of a record (or, failing early, the evicted record): invalidate it.
                     self._release_location(plan.location)
                 # What the job may not have got to (a consumed file name is gone and its
                 # delete is a no-op; a slot is zeroed again): out of the index, so they must

@@ -12,8 +12,9 @@ is known only then) and the first piece read (so a wrong record is rejected earl
 
 Layouts:
 
-* :class:`KeyFileLayout` — one file per entry (``<hash>.<tag>-<n>.lmcr``), written under a
-  temporary name and renamed, so a name only ever holds a complete record; recently used record
+* :class:`KeyFileLayout` — one file per entry (``<hash>.<tag>-<n>.lmcr``): a new file is written
+  under a temporary name and renamed; the file of an evicted entry is overwritten in place
+  under its name (a torn record fails its checksum on read); recently used record
   files stay open and registered (:class:`OpenFiles`);
 * :class:`SlotFileLayout` — ``nixl_pool_size`` pre-created slot files, opened and registered
   once; an entry occupies one slot;
@@ -444,8 +445,12 @@ class KeyFileLayout:
         self._stem_counter = itertools.count()
 
     def new_location(self, key: str) -> str:
-        """A fresh file stem for ``key`` (never reused, so a late delete can't hit a rewrite).
-        Called on the event loop only."""
+        """A fresh file stem for ``key``, named after the key it is created for. Called on the
+        event loop only.
+
+        A stem changes hands only when the tier plans a write into an evicted entry's file
+        (:meth:`open_write`); the tier deletes a file only once its location left the index
+        and never evicts what is not in the index, so a late delete cannot hit a rewrite."""
         digest = hashlib.blake2b(key.encode("utf-8"), digest_size=16).hexdigest()
         return f"{digest}.{self._stem_tag}-{next(self._stem_counter):x}"
 
@@ -454,23 +459,35 @@ class KeyFileLayout:
 
     @contextlib.contextmanager
     def open_write(self, location: str | int, meta: EntryMeta, recycle: Sequence[str | int] = ()) -> Iterator[Loc]:
-        """A registered file for the record, renamed to the record's name on success.
+        """A registered file for the record named ``location``.
 
-        ``recycle`` lists record files of entries evicted to make room: the first one still
-        there is overwritten in place (its pages are already in the page cache, which makes
-        the write several times faster than into a fresh file) and then renamed; the rest are
-        deleted. Without one, a fresh temporary file is written and renamed. Whatever happens,
-        none of the evicted files is left under its old name, and the record's name only ever
-        holds a whole record. (An evicted file torn by a crash in the middle of the write is
-        caught by the payload checksum when it is read after a restart.)
+        ``recycle`` lists record files of entries evicted to make room. When ``location`` is
+        one of them (the tier plans it so), that file is overwritten in place: its pages are
+        already in the page cache, which makes the write several times faster than into a
+        fresh file, and it keeps its name (names only ever change hands this way). Otherwise
+        a fresh temporary file is written and renamed to ``location`` when complete. The other
+        evicted files are deleted. A write that fails deletes what it wrote into, so no evicted
+        file is left under its name whatever happens. A crash in the middle of an in-place
+        write leaves a torn record under the name: its payload checksum fails on the first
+        read after the restart, which removes it.
 
         After a stuck request (:class:`NixlStuckError`) the descriptor and its registration
         are parked, never closed: the request may still write through them, and a closed
         descriptor's number would soon name another file.
         """
-        target, reused, f = self._writable(recycle)
+        name = str(location)
+        path = self._path(name)
+        reused = False
+        for old in recycle:
+            if str(old) != name:
+                self.delete(old)
+            else:
+                reused = True
+        f = self._open_existing(name) if reused else None
+        target = path
         if f is None:
-            target = self._path(str(location), f".{os.getpid()}{TMP_SUFFIX}")
+            reused = False
+            target = self._path(name, f".{os.getpid()}{TMP_SUFFIX}")
             try:
                 fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             except BaseException:
@@ -489,49 +506,39 @@ class KeyFileLayout:
         stuck = False
         try:
             yield Loc(f.dev, 0, f.dev, meta.header_len)
-            if reused is not None and os.fstat(f.fd).st_size > meta.total_len:
-                os.ftruncate(f.fd, meta.total_len)
-            os.replace(target, self._path(str(location)))
+            if reused:
+                if os.fstat(f.fd).st_size > meta.total_len:
+                    os.ftruncate(f.fd, meta.total_len)
+            else:
+                os.replace(target, path)
             ok = True
         except NixlStuckError:
             stuck = True
             raise
         finally:
-            self.open_files.settle(str(location), f, reused, ok, stuck)
+            self.open_files.settle(name, f, name if reused else None, ok, stuck)
             if not ok:
                 with contextlib.suppress(OSError):
                     os.unlink(target)
 
-    def _writable(self, recycle: Sequence[str | int]) -> tuple[str, str | None, OpenFile | None]:
-        """The first evicted record file of ``recycle`` that is still there, open and
-        registered for writing: ``(path, name, file)``; ``("", None, None)`` when there is none.
-        Every other one is deleted."""
-        found: tuple[str, str | None, OpenFile | None] = ("", None, None)
-        for old in recycle:
-            name = str(old)
-            if found[2] is not None:
-                self.delete(name)
-                continue
-            path = self._path(name)
-            f = self.open_files.take(name)
-            if f is not None and not f.writable:  # kept by a read: open it again for writing
-                self.open_files.release(f, taken_as=name)
-                f = None
-            if f is None:
-                try:
-                    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-                except OSError:
-                    self.delete(name)
-                    continue
-                try:
-                    dev, handle = self.agent.register_target(fd=fd)
-                except Exception:
-                    os.close(fd)
-                    self.delete(name)
-                    continue
-                f = OpenFile(fd, handle, dev, writable=True)
-            found = (path, name, f)
-        return found
+    def _open_existing(self, name: str) -> OpenFile | None:
+        """Record file ``name`` open and registered for writing (kept, or opened now); None
+        when it is gone (or cannot be registered: the caller writes a fresh file then)."""
+        f = self.open_files.take(name)
+        if f is not None:
+            if f.writable:
+                return f
+            self.open_files.release(f, taken_as=name)  # kept by a read: open it again for writing
+        try:
+            fd = os.open(self._path(name), os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            dev, handle = self.agent.register_target(fd=fd)
+        except Exception:
+            os.close(fd)
+            return None
+        return OpenFile(fd, handle, dev, writable=True)
 
     @contextlib.contextmanager
     def open_read(self, location: str | int, meta: EntryMeta) -> Iterator[Loc]:
