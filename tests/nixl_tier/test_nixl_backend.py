@@ -274,13 +274,24 @@ async def test_a_file_kept_by_a_read_is_reopened_for_writing_when_recycled(big_c
     got.ref_count_down()
     kept = next(iter(be._layout.open_files._files.values()))
     assert not kept.writable
+    a_location = be._index[a].location
+    a_inode = (tmp_path / f"{a_location}{RECORD_SUFFIX}").stat().st_ino
     assert await be.put(b, ob)  # evicts `a`: its file is reused, opened again for writing
+    # overwritten in place under its name: same file, no temporary name, no rename
+    assert be._index[b].location == a_location
+    assert [p.stat().st_ino for p in _records(tmp_path)] == [a_inode]
     got = await be.get(b)
     assert got is not None and _eq(got.tensor, ob.tensor)
     got.ref_count_down()
     assert be.stats()["evictions"] == 1 and len(_records(tmp_path)) == 1
     await be.close()
     assert _fds_under(tmp_path) == 0
+    be = await _open(ctx, tmp_path, max_bytes=rec)  # the restart finds `b` under `a`'s old name
+    assert not await be.contains(a)
+    got = await be.get(b)
+    assert got is not None and _eq(got.tensor, ob.tensor)
+    got.ref_count_down()
+    await be.close()
     for o in (oa, ob):
         o.ref_count_down()
 
