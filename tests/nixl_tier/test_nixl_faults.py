@@ -283,17 +283,38 @@ def test_close_cut_short_by_the_end_of_the_loop_releases_on_the_worker(tmp_path,
 
 
 # ---- recycled files --------------------------------------------------------------------------------
+ROOM_FOR_TWO = 2 * (MiB + 4096)  # two 1 MiB records
+
+
+async def _full_of_two(ctx: BackendContext, root: Path, fill, seed: int):
+    """A files-layout tier with room for two 1 MiB records, holding ``a`` and ``b``; ``c`` and
+    its source are ready to evict ``a``. Returns (tier, (a, b, c), sources, a's file)."""
+    be = await _open(ctx, root, max_bytes=ROOM_FOR_TWO)
+    keys = make_key(seed), make_key(seed + 1), make_key(seed + 2)
+    objs = [_obj(ctx, fill, MiB, seed + i) for i in range(3)]
+    assert await be.put(keys[0], objs[0]) and await be.put(keys[1], objs[1])
+    a_file = root / f"{be._index[keys[0]].location}{RECORD_SUFFIX}"
+    assert a_file.exists()
+    return be, keys, objs, a_file
+
+
+async def _after_restart(ctx: BackendContext, root: Path, keys, objs) -> list[bool]:
+    """Which of ``keys`` a restarted tier finds; gives the sources back."""
+    again = await _open(ctx, root, max_bytes=ROOM_FOR_TWO)
+    try:
+        assert again.stats()["bytes"] <= ROOM_FOR_TWO
+        return [await again.contains(k) for k in keys]
+    finally:
+        await again.close()
+        for o in objs:
+            o.ref_count_down()
+
+
 async def test_write_failing_before_it_reuses_evicted_files_deletes_them(
     big_context, tmp_path, fill, monkeypatch
 ) -> None:
     ctx = big_context(**SMALL_POOLS)
-    rec = MiB + 4096
-    be = await _open(ctx, tmp_path, max_bytes=2 * rec)
-    a, b, c = make_key(60), make_key(61), make_key(62)
-    objs = [_obj(ctx, fill, MiB, 60 + i) for i in range(3)]
-    assert await be.put(a, objs[0]) and await be.put(b, objs[1])
-    a_file = tmp_path / f"{be._index[a].location}{RECORD_SUFFIX}"
-    assert a_file.exists()
+    be, (a, b, c), objs, a_file = await _full_of_two(ctx, tmp_path, fill, 60)
     assert be._scratch is not None
 
     @contextlib.contextmanager
@@ -309,25 +330,14 @@ async def test_write_failing_before_it_reuses_evicted_files_deletes_them(
     records = [p for p in tmp_path.iterdir() if p.name.endswith(RECORD_SUFFIX)]
     assert len(records) == 1 and be.stats()["entries"] == 1
     await be.close()
-
-    again = await _open(ctx, tmp_path, max_bytes=2 * rec)  # a restart does not bring `a` back
-    assert not await again.contains(a) and await again.contains(b)
-    assert again.stats()["bytes"] <= 2 * rec
-    await again.close()
-    for o in objs:
-        o.ref_count_down()
+    assert await _after_restart(ctx, tmp_path, (a, b, c), objs) == [False, True, False]  # no `a`
 
 
 async def test_write_failing_inside_a_reused_evicted_file_deletes_it(
     big_context, tmp_path, fill, monkeypatch
 ) -> None:
     ctx = big_context(**SMALL_POOLS)
-    rec = MiB + 4096
-    be = await _open(ctx, tmp_path, max_bytes=2 * rec)
-    a, b, c = make_key(63), make_key(64), make_key(65)
-    objs = [_obj(ctx, fill, MiB, 63 + i) for i in range(3)]
-    assert await be.put(a, objs[0]) and await be.put(b, objs[1])
-    a_file = tmp_path / f"{be._index[a].location}{RECORD_SUFFIX}"
+    be, (a, b, c), objs, a_file = await _full_of_two(ctx, tmp_path, fill, 63)
     a_inode = a_file.stat().st_ino
     written_into: list[tuple[int, bool]] = []
 
@@ -347,12 +357,7 @@ async def test_write_failing_inside_a_reused_evicted_file_deletes_it(
     names = [p.name for p in tmp_path.iterdir() if p.name.endswith((RECORD_SUFFIX, TMP_SUFFIX))]
     assert names == [f"{be._index[b].location}{RECORD_SUFFIX}"]
     await be.close()
-
-    again = await _open(ctx, tmp_path, max_bytes=2 * rec)
-    assert [await again.contains(k) for k in (a, b, c)] == [False, True, False]
-    await again.close()
-    for o in objs:
-        o.ref_count_down()
+    assert await _after_restart(ctx, tmp_path, (a, b, c), objs) == [False, True, False]
 
 
 async def test_an_evicted_file_torn_by_a_crash_is_a_miss_after_restart(big_context, tmp_path, fill) -> None:
