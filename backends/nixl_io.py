@@ -467,9 +467,10 @@ class KeyFileLayout:
         fresh file, and it keeps its name (names only ever change hands this way). Otherwise
         a fresh temporary file is written and renamed to ``location`` when complete. The other
         evicted files are deleted. A write that fails deletes what it wrote into, so no evicted
-        file is left under its name whatever happens. A crash in the middle of an in-place
-        write leaves a torn record under the name: its payload checksum fails on the first
-        read after the restart, which removes it.
+        file is left under its name after a failure. An in-place write first zeroes the evicted
+        record's magic, so a crash in the middle leaves either an unreadable file (dropped at
+        the restart) or the new key's header over a torn payload, whose checksum fails on the
+        first read, which removes it — never the evicted key's header.
 
         After a stuck request (:class:`NixlStuckError`) the descriptor and its registration
         are parked, never closed: the request may still write through them, and a closed
@@ -485,7 +486,18 @@ class KeyFileLayout:
                 reused = True
         f = self._open_existing(name) if reused else None
         target = path
-        if f is None:
+        if f is not None:
+            # The evicted record's magic goes first: a kill during the write must not leave its
+            # key's header there (a restart would prefer this newer, torn file over a good copy
+            # of that key written meanwhile). A zero magic is unreadable: dropped at the restart.
+            try:
+                os.pwrite(f.fd, EMPTY_MAGIC, 0)
+            except BaseException:
+                self.open_files.release(f, taken_as=name)
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                raise
+        else:
             reused = False
             target = self._path(name, f".{os.getpid()}{TMP_SUFFIX}")
             try:
@@ -526,9 +538,10 @@ class KeyFileLayout:
         when it is gone (or cannot be registered: the caller writes a fresh file then)."""
         f = self.open_files.take(name)
         if f is not None:
-            if f.writable:
+            if f.writable and os.fstat(f.fd).st_nlink > 0:
                 return f
-            self.open_files.release(f, taken_as=name)  # kept by a read: open it again for writing
+            # kept by a read (open it again for writing), or deleted meanwhile (then it is gone)
+            self.open_files.release(f, taken_as=name)
         try:
             fd = os.open(self._path(name), os.O_RDWR | os.O_CLOEXEC)
         except OSError:
@@ -538,6 +551,9 @@ class KeyFileLayout:
         except Exception:
             os.close(fd)
             return None
+        except BaseException:
+            os.close(fd)
+            raise
         return OpenFile(fd, handle, dev, writable=True)
 
     @contextlib.contextmanager

@@ -20,6 +20,7 @@ import torch
 
 from lmcache_async import LMCacheEngineConfig
 from lmcache_async.backend import BackendContext
+from lmcache_async.backends import nixl as nixl_mod
 from lmcache_async.backends.nixl import DirectoryInUseError, NixlBackend, NixlSettings, create
 from lmcache_async.backends.nixl_io import EMPTY_MAGIC, RECORD_SUFFIX, TMP_SUFFIX
 from lmcache_async.memory import HeapAllocator, MemoryFormat, MemoryObj
@@ -291,6 +292,53 @@ async def test_a_file_kept_by_a_read_is_reopened_for_writing_when_recycled(big_c
     got = await be.get(b)
     assert got is not None and _eq(got.tensor, ob.tensor)
     got.ref_count_down()
+    await be.close()
+    for o in (oa, ob):
+        o.ref_count_down()
+
+
+async def test_a_recycled_file_deleted_while_kept_open_is_not_written_into(big_context, tmp_path, fill) -> None:
+    ctx = big_context()
+    be = await _open(ctx, tmp_path, max_bytes=MiB + 4096)
+    a, b = make_key(830), make_key(831)
+    oa, ob = _obj(ctx, fill, MiB, 830), _obj(ctx, fill, MiB, 831)
+    assert await be.put(a, oa)
+    _record_of(be, a).unlink()  # removed from outside while the tier keeps it open for writing
+    assert await be.put(b, ob)  # evicts `a`: its file is gone, so `b` goes into a new one
+    assert _records(tmp_path) == [_record_of(be, b)]
+    got = await be.get(b)
+    assert got is not None and _eq(got.tensor, ob.tensor)
+    got.ref_count_down()
+    await be.close()
+    be = await _open(ctx, tmp_path, max_bytes=MiB + 4096)
+    got = await be.get(b)
+    assert got is not None and _eq(got.tensor, ob.tensor)
+    got.ref_count_down()
+    await be.close()
+    for o in (oa, ob):
+        o.ref_count_down()
+
+
+async def test_an_in_place_write_zeroes_the_evicted_magic_first(big_context, tmp_path, fill, monkeypatch) -> None:
+    # A kill during the write must not leave the evicted key's header in the file: a restart
+    # would prefer that newer, torn file over a good copy of the key written meanwhile.
+    ctx = big_context()
+    be = await _open(ctx, tmp_path, max_bytes=MiB + 4096)
+    a, b = make_key(840), make_key(841)
+    oa, ob = _obj(ctx, fill, MiB, 840), _obj(ctx, fill, MiB, 841)
+    assert await be.put(a, oa)
+    a_file = _record_of(be, a)
+    magic_when_written: list[bytes] = []
+    real_write = nixl_mod.write_record
+
+    def write(agent, slot, loc, *args, **kwargs) -> None:
+        magic_when_written.append(a_file.read_bytes()[:8])
+        real_write(agent, slot, loc, *args, **kwargs)
+
+    monkeypatch.setattr(nixl_mod, "write_record", write)
+    assert await be.put(b, ob)
+    assert magic_when_written == [EMPTY_MAGIC]
+    assert _record_of(be, b) == a_file  # written in place, under the evicted entry's name
     await be.close()
     for o in (oa, ob):
         o.ref_count_down()
