@@ -56,6 +56,13 @@ def _eq(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
+async def _reads_back(be: NixlBackend, key, obj: MemoryObj) -> None:
+    """``key`` reads back with ``obj``'s bytes (the copy read is given back)."""
+    got = await be.get(key)
+    assert got is not None and _eq(got.tensor, obj.tensor)
+    got.ref_count_down()
+
+
 async def _settle(be: NixlBackend) -> None:
     while be._tasks:
         await asyncio.gather(*list(be._tasks), return_exceptions=True)
@@ -281,17 +288,13 @@ async def test_a_file_kept_by_a_read_is_reopened_for_writing_when_recycled(big_c
     # overwritten in place under its name: same file, no temporary name, no rename
     assert be._index[b].location == a_location
     assert [p.stat().st_ino for p in _records(tmp_path)] == [a_inode]
-    got = await be.get(b)
-    assert got is not None and _eq(got.tensor, ob.tensor)
-    got.ref_count_down()
+    await _reads_back(be, b, ob)
     assert be.stats()["evictions"] == 1 and len(_records(tmp_path)) == 1
     await be.close()
     assert _fds_under(tmp_path) == 0
     be = await _open(ctx, tmp_path, max_bytes=rec)  # the restart finds `b` under `a`'s old name
     assert not await be.contains(a)
-    got = await be.get(b)
-    assert got is not None and _eq(got.tensor, ob.tensor)
-    got.ref_count_down()
+    await _reads_back(be, b, ob)
     await be.close()
     for o in (oa, ob):
         o.ref_count_down()
@@ -306,14 +309,10 @@ async def test_a_recycled_file_deleted_while_kept_open_is_not_written_into(big_c
     _record_of(be, a).unlink()  # removed from outside while the tier keeps it open for writing
     assert await be.put(b, ob)  # evicts `a`: its file is gone, so `b` goes into a new one
     assert _records(tmp_path) == [_record_of(be, b)]
-    got = await be.get(b)
-    assert got is not None and _eq(got.tensor, ob.tensor)
-    got.ref_count_down()
+    await _reads_back(be, b, ob)
     await be.close()
     be = await _open(ctx, tmp_path, max_bytes=MiB + 4096)
-    got = await be.get(b)
-    assert got is not None and _eq(got.tensor, ob.tensor)
-    got.ref_count_down()
+    await _reads_back(be, b, ob)
     await be.close()
     for o in (oa, ob):
         o.ref_count_down()
