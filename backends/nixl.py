@@ -802,11 +802,10 @@ class NixlBackend(StorageBackend):
         layout = self._layout
         assert layout is not None
         location: str | int
-        if isinstance(layout, SlotFileLayout):
-            # An evicted entry's slot first (the job invalidates it before writing).
-            location = recycle[0] if recycle else self._free_slots.pop()
-        elif isinstance(layout, KeyFileLayout) and recycle:
-            location = recycle[0]  # overwritten in place by the job, under its name
+        if recycle:  # an evicted entry's file or slot, invalidated and overwritten by the job
+            location = recycle[0]
+        elif isinstance(layout, SlotFileLayout):
+            location = self._free_slots.pop()
         else:
             location = layout.new_location(kstr)
         registered = self._is_registered(obj)

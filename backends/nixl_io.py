@@ -33,7 +33,7 @@ import os
 import queue
 import secrets
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -306,6 +306,11 @@ def read_record(
         raise RecordError("payload checksum mismatch")
 
 
+def invalidate(fd: int) -> None:
+    """Zero the magic of the record in file ``fd``: a restart finds it unreadable and drops it."""
+    os.pwrite(fd, EMPTY_MAGIC, 0)
+
+
 def probe_file(fd: int) -> RecordHeader:
     """Decode the header of the record file ``fd`` with plain reads (index rebuild)."""
     head = os.pread(fd, PROBE_LEN, 0)
@@ -486,37 +491,23 @@ class KeyFileLayout:
                 reused = True
         f = self._open_existing(name) if reused else None
         target = path
-        if f is not None:
-            # The evicted record's magic goes first: a kill during the write must not leave its
-            # key's header there (a restart would prefer this newer, torn file over a good copy
-            # of that key written meanwhile). A zero magic is unreadable: dropped at the restart.
-            try:
-                os.pwrite(f.fd, EMPTY_MAGIC, 0)
-            except BaseException:
-                self.open_files.release(f, taken_as=name)
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-                raise
-        else:
+        if f is None:
             reused = False
             target = self._path(name, f".{os.getpid()}{TMP_SUFFIX}")
             try:
-                fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+                f = self._open_registered(target, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.unlink(target)
                 raise
-            try:
-                dev, handle = self.agent.register_target(fd=fd)
-            except BaseException:
-                os.close(fd)
-                with contextlib.suppress(OSError):
-                    os.unlink(target)
-                raise
-            f = OpenFile(fd, handle, dev, writable=True)
         ok = False
         stuck = False
         try:
+            if reused:
+                # The evicted record's magic goes first: a kill during the write must not leave
+                # its key's header there (a restart would prefer this newer, torn file over a
+                # good copy of that key written meanwhile). Zero magic: dropped at the restart.
+                invalidate(f.fd)
             yield Loc(f.dev, 0, f.dev, meta.header_len)
             if reused:
                 if os.fstat(f.fd).st_size > meta.total_len:
@@ -543,18 +534,24 @@ class KeyFileLayout:
             # kept by a read (open it again for writing), or deleted meanwhile (then it is gone)
             self.open_files.release(f, taken_as=name)
         try:
-            fd = os.open(self._path(name), os.O_RDWR | os.O_CLOEXEC)
-        except OSError:
-            return None
-        try:
-            dev, handle = self.agent.register_target(fd=fd)
+            return self._open_registered(self._path(name), os.O_RDWR)
         except Exception:
-            os.close(fd)
             return None
+
+    def _open_registered(
+        self, path: str, flags: int, check: Callable[[os.stat_result], None] | None = None
+    ) -> OpenFile:
+        """``path`` opened with ``flags`` (writable unless ``O_RDONLY``), checked by ``check``
+        when given, and registered as a NIXL target; the descriptor is closed on any failure."""
+        fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
+        try:
+            if check is not None:
+                check(os.fstat(fd))
+            dev, handle = self.agent.register_target(fd=fd)
         except BaseException:
             os.close(fd)
             raise
-        return OpenFile(fd, handle, dev, writable=True)
+        return OpenFile(fd, handle, dev, writable=(flags & os.O_ACCMODE) != os.O_RDONLY)
 
     @contextlib.contextmanager
     def open_read(self, location: str | int, meta: EntryMeta) -> Iterator[Loc]:
@@ -565,14 +562,7 @@ class KeyFileLayout:
         taken_as = name if f is not None else None
         try:
             if f is None:
-                fd = os.open(self._path(name), os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    self._check_size(os.fstat(fd), meta)
-                    dev, handle = self.agent.register_target(fd=fd)
-                except BaseException:
-                    os.close(fd)
-                    raise
-                f = OpenFile(fd, handle, dev, writable=False)
+                f = self._open_registered(self._path(name), os.O_RDONLY, lambda st: self._check_size(st, meta))
             else:
                 st = os.fstat(f.fd)
                 if st.st_nlink == 0:
@@ -708,7 +698,7 @@ class SlotFileLayout:
         at start (a slot holding a second record of a key, or an unreadable key). The bytes are
         reclaimed when the next record of the slot is shorter (``open_write`` truncates).
         """
-        os.pwrite(self.fds[int(location)], EMPTY_MAGIC, 0)
+        invalidate(self.fds[int(location)])
 
     def scan(self) -> tuple[list[Scanned], int]:
         found: list[Scanned] = []
