@@ -153,6 +153,8 @@ class _ReadBatch:
     def __init__(self, results: list[MemoryObj | None]) -> None:
         self.results = results
         self.abandoned = False
+        #: Deletions of records this batch found damaged; the call returns once they are done.
+        self.discards: list[asyncio.Future[Any]] = []
 
     def deliver(self, index: int, obj: MemoryObj) -> None:
         if self.abandoned:
@@ -612,29 +614,32 @@ class NixlBackend(StorageBackend):
             self.counters.evictions += 1
         return True
 
-    def _drop(self, key: CacheEngineKey, entry: _Entry) -> None:
-        """Remove ``key`` from the index and account its bytes; storage goes once unread."""
+    def _drop(self, key: CacheEngineKey, entry: _Entry) -> asyncio.Future[Any] | None:
+        """Remove ``key`` from the index and account its bytes; storage goes once unread.
+        Returns what finishes the storage's removal when it started now, else None."""
         if entry.removed:
-            return
+            return None
         if self._index.get(key) is entry:
             del self._index[key]
             self._bytes -= entry.size
         entry.removed = True
         if entry.readers == 0:
-            self._release_location(entry.location)
+            return self._release_location(entry.location)
+        return None
 
-    def _release_location(self, location: str | int) -> None:
+    def _release_location(self, location: str | int) -> asyncio.Future[Any] | None:
         """Delete what ``location`` holds and make it reusable: a file is deleted, a slot is
         zeroed on a worker thread and freed once that is done (a slot a stuck request may
-        still use is never reused)."""
+        still use is never reused). Returns the future of that work (None: nothing to do);
+        it never raises (failures are logged)."""
         if isinstance(self._layout, SlotFileLayout):
             # An 8-byte write into a page under writeback can wait for the disk: a zero job.
             done = self._enqueue(self._zeroings, [int(location)])
             if done not in self._zeroing:
                 self._zeroing.add(done)
                 done.add_done_callback(self._zeroing.discard)
-            return
-        self._discard_storage(location)
+            return done
+        return self._discard_storage(location)
 
     def _zero_job(self, slots: list[int]) -> list[BaseException | None]:
         """Worker thread: zero each slot's magic; one outcome per slot."""
@@ -659,18 +664,21 @@ class NixlBackend(StorageBackend):
             elif isinstance(layout, SlotFileLayout) and slot not in layout.stuck:
                 self._free_slots.append(slot)
 
-    def _discard_storage(self, location: str | int) -> None:
+    def _discard_storage(self, location: str | int) -> asyncio.Future[Any] | None:
+        """Delete a record file on a worker thread (a slot: invalidate it here). Returns the
+        deletion's task, None when nothing is left to wait for."""
         layout = self._layout
         if layout is None or isinstance(layout, ObjectLayout):
-            return
+            return None
         if isinstance(layout, SlotFileLayout):
             try:
                 layout.delete(location)  # an 8-byte pwrite on an open fd
             except OSError as exc:
                 self._log.warn("nixl: invalidating slot %s failed: %s", location, exc)
-            return
+            return None
         task = asyncio.get_running_loop().create_task(self._unlink(layout, location))
         self._track(task)
+        return task
 
     async def _unlink(self, layout: KeyFileLayout, location: str | int) -> None:
         try:
@@ -903,7 +911,8 @@ class NixlBackend(StorageBackend):
         self, keys: Sequence[CacheEngineKey], alloc: Allocate | None = None
     ) -> list[MemoryObj | None]:
         """One result per key; one worker job reads every entry found. The caller owns one
-        reference to each returned object."""
+        reference to each returned object. A damaged record is a miss, counted, and its file
+        is deleted (its slot invalidated) before the call returns."""
         results: list[MemoryObj | None] = [None] * len(keys)
         if not keys or not await self._ensure_ready():
             return results
@@ -932,6 +941,8 @@ class NixlBackend(StorageBackend):
         done = self._enqueue(self._reads, jobs)
         try:
             await asyncio.shield(done)
+            if batch.discards:  # a damaged record is gone by the time its miss is returned
+                await asyncio.shield(asyncio.gather(*batch.discards, return_exceptions=True))
         except asyncio.CancelledError:
             batch.abandon()  # what already arrived goes back now, the rest when it arrives
             raise
@@ -954,7 +965,9 @@ class NixlBackend(StorageBackend):
             if isinstance(failure, (RecordError, FileNotFoundError)):
                 self.counters.corrupt += 1
                 self._log.warn("nixl: dropping bad record of %s: %s", job.key, failure)
-                self._drop(job.key, job.entry)
+                discard = self._drop(job.key, job.entry)
+                if discard is not None:
+                    job.batch.discards.append(discard)
             else:
                 self._failed("read", job.key, failure)
 
