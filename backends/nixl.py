@@ -365,31 +365,38 @@ class NixlBackend(StorageBackend):
             logger.warning("nixl: rebuilding the index failed (%s: %s); starting empty", type(exc).__name__, exc)
             found, reaped = [], 0
         self.counters.reaped += reaped
+        removals = []
         for s in found:  # oldest first, so the LRU order follows the files' ages
-            self._admit_scanned(s)
+            removals.append(self._admit_scanned(s))
         if isinstance(self._layout, SlotFileLayout):
             used = {e.location for e in self._index.values()}
             self._free_slots = [i for i in reversed(range(self._layout.count)) if i not in used]
         # Over budget after a restart with a smaller nixl_max_size: drop the oldest.
-        self._make_room(0)
+        victims: list[str | int] = []
+        self._make_room(0, recycle=victims)
+        removals.extend(self._release_location(loc) for loc in victims)
+        # Ready once storage holds exactly what the index says (no deletion still running).
+        await asyncio.gather(*(r for r in removals if r is not None), return_exceptions=True)
         self._ready.set()
 
-    def _admit_scanned(self, s: Scanned) -> None:
+    def _admit_scanned(self, s: Scanned) -> asyncio.Future[Any] | None:
+        """Index one scanned record; returns the removal of a record it supersedes or refuses."""
         try:
             key = CacheEngineKey.from_string(s.meta.key)
         except (ValueError, TypeError):
             self.counters.reaped += 1
-            self._discard_storage(s.location)
-            return
+            return self._discard_storage(s.location)
         old = self._index.pop(key, None)
+        removal = None
         if old is not None:  # two records of one key: keep the newer
             self._bytes -= old.size
             self.counters.reaped += 1
-            self._discard_storage(old.location)
+            removal = self._discard_storage(old.location)
         entry = _Entry(s.meta, s.location)
         self._index[key] = entry
         self._bytes += entry.size
         self.counters.scanned += 1
+        return removal
 
     async def close(self) -> None:
         """Refuse new work, wait for in-flight transfers, then release the worker threads,
