@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from lmcache_async.backend import Allocate, BackendContext, StorageBackend
+from lmcache_async.errors import ManagerClosedError
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryFormat, MemoryObj, PoolAllocator
 
@@ -41,6 +42,7 @@ class CPUBackend(StorageBackend):
         self._lru = policy == "LRU"
         self._index: OrderedDict[CacheEngineKey, MemoryObj] = OrderedDict()
         self._lock = threading.Lock()
+        self._closed = False
         self._on_evict = on_evict
         self.bytes = 0
         self.evictions = 0
@@ -146,11 +148,14 @@ class CPUBackend(StorageBackend):
         the index's. ``extra_refs`` more references are taken atomically (for write-through).
 
         Returns None when inserted; when the key is already present returns the existing entry
-        (nothing changes and the caller keeps its reference to ``obj``).
+        (nothing changes and the caller keeps its reference to ``obj``). Raises
+        :class:`ManagerClosedError` once the tier is closed (the caller keeps its reference).
         """
         if obj.allocator is not self.pool:
             raise ValueError("obj must be allocated from this tier's pool")
         with self._lock:
+            if self._closed:  # a put that raced the manager's close: the caller keeps obj
+                raise ManagerClosedError("the CPU tier is closed")
             existing = self._index.get(key)
             if existing is not None:
                 return existing
@@ -202,7 +207,12 @@ class CPUBackend(StorageBackend):
                 return False
             got.tensor.copy_(obj.tensor)
             mine = got
-        if self.insert(key, mine) is not None:
+        try:
+            existing = self.insert(key, mine)
+        except ManagerClosedError:
+            mine.ref_count_down()
+            raise
+        if existing is not None:
             mine.ref_count_down()
         return True
 
@@ -224,8 +234,14 @@ class CPUBackend(StorageBackend):
     async def clear(self) -> None:
         self.clear_nowait()
 
-    async def close(self) -> None:
+    def close_nowait(self) -> None:
+        """Drop every entry and refuse inserts from now on. Idempotent; any thread."""
+        with self._lock:
+            self._closed = True
         self.clear_nowait()
+
+    async def close(self) -> None:
+        self.close_nowait()
 
     def stats(self) -> dict[str, Any]:
         return {"entries": len(self._index), "bytes": self.bytes, "evictions": self.evictions}

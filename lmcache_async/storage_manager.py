@@ -238,6 +238,7 @@ class StorageManager:
         # write-through queue (caller threads append; the loop drains)
         self._wq: deque[tuple[CacheEngineKey, MemoryObj, tuple[int, ...] | None]] = deque()
         self._wq_lock = threading.Lock()
+        self._wq_closed = False
         self._wake_scheduled = False
         self._pending: dict[CacheEngineKey, MemoryObj] = {}
         self._wt_tasks: set[asyncio.Task[None]] = set()
@@ -430,12 +431,16 @@ class StorageManager:
                     obj.ref_count_down()
                     raise
             lower = bool(self._lower)
-            existing = cpu.insert(key, obj, extra_refs=1 if lower else 0)
+            try:
+                existing = cpu.insert(key, obj, extra_refs=1 if lower else 0)
+            except ManagerClosedError:  # closed since _check_usable
+                obj.ref_count_down()
+                raise
             if existing is not None:
                 obj.ref_count_down()
                 return True
-            if lower:
-                self._enqueue_write(key, obj, None)
+            if lower and not self._enqueue_write(key, obj, None):
+                obj.ref_count_down()  # the queue closed meanwhile: its reference goes back
             return True
         if key in self._pending or self._held_below_nowait(key):
             return True
@@ -492,7 +497,9 @@ class StorageManager:
 
         A tensor is copied into the pool (its own shape and dtype kept); a MemoryObj is borrowed
         (the caller keeps its reference). A key already present is a no-op returning True.
-        Lower tiers are written in the background (``flush`` is the barrier).
+        Lower tiers are written in the background (``flush`` is the barrier). A put that
+        races :meth:`close` either raises :class:`ManagerClosedError` or returns True without
+        reaching the lower tiers; it never leaves a pool block behind.
         """
         return self._put_front(key, value, fmt)
 
@@ -540,9 +547,10 @@ class StorageManager:
     ) -> bool:
         """Queue ``obj`` (carrying one reference owned by the queue) for the lower tiers.
 
-        With ``only_if_new``, nothing is queued (False) when ``key`` is already pending."""
+        False when nothing was queued (the caller keeps that reference): with ``only_if_new``
+        when ``key`` is already pending, and always once the manager's close drained the queue."""
         with self._wq_lock:
-            if only_if_new and key in self._pending:
+            if self._wq_closed or (only_if_new and key in self._pending):
                 return False
             self._pending[key] = obj
             self._wq.append((key, obj, targets))
@@ -673,13 +681,17 @@ class StorageManager:
         the lower tiers above the one that had it. Returns the caller's reference."""
         cpu = self._cpu
         if cpu is not None and obj.allocator is self.pool:
-            existing = cpu.insert(key, obj, extra_refs=1)
+            try:
+                existing = cpu.insert(key, obj, extra_refs=1)
+            except ManagerClosedError:  # closing: the caller still gets its bytes
+                existing = None
             if existing is not None and existing.try_ref_count_up():
                 obj.ref_count_down()
                 obj = existing
         if tier_idx > 0:
             obj.ref_count_up()
-            self._enqueue_write(key, obj, tuple(range(tier_idx)))
+            if not self._enqueue_write(key, obj, tuple(range(tier_idx))):
+                obj.ref_count_down()
         return obj
 
     async def get(self, key: CacheEngineKey) -> MemoryObj | None:
@@ -981,11 +993,16 @@ class StorageManager:
             t.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        self._close_write_queue()
+        await self._close_backends()
+
+    def _close_write_queue(self) -> None:
+        """Refuse further write-through and give back what is still queued. Idempotent."""
         with self._wq_lock:
+            self._wq_closed = True
             left = list(self._wq)
             self._wq.clear()
         self._release_items(left)
-        await self._close_backends()
 
     async def _close_backends(self) -> None:
         for tier in self._lower:
@@ -1013,8 +1030,9 @@ class StorageManager:
     def _finish_close(self) -> None:
         self._lt.stop()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._close_write_queue()  # a shutdown that timed out, or writes queued after it
         if self._cpu is not None:
-            self._cpu.clear_nowait()
+            self._cpu.close_nowait()
         if self._metrics_server is not None:
             self._metrics_server.close()
         if self.pool is not None and self.pool.used_bytes:

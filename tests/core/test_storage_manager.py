@@ -622,6 +622,48 @@ def test_sync_call_in_flight_during_close_gets_a_named_error(make_manager):
     assert len(errors) == 1 and isinstance(errors[0], ManagerClosedError)
 
 
+@pytest.mark.parametrize("paused_in", ["allocate", "insert"])
+def test_a_put_racing_close_leaks_no_buffer(make_manager, paused_in):
+    """A put_sync that passed the closed check before close began: paused before its CPU
+    insert it gets ManagerClosedError, paused between the insert and the write-through queue
+    it returns True; either way every block of the pool is free afterwards."""
+    sm = make_manager(tier_order=["cpu", "testremote"])
+    pool, cpu = sm.pool, sm.backend("cpu")
+    inside, go = threading.Event(), threading.Event()
+    original = getattr(cpu, paused_in)
+
+    def paused(*args, **kw):
+        if paused_in == "allocate":
+            inside.set()
+            go.wait(10)
+            return original(*args, **kw)
+        out = original(*args, **kw)
+        inside.set()
+        go.wait(10)
+        return out
+
+    setattr(cpu, paused_in, paused)
+    outcome: list[object] = []
+
+    def putter():
+        try:
+            outcome.append(sm.put_sync(make_key(7), torch.ones(1024)))
+        except ManagerClosedError as exc:
+            outcome.append(exc)
+
+    t = threading.Thread(target=putter)
+    t.start()
+    assert inside.wait(10)
+    sm.close_sync()
+    go.set()
+    t.join(10)
+    if paused_in == "allocate":
+        assert len(outcome) == 1 and isinstance(outcome[0], ManagerClosedError)
+    else:
+        assert outcome == [True]
+    assert pool is not None and pool.used_bytes == 0
+
+
 def test_close_lets_go_of_the_pools(make_manager):
     sm = make_manager()
     import weakref
