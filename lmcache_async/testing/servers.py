@@ -24,6 +24,7 @@ import abc
 import atexit
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -110,13 +111,29 @@ def _port_free(port: int, reuse: bool = False) -> bool:
     return True
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for outgoing connections' source ports."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(with_bus: bool = False) -> int:
-    """A currently free loopback port (and ``port + 10000`` free too when ``with_bus``)."""
-    for _ in range(200):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if with_bus and (port + 10000 > 65535 or not _port_free(port + 10000)):
+    """A currently free loopback port (and ``port + 10000`` free too when ``with_bus``).
+
+    Chosen below the kernel's range for outgoing connections, so that while a test server is
+    down (killed, restarting on the same port) no client's outgoing connection can take the
+    port, nor connect to itself through it. Falls back to a kernel-assigned port when that
+    range has nothing free."""
+    lo, _ = _ephemeral_range()
+    top = lo - (10000 if with_bus else 0)
+    rng = random.Random()
+    for _ in range(500):
+        port = rng.randrange(10000, top) if top > 10000 + 100 else _kernel_port()
+        if not _port_free(port) or (with_bus and (port + 10000 > 65535 or not _port_free(port + 10000))):
             continue
         with _port_lock:
             if port in _handed_out:
@@ -124,6 +141,12 @@ def free_port(with_bus: bool = False) -> int:
             _handed_out.add(port)
         return port
     raise ServerError("no free loopback port found")
+
+
+def _kernel_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 # ---- TLS material ------------------------------------------------------------------------------

@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import socket
 import urllib.request
 
 import pytest
 import torch
 
 from lmcache_async.testing import make_key
+from lmcache_async.testing.servers import free_port  # outside the outgoing-port range
 
 pytest.importorskip("prometheus_client", reason="the metrics extra is not installed")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_metrics_endpoint_reports_tier_figures(make_manager):

@@ -53,7 +53,8 @@ async def _retry_until(pred, timeout: float = 10.0) -> bool:
 
 
 async def test_disk_full_stops_writes_keeps_reads_and_resumes(make_disk, pool, small_fs):
-    be = await make_disk(small_fs / "d", budget_bytes=1 << 30, write_retry_s=0.05, write_retry_max_s=0.2)
+    # A back-off long enough that the refused put below falls inside it even on a slow host.
+    be = await make_disk(small_fs / "d", budget_bytes=1 << 30, write_retry_s=0.5, write_retry_max_s=1.0)
     stored = []
     for i in range(20):
         if not await _put(be, pool, i):
