@@ -365,9 +365,8 @@ class NixlBackend(StorageBackend):
             logger.warning("nixl: rebuilding the index failed (%s: %s); starting empty", type(exc).__name__, exc)
             found, reaped = [], 0
         self.counters.reaped += reaped
-        removals = []
-        for s in found:  # oldest first, so the LRU order follows the files' ages
-            removals.append(self._admit_scanned(s))
+        # oldest first, so the LRU order follows the files' ages
+        removals = [self._admit_scanned(s) for s in found]
         if isinstance(self._layout, SlotFileLayout):
             used = {e.location for e in self._index.values()}
             self._free_slots = [i for i in reversed(range(self._layout.count)) if i not in used]

@@ -111,14 +111,13 @@ def _port_free(port: int, reuse: bool = False) -> bool:
     return True
 
 
-def _ephemeral_range() -> tuple[int, int]:
-    """The kernel's range for outgoing connections' source ports."""
+def _outgoing_ports_start() -> int:
+    """The first port of the kernel's range for outgoing connections' source ports."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            lo, hi = (int(x) for x in f.read().split())
-        return lo, hi
-    except (OSError, ValueError):
-        return 32768, 60999
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_port(with_bus: bool = False) -> int:
@@ -126,13 +125,12 @@ def free_port(with_bus: bool = False) -> int:
 
     Chosen below the kernel's range for outgoing connections, so that while a test server is
     down (killed, restarting on the same port) no client's outgoing connection can take the
-    port, nor connect to itself through it. Falls back to a kernel-assigned port when that
-    range has nothing free."""
-    lo, _ = _ephemeral_range()
-    top = lo - (10000 if with_bus else 0)
+    port, nor connect to itself through it. Falls back to kernel-assigned ports when that
+    range is too small or nothing free was found in it."""
+    top = _outgoing_ports_start() - (10000 if with_bus else 0)
     rng = random.Random()
-    for _ in range(500):
-        port = rng.randrange(10000, top) if top > 10000 + 100 else _kernel_port()
+    for attempt in range(500):
+        port = rng.randrange(10000, top) if top > 10000 + 100 and attempt < 400 else _kernel_port()
         if not _port_free(port) or (with_bus and (port + 10000 > 65535 or not _port_free(port + 10000))):
             continue
         with _port_lock:

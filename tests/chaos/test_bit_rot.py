@@ -81,24 +81,23 @@ def _fs_file(root: Path, prefix: str, i: int) -> Path:
     return root / entry_name(prefix, _key(i)).relpath
 
 
-def _nixl_file(root: Path, i: int) -> Path | None:
-    """The record file of entry ``i``, found by the key in its header (a file's name is the
-    key it was created for, and it keeps that name when an eviction hands it to another key)."""
+def _nixl_files(root: Path) -> dict[str, Path]:
+    """Record files by the key in their header (a file's name is the key it was created for,
+    and it keeps that name when an eviction hands it to another key)."""
     from lmcache_async.backends.nixl_io import probe_file
 
-    want = _key(i).to_string()
-    found = []
+    found: dict[str, Path] = {}
     for p in root.iterdir():
         if not p.name.endswith(".lmcr"):
             continue
         fd = os.open(p, os.O_RDONLY)
         try:
-            if probe_file(fd).key == want:
-                found.append(p)
+            key = probe_file(fd).key
         finally:
             os.close(fd)
-    assert len(found) <= 1, found
-    return found[0] if found else None
+        assert key not in found, (found[key], p)
+        found[key] = p
+    return found
 
 
 def _damage_files(paths: dict[int, Path], rng: random.Random) -> dict[str, int]:
@@ -230,12 +229,12 @@ def test_nixl_records(tmp_path, figures, need_nixl):
     try:
         _store(sm, ids)
         damaged = set(rng.sample(list(ids), k=len(ids) * 4 // 5))
-        paths = {i: _nixl_file(files_root, i) for i in damaged}
-        assert all(p is not None for p in paths.values())
-        kinds = _damage_files(paths, rng)  # type: ignore[arg-type]
+        by_key = _nixl_files(files_root)
+        paths = {i: by_key[_key(i).to_string()] for i in damaged}
+        kinds = _damage_files(paths, rng)
         misses = _read_back(sm, damaged, ids)
         st = sm.stats()["tiers"]["nixl"]
-        removed = sum(not p.exists() for p in paths.values() if p is not None)
+        removed = sum(not p.exists() for p in paths.values())
     finally:
         sm.close_sync()
     _report(figures, "nixl", len(ids), len(damaged), misses, removed, st["corrupt"], kinds)
