@@ -133,6 +133,8 @@ _SIZE_FIELDS = (
     "max_hidden_state_cpu_size",
     "staging_size",
     "nixl_max_size",
+    "mooncake_local_buffer_size",
+    "mooncake_global_segment_size",
 )
 
 
@@ -210,6 +212,27 @@ class LMCacheEngineConfig(BaseModel):
     executor_workers: int = Field(4, gt=0, le=256, description="Threads of each manager's I/O executor.")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Serve Prometheus metrics on this port.")
     metrics_host: str = Field("127.0.0.1", description="Address the metrics server binds (loopback by default).")
+    remote_breaker_max_backoff_s: float = Field(
+        4.0,
+        gt=0,
+        description="Longest wait between recovery probes of a failing lower tier (seconds); bounds recovery time.",
+    )
+    # --- Mooncake Store tier (remote_url: mooncake://HOST:PORT, the master) ---------------------
+    mooncake_metadata_server: str | None = Field(
+        None, description="Mooncake metadata server, e.g. http://127.0.0.1:8080/metadata (the master's HTTP one)."
+    )
+    mooncake_protocol: str = Field("tcp", description="Mooncake transfer protocol (tcp on CPU-only hosts, rdma).")
+    mooncake_device_name: str = Field("", description="Mooncake RDMA device names (empty for tcp).")
+    mooncake_local_hostname: str = Field(
+        "127.0.0.1", description="Address this client's transfer engine binds and advertises."
+    )
+    mooncake_local_buffer_size: float = Field(
+        0.0625, ge=0, description="Mooncake client transfer buffer (GiB)."
+    )
+    mooncake_global_segment_size: float = Field(
+        0.0, ge=0, description="Memory this client contributes to the store (GiB); 0 = a pure client."
+    )
+    mooncake_replica_num: int = Field(1, ge=1, description="Replicas of each object in the Mooncake store.")
 
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)
 
