@@ -8,12 +8,15 @@ synchronously: do it before any loop starts, never on a manager's loop.
 
 from __future__ import annotations
 
+import ast
+import difflib
 import json
 import logging
 import math
 import os
 import types
 import typing
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -30,7 +33,8 @@ EC_ENV_PREFIX = "LMCACHE_EC_"
 CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
 DEFAULT_TIER_ORDER = ("cpu", "nixl", "disk", "remote")
 
-# LMCache keys we accept in a user's YAML without acting on them (no warning as unknown).
+# LMCache keys accepted from every source without acting on them: a migrating user's YAML and
+# environment load unchanged, with one warning per key per load saying it has no effect here.
 LMCACHE_KEYS_WITHOUT_EFFECT = frozenset(
     [
         "local_cpu_use_hugepages",
@@ -167,7 +171,8 @@ class LMCacheEngineConfig(BaseModel):
         description="Disk tier budget for the directory (GiB), shared by its processes; <= 0 builds no disk tier.",
     )
     remote_url: str | None = Field(
-        None, description="Remote tier URL (redis://, rediss://, unix://, valkey://, redis+cluster://, fs://)."
+        None,
+        description="Remote tier URL (redis://, rediss://, unix://, valkey://, redis+cluster://, fs://, mooncake://).",
     )
     remote_serde: str | None = Field(
         "naive", description="Accepted for LMCache compatibility; records are always self-describing."
@@ -202,6 +207,9 @@ class LMCacheEngineConfig(BaseModel):
         1024 * 1024, gt=0, description="Remote payloads above this many bytes are split into parts."
     )
     remote_ttl_s: float | None = Field(None, gt=0, description="Optional expiry of remote entries (seconds).")
+    ec_model_name: str | None = Field(
+        None, description="Model identity in encoder-cache keys (default: vLLM's model_config.model)."
+    )
     staging_size: float = Field(0.25, ge=0, description="Staging area for lower-tier reads (GiB).")
     hidden_state_storage_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Dtype hidden states are stored in; retrieve returns float32."
@@ -219,7 +227,8 @@ class LMCacheEngineConfig(BaseModel):
     )
     # --- Mooncake Store tier (remote_url: mooncake://HOST:PORT, the master) ---------------------
     mooncake_metadata_server: str | None = Field(
-        None, description="Mooncake metadata server, e.g. http://127.0.0.1:8080/metadata (the master's HTTP one)."
+        None,
+        description="Mooncake metadata server (default: the master's HTTP one, http://<master host>:8080/metadata).",
     )
     mooncake_protocol: str = Field("tcp", description="Mooncake transfer protocol (tcp on CPU-only hosts, rdma).")
     mooncake_device_name: str = Field("", description="Mooncake RDMA device names (empty for tcp).")
@@ -252,7 +261,7 @@ class LMCacheEngineConfig(BaseModel):
     def _paths(cls, v: Any) -> Any:
         return _strip_file_scheme(v) if isinstance(v, str) else v
 
-    @field_validator(*_SIZE_FIELDS, "blocking_timeout_secs", "remote_timeout_s")
+    @field_validator(*_SIZE_FIELDS, "blocking_timeout_secs", "remote_timeout_s", "remote_breaker_max_backoff_s")
     @classmethod
     def _finite(cls, v: float) -> float:
         if not math.isfinite(v):
@@ -321,7 +330,10 @@ class LMCacheEngineConfig(BaseModel):
     # ---- loaders -----------------------------------------------------------------------------
     @classmethod
     def from_defaults(cls, **overrides: Any) -> LMCacheEngineConfig:
-        """Defaults with ``overrides`` (validated; source ``init``)."""
+        """Defaults with ``overrides`` (validated; source ``init``).
+
+        ``ConfigError`` naming the key for a key that is neither ours nor one of LMCache's keys
+        without effect here (those are accepted with one warning each)."""
         return build_config([(k, v, "init") for k, v in overrides.items()])
 
     @classmethod
@@ -336,7 +348,8 @@ class LMCacheEngineConfig(BaseModel):
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], source: str = "dict") -> LMCacheEngineConfig:
-        """Defaults overridden by ``data`` (unknown keys warned about and dropped)."""
+        """Defaults overridden by ``data`` (unknown keys warned about and dropped; LMCache's keys
+        without effect here accepted with one warning each)."""
         return build_config(_mapping_entries(data, source))
 
 
@@ -367,11 +380,28 @@ def _field_kind(key: str) -> tuple[str, bool]:
     return kinds.get(ann, "str"), optional
 
 
-def _clean_str(v: str) -> str:
+def _unquote(v: str) -> str:
+    """A raw text value read the way LMCache reads environment values.
+
+    Surrounding whitespace goes. A value wrapped in matching quotes is read as a Python string
+    literal, so its escapes are honoured (``"{\\"a\\": 1}"`` is the JSON text ``{"a": 1}``);
+    when it is not a valid literal only the outer quotes go, and when it is some other literal
+    (``'a', 'b'``) it stays as it is. The content of a quoted value keeps its inner whitespace.
+    """
     v = v.strip()
     if len(v) >= 2 and v[0] == v[-1] and v[0] in "'\"":
-        v = v[1:-1].strip()
+        try:
+            with warnings.catch_warnings():  # "C:\dir" keeps its backslash, whatever the warning filters
+                warnings.simplefilter("ignore")
+                parsed = ast.literal_eval(v)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            return v[1:-1]
+        return parsed if isinstance(parsed, str) else v
     return v
+
+
+def _clean_str(v: str) -> str:
+    return _unquote(v).strip()
 
 
 def convert_value(key: str, value: Any, source: str) -> Any:
@@ -379,6 +409,8 @@ def convert_value(key: str, value: Any, source: str) -> Any:
 
     Raises :class:`ConfigError` naming key, value and source when the text cannot be converted.
     """
+    if key not in LMCacheEngineConfig.model_fields:
+        raise ConfigError(_unknown_key_message(key, source))
     kind, optional = _field_kind(key)
     if not isinstance(value, str):
         if kind == "list_int" and isinstance(value, int) and not isinstance(value, bool):
@@ -386,12 +418,14 @@ def convert_value(key: str, value: Any, source: str) -> Any:
         if kind == "list_str" and isinstance(value, str):
             return [value]
         return value
-    text = _clean_str(value)
+    text = _unquote(value)
+    if kind != "str":  # a string keeps what its quotes enclosed; other kinds ignore the spaces
+        text = text.strip()
 
     def bad(why: str) -> ConfigError:
         return ConfigError(f"invalid value for {key}: {value!r} (from {source}): {why}")
 
-    if optional and text.lower() in _NONE:
+    if optional and text.strip().lower() in _NONE:
         return None
     if kind == "bool":
         low = text.lower()
@@ -441,6 +475,12 @@ def convert_value(key: str, value: Any, source: str) -> Any:
     return text
 
 
+def _unknown_key_message(key: str, source: str) -> str:
+    close = difflib.get_close_matches(key, LMCacheEngineConfig.model_fields, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"unknown configuration key {key!r} (from {source}){hint}"
+
+
 def _format_error(key: str, value: Any, source: str, exc: ValidationError) -> str:
     msgs = "; ".join(e["msg"] for e in exc.errors())
     return f"invalid value for {key}: {value!r} (from {source}): {msgs}"
@@ -461,12 +501,10 @@ def _mapping_entries(data: Mapping[str, Any], source: str) -> list[Entry]:
         if not isinstance(key, str):
             logger.warning("configuration key %r (from %s) is not a string; dropped", key, source)
             continue
-        if key in fields:
+        if key in fields or key in LMCACHE_KEYS_WITHOUT_EFFECT:  # build_config warns about the latter
             out.append((key, value, source))
         elif _is_overlay_key(key):
             continue  # the encoder-cache overlay reads these
-        elif key in LMCACHE_KEYS_WITHOUT_EFFECT:
-            logger.info("configuration key %r (from %s) has no effect in lmcache_async", key, source)
         else:
             logger.warning("unknown configuration key %r (from %s) dropped", key, source)
     return out
@@ -505,7 +543,7 @@ def _env_entries(environ: Mapping[str, str]) -> list[Entry]:
         if not var.startswith(ENV_PREFIX) or var == CONFIG_FILE_ENV or var.startswith(EC_ENV_PREFIX):
             continue
         key = var[len(ENV_PREFIX) :].lower()
-        if key in fields:
+        if key in fields or key in LMCACHE_KEYS_WITHOUT_EFFECT:  # build_config warns about the latter
             out.append((key, value, f"env {var}"))
     return out
 
@@ -513,11 +551,24 @@ def _env_entries(environ: Mapping[str, str]) -> list[Entry]:
 def build_config(entries: Iterable[Entry], base: LMCacheEngineConfig | None = None) -> LMCacheEngineConfig:
     """Apply ``entries`` in order over ``base`` (or the defaults); later entries win.
 
-    Raises one :class:`ConfigError` for the first invalid value, naming key, value and source.
+    An entry of one of LMCache's keys without effect here (``LMCACHE_KEYS_WITHOUT_EFFECT``) is
+    dropped with one warning per key, naming the key and its first source. Raises one
+    :class:`ConfigError` for the first unknown key or invalid value, naming key, value and source.
     """
+    fields = LMCacheEngineConfig.model_fields
     values: dict[str, tuple[Any, Any, str]] = {}
+    without_effect: dict[str, str] = {}
     for key, raw, source in entries:
+        if key not in fields and key in LMCACHE_KEYS_WITHOUT_EFFECT:
+            without_effect.setdefault(key, source)
+            continue
         values[key] = (convert_value(key, raw, source), raw, source)
+    for key, source in without_effect.items():
+        logger.warning(
+            "configuration key %r (from %s) is an LMCache setting with no effect in lmcache_async; ignored",
+            key,
+            source,
+        )
     data = base.model_dump() if base is not None else {}
     data.update({k: v[0] for k, v in values.items()})
     backends = values["nixl_backends"][0] if "nixl_backends" in values else None

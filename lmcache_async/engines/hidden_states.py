@@ -33,11 +33,12 @@ import torch
 from lmcache_async.backend import Presence
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.engines._chunks import ChunkPlan, copy_in, copy_out, release_all, wait_copies
-from lmcache_async.errors import ManagerClosedError
+from lmcache_async.errors import LoopThreadCallError, ManagerClosedError
 from lmcache_async.keys import TAG_PREFIX, CacheEngineKey
 from lmcache_async.memory import MemoryFormat, MemoryObj
 from lmcache_async.metadata import LMCacheEngineMetadata
 from lmcache_async.storage_manager import StorageManager
+from lmcache_async.tensor_checks import check_storable_tensor
 from lmcache_async.token_database import ChunkedTokenDatabase
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,9 @@ class HiddenStateStore:
     KV engine's manager; without one, KV presence is not checked (HS-only prefixes).
 
     :class:`~lmcache_async.engines.kv.LMCacheEngine` builds one as ``engine.hidden_state_store``
-    when ``enable_hidden_state_cache`` is true.
+    when ``enable_hidden_state_cache`` is true. ``token_database`` and ``kv_storage_manager`` are
+    keyword-only: LMCache's ``HiddenStateStore(config, token_database)`` raises ``TypeError``
+    naming ``metadata``, the second positional argument.
     """
 
     def __init__(
@@ -92,6 +95,17 @@ class HiddenStateStore:
     ) -> None:
         if not isinstance(config, LMCacheEngineConfig):
             raise TypeError(f"config must be an LMCacheEngineConfig, got {type(config).__name__}")
+        if isinstance(metadata, ChunkedTokenDatabase):
+            raise TypeError(
+                "metadata (the second positional argument) must be an LMCacheEngineMetadata or None, "
+                "got a ChunkedTokenDatabase; pass the KV engine's token database by keyword: "
+                "HiddenStateStore(config, metadata, token_database=...)"
+            )
+        if metadata is not None and not isinstance(metadata, LMCacheEngineMetadata):
+            raise TypeError(
+                "metadata (the second positional argument) must be an LMCacheEngineMetadata or None, "
+                f"got {type(metadata).__name__}"
+            )
         size = config.max_hidden_state_cpu_size
         if not size > 0:
             raise ValueError(
@@ -202,12 +216,13 @@ class HiddenStateStore:
 
         When the pool cannot hold every chunk, older hidden-state entries are evicted (never the
         chunks this call stores or already found for this prompt) and the longest prefix of the
-        chunks that fits is stored. Raises ``TypeError``/``ValueError`` for bad arguments.
+        chunks that fits is stored. Raises ``TypeError``/``ValueError`` for bad arguments
+        (``TypeError`` naming ``hidden_states`` for a non-tensor and for a quantized, sparse,
+        nested or meta tensor).
         """
         self._check_open()
         layer_idx = _check_layer(layer_idx)
-        if not isinstance(hidden_states, torch.Tensor):
-            raise TypeError(f"hidden_states must be a torch.Tensor, got {type(hidden_states).__name__}")
+        hidden_states = check_storable_tensor(hidden_states, "hidden_states")
         if hidden_states.dim() != 2:
             raise ValueError(
                 "hidden_states must be 2-D [num_tokens, hidden_dim], got shape "
@@ -448,9 +463,18 @@ class HiddenStateStore:
         return self._closed
 
     def close(self) -> None:
-        """Free every entry and the pool; idempotent. The KV manager is not closed."""
+        """Free every entry and the pool; idempotent. The KV manager is not closed.
+
+        On this store's manager's loop thread it raises :class:`LoopThreadCallError` before
+        anything is closed: the store stays open, and closable from another thread."""
         if self._closed:
             return
+        sm = self.storage_manager
+        if not sm.closed and sm.loop_thread.in_loop_thread():
+            raise LoopThreadCallError(
+                f"HiddenStateStore.close() on the loop thread of StorageManager {sm.name!r} "
+                "(it would deadlock); call it from another thread"
+            )
         self._closed = True
         self.storage_manager.close_sync()
 

@@ -26,12 +26,14 @@ import torch
 
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.engines._chunks import ChunkPlan, copy_in, copy_out, release_all, wait_copies
+from lmcache_async.engines._devices import CPU, check_device
 from lmcache_async.engines.hidden_states import HiddenStateStore
-from lmcache_async.errors import ManagerClosedError
+from lmcache_async.errors import LoopThreadCallError, ManagerClosedError
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryFormat, MemoryObj
 from lmcache_async.metadata import NEUTRAL_METADATA, LMCacheEngineMetadata
 from lmcache_async.storage_manager import StorageManager
+from lmcache_async.tensor_checks import check_storable_tensor
 from lmcache_async.token_database import ChunkedTokenDatabase, num_masked_prefix
 
 logger = logging.getLogger(__name__)
@@ -84,8 +86,7 @@ class LMCacheEngine:
 
     @staticmethod
     def _check_kv(kv: object) -> torch.Tensor:
-        if not isinstance(kv, torch.Tensor):
-            raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+        kv = check_storable_tensor(kv, "kv")
         if kv.dim() != 4 or kv.shape[0] != 2:
             raise ValueError(
                 f"kv must have shape [2, num_layers, num_tokens, hidden], got {tuple(kv.shape)}"
@@ -101,7 +102,9 @@ class LMCacheEngine:
         prefix. ``mask`` (optional, one bool per token) marks with leading False the tokens that
         are already cached: their chunks are skipped. The masked prefix must be a multiple of
         ``chunk_size`` and the rest all True (``ValueError`` otherwise). With
-        ``save_unfull_chunk`` false a trailing partial chunk is not stored.
+        ``save_unfull_chunk`` false a trailing partial chunk is not stored. ``TypeError`` naming
+        ``kv`` for anything the cache cannot store (a non-tensor; a quantized, sparse, nested or
+        meta tensor).
 
         The prefix already cached in some tier is skipped; chunks present are never stored twice
         (entries are content-addressed) and are not counted. When the CPU pool cannot take a
@@ -178,9 +181,11 @@ class LMCacheEngine:
 
         Chunks are searched in every tier (lower-tier hits are promoted into the CPU tier) and
         touched so the prefix outlives its suffix under pressure. The result never aliases pool
-        memory.
+        memory. ``device`` is checked before anything is looked up: one this machine cannot hold
+        a tensor on raises ``ValueError`` naming ``device`` on a hit and on a miss alike.
         """
         self._check_open()
+        dev = CPU if device is None else check_device(device)
         plan = ChunkPlan(self.token_database, token_ids)
         sm = self.storage_manager
         n = self._bounded(lambda: sm.batched_contains_sync(plan.keys), 0, "retrieve") if len(plan) else 0
@@ -204,7 +209,7 @@ class LMCacheEngine:
             if hit == 0:
                 return 0, None
             total = plan.tokens_in(hit)
-            out = torch.empty((2, layers, total, hidden), dtype=dtype, device=device)
+            out = torch.empty((2, layers, total, hidden), dtype=dtype, device=dev)
             in_flight = False
             for i in range(hit):
                 obj = objs[i]
@@ -254,9 +259,19 @@ class LMCacheEngine:
 
     def close(self) -> None:
         """Close the hidden-state store and the KV manager (pending lower-tier writes are
-        flushed, bounded). Idempotent; later calls raise :class:`ManagerClosedError`."""
+        flushed, bounded). Idempotent; later calls raise :class:`ManagerClosedError`.
+
+        On the loop thread of either manager it raises :class:`LoopThreadCallError` before
+        anything is closed: the engine stays open, and closable from another thread."""
         if self._closed:
             return
+        hs = self.hidden_state_store
+        for sm in (self.storage_manager, None if hs is None else hs.storage_manager):
+            if sm is not None and not sm.closed and sm.loop_thread.in_loop_thread():
+                raise LoopThreadCallError(
+                    f"LMCacheEngine.close() on the loop thread of StorageManager {sm.name!r} "
+                    "(it would deadlock); call it from another thread"
+                )
         self._closed = True
         try:
             if self.hidden_state_store is not None:

@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import yaml
 
 from lmcache_async import ConfigError, LMCacheEngineConfig, load_ec_engine_config, load_engine_config
 
@@ -87,6 +88,39 @@ def test_env_value_conversion(monkeypatch, var, raw, key, expected):
 
 
 @pytest.mark.parametrize(
+    ("var", "raw", "key", "expected"),
+    [
+        # A value in matching quotes is a string literal: its escapes are honoured.
+        ("LMCACHE_EXTRA_CONFIG", '"{\\"config\\": \\"prod\\"}"', "extra_config", {"config": "prod"}),
+        ("LMCACHE_EXTRA_CONFIG", "'{\"config\": \"prod\"}'", "extra_config", {"config": "prod"}),
+        ("LMCACHE_NIXL_BACKEND_PARAMS", '"{\\"dir\\": \\"/mnt/nixl\\"}"', "nixl_backend_params", {"dir": "/mnt/nixl"}),
+        ("LMCACHE_TIER_ORDER", '"[\\"cpu\\", \\"disk\\"]"', "tier_order", ["cpu", "disk"]),
+        ("LMCACHE_LOCAL_DISK", '"/data/my \\"cache\\""', "local_disk", '/data/my "cache"'),
+        ("LMCACHE_REMOTE_KEY_PREFIX", '"team\\tA"', "remote_key_prefix", "team\tA"),
+        ("LMCACHE_REMOTE_KEY_PREFIX", "'caf\\u00e9'", "remote_key_prefix", "caf\u00e9"),
+        # The content of quotes is kept as written, inner spaces included.
+        ("LMCACHE_REMOTE_KEY_PREFIX", '" spaced "', "remote_key_prefix", " spaced "),
+        # Not a valid literal: only the outer quotes go.
+        ("LMCACHE_REMOTE_KEY_PREFIX", '"a\\x"', "remote_key_prefix", "a\\x"),
+        ("LMCACHE_LOCAL_DISK", '"/mnt/\\d"', "local_disk", "/mnt/\\d"),
+        ("LMCACHE_CHUNK_SIZE", '"512"', "chunk_size", 512),
+        ("LMCACHE_MAX_LOCAL_CPU_SIZE", "' 1.5 '", "max_local_cpu_size", 1.5),
+        ("LMCACHE_SAVE_UNFULL_CHUNK", '"true"', "save_unfull_chunk", True),
+    ],
+)
+def test_quoted_env_values_are_read_as_lmcache_reads_them(monkeypatch, var, raw, key, expected):
+    monkeypatch.setenv(var, raw)
+    cfg = load_engine_config()
+    assert getattr(cfg, key) == expected
+    assert cfg.source_of(key) == f"env {var}"
+
+
+def test_quoted_ec_env_values_are_read_the_same_way(monkeypatch):
+    monkeypatch.setenv("LMCACHE_EC_EXTRA_CONFIG", '"{\\"config\\": \\"ec\\"}"')
+    assert load_ec_engine_config().extra_config == {"config": "ec"}
+
+
+@pytest.mark.parametrize(
     ("var", "raw"),
     [
         ("LMCACHE_CHUNK_SIZE", "abc"),
@@ -135,11 +169,57 @@ def test_unknown_file_key_warned_and_dropped(tmp_path, caplog):
     assert "'ec'" not in caplog.text
 
 
-def test_lmcache_only_keys_are_accepted_silently(tmp_path, caplog):
-    p = write(tmp_path, "use_layerwise: true\nenable_blending: false\n")
+_WITHOUT_EFFECT = {"enable_pd": True, "lmcache_instance_id": "inst-1", "use_layerwise": False, "pd_role": "sender"}
+
+
+def _no_effect_warnings(caplog, key):
+    return [
+        r
+        for r in caplog.records
+        if r.levelno == logging.WARNING and repr(key) in r.getMessage() and "no effect" in r.getMessage()
+    ]
+
+
+@pytest.mark.parametrize("source", ["file", "env", "from_dict", "from_defaults"])
+def test_lmcache_keys_without_effect_load_from_every_source_with_one_warning_each(
+    source, tmp_path, monkeypatch, caplog
+):
     with caplog.at_level(logging.WARNING, logger="lmcache_async.config"):
-        LMCacheEngineConfig.from_file(p)
+        if source == "file":
+            text = yaml.safe_dump({"chunk_size": 128, **_WITHOUT_EFFECT})
+            cfg = load_engine_config(write(tmp_path, text))
+        elif source == "env":
+            monkeypatch.setenv("LMCACHE_CHUNK_SIZE", "128")
+            for k, v in _WITHOUT_EFFECT.items():
+                monkeypatch.setenv(f"LMCACHE_{k.upper()}", str(v))
+            cfg = load_engine_config()
+        elif source == "from_dict":
+            cfg = LMCacheEngineConfig.from_dict({"chunk_size": 128, **_WITHOUT_EFFECT})
+        else:
+            cfg = LMCacheEngineConfig.from_defaults(chunk_size=128, **_WITHOUT_EFFECT)
+    assert cfg.chunk_size == 128
+    for key in _WITHOUT_EFFECT:
+        assert len(_no_effect_warnings(caplog, key)) == 1, key
     assert "unknown" not in caplog.text
+
+
+def test_a_key_without_effect_in_file_and_env_warns_once_per_load(tmp_path, monkeypatch, caplog):
+    p = write(tmp_path, "enable_pd: true\n")
+    monkeypatch.setenv("LMCACHE_CONFIG_FILE", str(p))
+    monkeypatch.setenv("LMCACHE_ENABLE_PD", "false")
+    with caplog.at_level(logging.WARNING, logger="lmcache_async.config"):
+        load_engine_config()
+    assert len(_no_effect_warnings(caplog, "enable_pd")) == 1
+    with caplog.at_level(logging.WARNING, logger="lmcache_async.config"):
+        load_ec_engine_config()  # a second load says it again, once
+    assert len(_no_effect_warnings(caplog, "enable_pd")) == 2
+
+
+def test_from_defaults_rejects_an_unknown_key_naming_it():
+    with pytest.raises(ConfigError, match="unknown configuration key 'no_such_key'"):
+        LMCacheEngineConfig.from_defaults(no_such_key=1)
+    with pytest.raises(ConfigError, match="'chunk_sise'.*did you mean 'chunk_size'"):
+        LMCacheEngineConfig.from_defaults(chunk_sise=128)
 
 
 def test_unknown_env_and_ec_env_are_not_taken_by_base(monkeypatch):

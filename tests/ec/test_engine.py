@@ -8,8 +8,9 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from engines._data import UNSTORABLE_KINDS, unstorable
 
-from lmcache_async import CacheEngineKey, ManagerClosedError, MemoryFormat, stable_u64_from_str
+from lmcache_async import CacheEngineKey, LoopThreadCallError, ManagerClosedError, MemoryFormat, stable_u64_from_str
 from lmcache_async.engines.encoder_cache import ECCacheEngine, ec_cache_key
 
 from .helpers import KiB, MiB, gib
@@ -177,6 +178,18 @@ def test_non_tensor_put_raises_type_error(make_engine: MakeEngine) -> None:
     assert not engine.contains("h")
 
 
+@pytest.mark.parametrize("kind", UNSTORABLE_KINDS)
+async def test_put_of_a_tensor_without_dense_bytes_is_a_type_error_naming_tensor(
+    make_engine: MakeEngine, kind: str
+) -> None:
+    engine = make_engine()
+    with pytest.raises(TypeError, match=r"^tensor "):
+        engine.put("h", unstorable(kind, (4, 8)))
+    with pytest.raises(TypeError, match=r"^tensor "):
+        await engine.aput("h", unstorable(kind, (4, 8)))
+    assert not engine.contains("h")
+
+
 @pytest.mark.parametrize("bad", [None, 12, b"bytes", ["list"]])
 def test_non_str_mm_hash_raises_type_error(make_engine: MakeEngine, bad: object) -> None:
     engine = make_engine()
@@ -202,6 +215,49 @@ def test_bad_device_raises(make_engine: MakeEngine) -> None:
         engine.get("h", device="no-such-device")
     with pytest.raises(TypeError, match="device"):
         engine.get("h", device=1.5)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", ["\ud800", "img-\udfff-1"])
+async def test_mm_hash_with_a_lone_surrogate_is_a_value_error_naming_it(make_engine: MakeEngine, bad: str) -> None:
+    engine = make_engine()
+    for call in (
+        lambda: engine.put(bad, torch.ones(1)),
+        lambda: engine.get(bad),
+        lambda: engine.contains(bad),
+        lambda: engine.delete(bad),
+        lambda: engine.key(bad),
+        lambda: ec_cache_key("m", bad, torch.bfloat16),
+    ):
+        with pytest.raises(ValueError, match="mm_hash"):
+            call()
+    with pytest.raises(ValueError, match="mm_hash"):
+        await engine.aput(bad, torch.ones(1))
+    with pytest.raises(ValueError, match="mm_hash"):
+        await engine.aget(bad)
+    with pytest.raises(ValueError, match="mm_hash"):
+        await engine.acontains(bad)
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "meta",
+        "cuda:4096",
+        pytest.param("cuda:0", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available")),
+    ],
+)
+async def test_get_to_a_device_this_machine_lacks_is_a_value_error_on_hit_and_miss(
+    make_engine: MakeEngine, device: str
+) -> None:
+    engine = make_engine()
+    engine.put("hit", torch.ones(2))
+    for mm_hash in ("hit", "miss"):
+        with pytest.raises(ValueError, match="device"):
+            engine.get(mm_hash, device=device)
+        with pytest.raises(ValueError, match="device"):
+            await engine.aget(mm_hash, device=device)
+    out = engine.get("hit")
+    assert out is not None and torch.equal(out, torch.ones(2))
 
 
 def test_get_of_a_missing_hash_is_none(make_engine: MakeEngine) -> None:
@@ -397,6 +453,21 @@ def test_close_is_idempotent_and_later_calls_raise(make_engine: MakeEngine) -> N
         engine.get("h")
     with pytest.raises(ManagerClosedError):
         engine.contains("h")
+
+
+def test_close_on_its_loop_thread_raises_and_leaves_the_engine_closable(make_engine: MakeEngine) -> None:
+    engine = make_engine()
+    sm = engine.storage_manager
+
+    async def close_on_the_loop() -> None:
+        engine.close()
+
+    with pytest.raises(LoopThreadCallError):
+        sm.loop_thread.run_sync(close_on_the_loop(), timeout=10)
+    assert not engine.closed
+    assert engine.put("h", torch.ones(1))  # still open
+    engine.close()
+    assert engine.closed and sm.pool is None
 
 
 def test_context_manager_closes(ec_config: Callable[..., object]) -> None:

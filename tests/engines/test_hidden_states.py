@@ -7,9 +7,9 @@ import threading
 
 import pytest
 import torch
-from engines._data import CHUNK, HIDDEN, hidden, kv_for, tokens
+from engines._data import CHUNK, HIDDEN, UNSTORABLE_KINDS, hidden, kv_for, tokens, unstorable
 
-from lmcache_async import HiddenStateStore, LMCacheEngineConfig, ManagerClosedError
+from lmcache_async import HiddenStateStore, LMCacheEngineConfig, LoopThreadCallError, ManagerClosedError
 from lmcache_async.engines.hidden_states import HS_LAYER_TAG, hs_entry_key
 
 
@@ -487,6 +487,26 @@ def test_hidden_states_must_be_2d(make_engine):
         hs.store_hidden_states(tokens(CHUNK), torch.zeros(CHUNK, HIDDEN, dtype=torch.int32))
 
 
+@pytest.mark.parametrize("kind", UNSTORABLE_KINDS)
+def test_store_of_a_tensor_without_dense_bytes_is_a_type_error_naming_hidden_states(make_engine, kind):
+    eng = make_engine()
+    hs = eng.hidden_state_store
+    toks = tokens(2 * CHUNK, seed=5)
+    _with_kv(eng, toks)
+    with pytest.raises(TypeError, match=r"^hidden_states "):
+        hs.store_hidden_states(toks, unstorable(kind, (2 * CHUNK, HIDDEN)))
+    assert hs.retrieve_hidden_states(toks) is None
+
+
+def test_lmcache_call_shape_with_a_positional_token_database_is_a_type_error_naming_metadata(make_engine):
+    eng = make_engine(enable_hidden_state_cache=False)
+    cfg = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, max_hidden_state_cpu_size=1 / 256)
+    with pytest.raises(TypeError, match=r"metadata \(the second positional argument\).*token_database="):
+        HiddenStateStore(cfg, eng.token_database)
+    with pytest.raises(TypeError, match=r"metadata \(the second positional argument\).*got str"):
+        HiddenStateStore(cfg, "test-model")
+
+
 @pytest.mark.parametrize("offset", [-1, 2 * CHUNK + 1])
 def test_offset_outside_the_prompt_is_a_value_error(make_engine, offset):
     hs = make_engine().hidden_state_store
@@ -599,6 +619,25 @@ def test_calls_after_close_raise_and_close_is_idempotent(make_engine):
         hs.retrieve_hidden_states(tokens(CHUNK))
     with pytest.raises(ManagerClosedError):
         hs.store_hidden_states(tokens(CHUNK), hidden(CHUNK))
+
+
+def test_close_on_its_loop_thread_raises_and_leaves_the_store_closable():
+    cfg = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, max_hidden_state_cpu_size=1 / 256)
+    hs = HiddenStateStore(cfg)
+    sm = hs.storage_manager
+
+    async def close_on_the_loop() -> None:
+        hs.close()
+
+    try:
+        with pytest.raises(LoopThreadCallError):
+            sm.loop_thread.run_sync(close_on_the_loop(), timeout=10)
+        assert not hs.closed and not sm.closed
+        toks = tokens(CHUNK)
+        assert hs.store_hidden_states(toks, hidden(CHUNK)) == 1  # still open
+    finally:
+        hs.close()
+    assert hs.closed and sm.closed and sm.pool is None
 
 
 def test_standalone_store_without_kv_manager_checks_hs_only():

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engines._data import CHUNK, kv_for, tokens
+from engines._data import CHUNK, UNSTORABLE_KINDS, kv_for, tokens, unstorable
 
-from lmcache_async import LMCacheEngine, LMCacheEngineConfig, ManagerClosedError, MemoryFormat
+from lmcache_async import LMCacheEngine, LMCacheEngineConfig, LoopThreadCallError, ManagerClosedError, MemoryFormat
 from lmcache_async.token_database import ChunkedTokenDatabase
 
 
@@ -144,6 +144,38 @@ def test_kv_shape_and_type_are_checked(make_engine):
         eng.lookup(torch.zeros(CHUNK))
 
 
+@pytest.mark.parametrize("kind", UNSTORABLE_KINDS)
+def test_store_of_a_tensor_without_dense_bytes_is_a_type_error_naming_kv(make_engine, kind):
+    eng = make_engine()
+    toks = tokens(2 * CHUNK, seed=7)
+    with pytest.raises(TypeError, match=r"^kv "):
+        eng.store(toks, unstorable(kind, (2, 2, 2 * CHUNK, 8)))
+    assert eng.lookup(toks) == 0
+
+
+_BAD_DEVICES = [
+    "bogus",
+    "meta",
+    "cuda:4096",
+    pytest.param("cuda:0", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available")),
+]
+
+
+@pytest.mark.parametrize("device", _BAD_DEVICES)
+def test_retrieve_to_a_device_this_machine_lacks_is_a_value_error_on_hit_and_miss(make_engine, device):
+    eng = make_engine()
+    toks = tokens(2 * CHUNK)
+    with pytest.raises(ValueError, match="device"):
+        eng.retrieve(toks, device=device)  # a miss
+    eng.store(toks, kv_for(2 * CHUNK))
+    with pytest.raises(ValueError, match="device"):
+        eng.retrieve(toks, device=device)  # a hit
+    with pytest.raises(TypeError, match="device"):
+        eng.retrieve(toks, device=1.5)
+    n, got = eng.retrieve(toks, device=torch.device("cpu"))
+    assert n == 2 * CHUNK and got is not None
+
+
 def test_constructor_checks_its_arguments(small_config):
     with pytest.raises(TypeError, match="config"):
         LMCacheEngine({"chunk_size": 16})
@@ -242,6 +274,25 @@ def test_close_is_idempotent_and_later_calls_raise(small_config, metadata):
         eng.lookup(tokens(CHUNK))
     with pytest.raises(ManagerClosedError):
         eng.store(tokens(CHUNK), kv_for(CHUNK))
+
+
+@pytest.mark.parametrize("manager", ["kv", "hs"])
+def test_close_on_a_managers_loop_thread_raises_and_leaves_the_engine_closable(make_engine, manager):
+    eng = make_engine()
+    hs = eng.hidden_state_store
+    sm = eng.storage_manager if manager == "kv" else hs.storage_manager
+
+    async def close_on_the_loop() -> None:
+        eng.close()
+
+    with pytest.raises(LoopThreadCallError):
+        sm.loop_thread.run_sync(close_on_the_loop(), timeout=10)
+    assert not eng.closed and not hs.closed
+    assert not eng.storage_manager.closed and not hs.storage_manager.closed
+    eng.store(tokens(CHUNK), kv_for(CHUNK))  # still open
+    eng.close()
+    assert eng.closed and hs.closed
+    assert eng.storage_manager.pool is None and hs.storage_manager.pool is None  # both pools released
 
 
 def test_engine_exposes_its_parts(make_engine):
