@@ -24,9 +24,17 @@ operations, the index and the counters live in :mod:`.disk_store`, the shared bu
 * **Start.** :meth:`DiskBackend.start` rebuilds the index in the background by reading record
   headers, recounts the directory's bytes, reaps temporary files whose writer is gone and evicts
   down to the budget. Until then every lookup simply looks at the file.
-* **Lookups** (``contains``/``contains_nowait``) answer from the index, else ``os.stat`` the
-  file: no such file is "absent"; any other error (EACCES, EIO, a closed tier) is "unknown"
-  (``contains_nowait`` returns None, ``contains`` raises OSError, which the manager counts).
+* **Lookups** (``contains``/``contains_nowait``/``batched_contains``) ``os.stat`` the entry's
+  file, also for an entry in the index: a file deleted behind the tier's back (by hand, by
+  another process's eviction) is never reported present. No such file is "absent" (an index
+  entry for it is dropped and its shard's accounting repaired on the executor); any other error
+  (EACCES, EIO, a closed tier) is "unknown" (``contains_nowait`` returns None, ``contains``
+  raises OSError, which the manager counts). Whether a present file is also readable is for
+  ``get`` to find out.
+* **Put over an existing record** keeps it only when it is a valid record of the key (checked
+  like a read: header, key, size, payload checksum); a damaged or foreign one is deleted
+  (counted as ``corrupt``) and replaced, so a ``put`` that returns True leaves a readable record
+  (or one another writer published meanwhile).
 * **Remove/clear after an abandoned put.** A write whose caller gave up keeps running; a
   ``remove`` of its key (``clear``: of any key) waits for it, so it never publishes afterwards.
 * **Trouble.** A truncated, corrupt or foreign file is a miss, is deleted and counted.
@@ -128,6 +136,11 @@ class DiskBackend(StorageBackend):
     @property
     def shared(self) -> bool:
         return True
+
+    @property
+    def max_entry_bytes(self) -> int | None:
+        """The largest record, header included, the directory's budget can ever hold."""
+        return self.budget_bytes
 
     # ---- plumbing ----------------------------------------------------------------------------
     def _submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
@@ -259,8 +272,9 @@ class DiskBackend(StorageBackend):
 
     # ---- backend interface --------------------------------------------------------------------
     async def put(self, key: CacheEngineKey, obj: MemoryObj) -> bool:
-        """Write ``obj``'s record (True when stored or already present; False when writes are
-        stopped, the budget cannot make room, or the write failed)."""
+        """Write ``obj``'s record (True when stored, or when a valid record of the key is already
+        there: it is kept; a damaged or foreign one is replaced. False when writes are stopped,
+        the budget cannot make room, the write failed, or an existing record cannot be read)."""
         return (await self.batched_put([(key, obj)]))[0]
 
     async def batched_put(self, items: Sequence[tuple[CacheEngineKey, MemoryObj]]) -> list[bool]:
@@ -404,25 +418,35 @@ class DiskBackend(StorageBackend):
         return out
 
     def _lookup(self, key: CacheEngineKey) -> bool:
-        """Index hit, else one ``os.stat`` of the entry's file. Raises OSError when the answer
-        is unknown: the tier is closed, or the file cannot be looked at (EACCES, EIO, ELOOP,
-        ...). Only "no such file" (ENOENT, ENOTDIR) means absent."""
+        """One ``os.stat`` of the entry's file (an index hit is not trusted: the file may have
+        been deleted behind the tier's back). Raises OSError when the answer is unknown: the tier
+        is closed, or the file cannot be looked at (EACCES, EIO, ELOOP, ...). Only "no such file"
+        (ENOENT, ENOTDIR) means absent; an index entry for it is dropped then and its shard's
+        accounting repaired in the background (any thread; no blocking beyond the stat)."""
         if self._closed:
             raise OSError(errno.EBADF, "disk tier is closed", self.root)
         digest = key_digest(key.to_string())
-        if digest in self.store:
-            return True
         try:
             return os.stat(entry_path(self.root, digest)).st_size >= 64
         except (FileNotFoundError, NotADirectoryError):
+            if digest in self.store and self.store.forget_vanished(digest):
+                self._repair_later(digest[0])
             return False
+
+    def _repair_later(self, shard: int) -> None:
+        """Recount ``shard`` on the executor (any thread); if the executor is gone, at this
+        process's next hold of the directory lock."""
+        try:
+            self._submit(self.store.repair_shard, shard)
+        except RuntimeError:  # the executor was shut down
+            self.store.budget.recount_later(shard)
 
     async def batched_contains(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
         """Presence of each key; raises OSError when a lookup cannot tell (see :meth:`contains`)."""
         return [self._lookup(_check_key(k)) for k in keys]
 
     def contains_nowait(self, key: CacheEngineKey) -> bool | None:
-        """Index hit, else one ``os.stat`` of the entry's file (any thread). None (unknown: the
+        """One ``os.stat`` of the entry's file (any thread; see :meth:`_lookup`). None (unknown: the
         manager then asks :meth:`contains` on its loop, which raises and so is counted) when the
         tier is closed or the file cannot be looked at; False only when there is no such file."""
         try:

@@ -10,11 +10,13 @@ open, write or read, close), never run on the event loop. It owns
 * the write stop/resume state and the counters reported by ``stats()``.
 
 Nothing here trusts a file: every read checks the record (:mod:`lmcache_async.records`), and a
-damaged, truncated or foreign file is deleted and counted. Nor does it trust the accounting
-blindly: files deleted behind the tier's back are noticed by reads and by eviction and their
-shards recounted (:class:`_Repairs`), so writes never stay refused until the next start; and a
-read or write racing a removal never leaves an index entry without a file
-(:meth:`DiskStore._note_present`).
+damaged, truncated or foreign file is deleted and counted. A write that finds a record already at
+its key's name checks it the same way (:meth:`DiskStore.write`): a valid one is kept, a damaged or
+foreign one is deleted (counted) and replaced, so a put always leaves a readable record. Nor
+does it trust the accounting blindly: files deleted behind the tier's back are noticed by
+lookups, reads and eviction and their shards recounted (:class:`_Repairs`), so writes never
+stay refused until the next start; and a read or write racing a removal never leaves an index
+entry without a file (:meth:`DiskStore._note_present`).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from lmcache_async.backends.disk_layout import (
 from lmcache_async.memory import MemoryObj
 from lmcache_async.records import (
     RecordError,
+    RecordHeader,
     decode_header,
     encode_header,
     payload_checksum,
@@ -70,6 +73,7 @@ WRITE_STOP_ERRNOS = frozenset(
 """Errors that stop writes for a back-off (disk full, quota, read-only, permission, too big)."""
 _HEADER_PROBE = 512  # first read of a header (most keys fit); a longer header takes a second read
 _TOUCH_AFTER_S = 60.0  # refresh a file's mtime on read at most this often
+_PUBLISH_TRIES = 4  # publish attempts of one write, each after a damaged record at its name went
 _LOG_EVERY_S = 5.0
 
 # outcomes of write()
@@ -396,34 +400,51 @@ class DiskStore:
             self._note_removed(digest)
             self._log.warn("corrupt-rm", "disk tier: cannot delete a damaged file: %s", exc)
 
-    def _vanished(self, digest: bytes) -> None:
-        """A file the index knew is gone: forget it and repair the shard's accounting."""
+    def forget_vanished(self, digest: bytes) -> bool:
+        """A lookup found no file for ``digest``: drop its index entry (any thread, no I/O).
+
+        True when it was indexed (counted as ``vanished``): the file was deleted behind the
+        tier's back and the accounting may still count it, so the caller has its shard
+        recounted (:meth:`repair_shard`)."""
         with self._ilock:
             known = self._index.pop(digest, None) is not None
-        if not known:
-            return
-        self.count("vanished")
+            if known and self._scan_removed is not None:
+                self._scan_removed.add(digest)
+        if known:
+            self.count("vanished")
+        return known
+
+    def repair_shard(self, shard: int) -> None:
+        """Recount ``shard`` (all of them when it counted bytes of missing files; see
+        :class:`_Repairs`) under the directory lock. Blocking; failures are ignored (the next
+        holder of the lock, or the next start, repairs it)."""
         try:
             with self._budget.locked() as led:
-                _Repairs().shard(led, digest[0])
+                _Repairs().shard(led, shard)
         except OSError:
             pass
+
+    def _vanished(self, digest: bytes) -> None:
+        """A file the index knew is gone: forget it and repair the shard's accounting."""
+        if self.forget_vanished(digest):
+            self.repair_shard(digest[0])
 
     # ---- whole-file operations (executor threads) ------------------------------------------------
     def write(self, digest: bytes, kstr: str, obj: MemoryObj) -> str:
         hexd = digest.hex()
         sdir = f"{self.root}/{hexd[:2]}"
         path = f"{sdir}/{hexd}{ENTRY_SUFFIX}"
-        try:  # a re-put, or another process wrote it: nothing to do
-            st = os.stat(path)
+        try:  # a re-put, or another process wrote it: keep it if it is a valid record
+            os.stat(path)
         except FileNotFoundError:
             pass
         except OSError as exc:
             self._write_failed(exc, "stat")
             return FAILED
         else:
-            self._note_present(digest, st.st_size, functools.partial(_exists, path))
-            return EXISTS
+            found = self._check_existing(digest, kstr, path)
+            if found is not None:
+                return found
         view = obj.byte_view()
         try:
             header = encode_header(kstr, obj.shape, obj.dtype, obj.fmt, payload_checksum(view))
@@ -448,7 +469,19 @@ class DiskStore:
                     os.fdatasync(fd)
             finally:
                 os.close(fd)
-            status = self._publish(digest, tmp, path, total)
+            for _ in range(_PUBLISH_TRIES):
+                status = self._publish(digest, tmp, path, total)
+                if status != EXISTS:
+                    break
+                # Another writer published first: first valid writer wins, a damaged one goes.
+                found = self._check_existing(digest, kstr, path)
+                if found is not None:
+                    status = found
+                    break
+            else:  # a damaged record reappeared at the name every time
+                self.count("write_errors")
+                self._log.warn("write", "disk tier: cannot publish %s: damaged records keep appearing", path)
+                status = FAILED
             if status == STORED and self.fsync == "full":
                 fsync_dir(sdir)
         except OSError as exc:
@@ -464,8 +497,6 @@ class DiskStore:
             self._note_present(digest, total, functools.partial(_exists, path))
             self.count("stored")
             self._write_ok()
-        elif status == EXISTS:
-            self._note_present(digest, total, functools.partial(_exists, path))
         elif status == NO_SPACE:
             self.count("no_space")
         return status
@@ -517,6 +548,45 @@ class DiskStore:
             pass
         self._budget.recount_later(digest[0])
 
+    def _check_existing(self, digest: bytes, kstr: str, path: str) -> str | None:
+        """Check the record a write found at its key's name, as a read would (header, key, size,
+        payload checksum). ``EXISTS`` when it is valid: it is kept (and indexed). None when there
+        is no record there any more: a damaged or foreign one was deleted (counted; unless a fresh
+        record replaced it meanwhile, which the caller's publish then meets), so the caller writes
+        its own. ``FAILED`` when it cannot be read (EACCES, EIO, ...): it is kept, unverified, and
+        the write reports failure (``read_errors``)."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            self.count("read_errors")
+            self._log.warn("read", "disk tier: cannot open %s: %s", path, exc)
+            return FAILED
+        bad: tuple[int, str] | None = None
+        try:
+            st = os.fstat(fd)
+            try:
+                hdr = _verified_header(fd, st.st_size, kstr)
+            except RecordError as exc:
+                bad = (st.st_ino, str(exc))
+                return None
+            # A scratch buffer: the payload is only checked, never kept.
+            bad_payload = _payload_problem(fd, hdr, memoryview(bytearray(hdr.payload_len)))
+            if bad_payload is not None:
+                bad = (st.st_ino, bad_payload)
+                return None
+            self._note_present(digest, st.st_size, functools.partial(_linked, fd))
+            return EXISTS
+        except OSError as exc:
+            self.count("read_errors")
+            self._log.warn("read", "disk tier: reading %s failed: %s", path, exc)
+            return FAILED
+        finally:
+            os.close(fd)
+            if bad is not None:
+                self._discard_corrupt(digest, *bad)
+
     def read(self, digest: bytes, kstr: str, alloc: Allocate) -> MemoryObj | None:
         path = self._path(digest)
         try:
@@ -533,15 +603,7 @@ class DiskStore:
         try:
             st = os.fstat(fd)
             try:
-                head = os.pread(fd, _HEADER_PROBE, 0)
-                hlen = peek_header_len(head)
-                if hlen > len(head):
-                    head = os.pread(fd, hlen, 0)
-                hdr = decode_header(head, expect_key=kstr)
-                if st.st_size != hdr.total_len:
-                    raise RecordError(
-                        "file is truncated" if st.st_size < hdr.total_len else "trailing bytes"
-                    )
+                hdr = _verified_header(fd, st.st_size, kstr)
             except RecordError as exc:
                 bad = (st.st_ino, str(exc))
                 return None
@@ -549,12 +611,9 @@ class DiskStore:
             if obj is None:
                 self.count("alloc_failures")
                 return None
-            view = obj.byte_view()
-            if read_exact_into(fd, view, hdr.header_len) != hdr.payload_len:
-                bad = (st.st_ino, "file is truncated")
-                return None
-            if payload_checksum(view) != hdr.checksum:
-                bad = (st.st_ino, "payload checksum mismatch")
+            bad_payload = _payload_problem(fd, hdr, obj.byte_view())
+            if bad_payload is not None:
+                bad = (st.st_ino, bad_payload)
                 return None
             if time.time() - st.st_mtime > _TOUCH_AFTER_S:
                 try:
@@ -638,11 +697,7 @@ class DiskStore:
             return False
         problem = None
         try:
-            head = os.pread(fd, _HEADER_PROBE, 0)
-            hlen = peek_header_len(head)
-            if hlen > len(head):
-                head = os.pread(fd, hlen, 0)
-            hdr = decode_header(head)
+            hdr = _read_header(fd)
             if key_digest(hdr.key) != e.digest:
                 problem = "file name does not match the key it holds"
             elif e.size != hdr.total_len:
@@ -680,6 +735,35 @@ class DiskStore:
     def evict_to_budget(self) -> None:
         with self._budget.locked() as led:
             self._make_room(led, 0, None)
+
+
+def _read_header(fd: int, expect_key: str | None = None) -> RecordHeader:
+    """Decode and check the header of the record in ``fd`` (:func:`decode_header`: also the
+    key when ``expect_key`` is given); RecordError when it is not a well-formed record."""
+    head = os.pread(fd, _HEADER_PROBE, 0)
+    hlen = peek_header_len(head)
+    if hlen > len(head):
+        head = os.pread(fd, hlen, 0)
+    return decode_header(head, expect_key=expect_key)
+
+
+def _verified_header(fd: int, size: int, kstr: str) -> RecordHeader:
+    """The header of the record in ``fd`` (a file of ``size`` bytes) when it is a well-formed
+    record of ``kstr`` exactly as long as its header says; RecordError otherwise."""
+    hdr = _read_header(fd, kstr)
+    if size != hdr.total_len:
+        raise RecordError("file is truncated" if size < hdr.total_len else "trailing bytes")
+    return hdr
+
+
+def _payload_problem(fd: int, hdr: RecordHeader, view: memoryview) -> str | None:
+    """Read the payload of ``fd``'s record (header ``hdr``) into ``view`` and check it; what is
+    wrong with it, or None when it is whole and its checksum matches."""
+    if read_exact_into(fd, view, hdr.header_len) != hdr.payload_len:
+        return "file is truncated"
+    if payload_checksum(view) != hdr.checksum:
+        return "payload checksum mismatch"
+    return None
 
 
 def _exists(path: str) -> bool:

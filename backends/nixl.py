@@ -334,6 +334,12 @@ class NixlBackend(StorageBackend):
         return self.settings.max_bytes
 
     @property
+    def max_entry_bytes(self) -> int | None:
+        """The largest record, header included, this tier could ever hold: the ``nixl_max_size``
+        budget (a slot file grows to the record it holds, so the slot layout has the same bound)."""
+        return self.settings.max_bytes
+
+    @property
     def layout_name(self) -> str:
         """``files``, ``slots`` or ``objects``."""
         return {KeyFileLayout: "files", SlotFileLayout: "slots", ObjectLayout: "objects"}[

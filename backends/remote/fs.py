@@ -5,8 +5,16 @@ mounts that many machines see.
   a single-part record (header then payload), verified on every read.
 * Publish: the record is written to a hidden temporary name in the same directory
   (``.<digest>.rec.<host>.<pid>.<random>.tmp``) and then hard-linked to its final name, which
-  fails if the entry exists: a reader never sees a partial file, and the first writer of a key
-  wins. Where hard links are not supported the temporary file is renamed instead.
+  fails if the entry exists: a reader never sees a partial file, and the first valid writer of a
+  key wins. Where hard links are not supported the temporary file is renamed instead. A record
+  already at the name is checked like a read (header, key, sizes, payload checksum): a valid one
+  is kept, a damaged or foreign one is deleted (counted) and replaced, so a ``put`` leaves a
+  readable record.
+* Damage: a read that finds a damaged record, or a record of another key, returns a miss after
+  deleting it (counted as ``corrupt`` / ``foreign``), so the key can be stored again. Other
+  processes share the directory: the file is first renamed to a private temporary name and
+  deleted only if it is still the file that was read (device, inode, size, mtime); a fresh
+  record another writer published at the name meanwhile is put back.
 * Durability: ``?fsync=none`` (default; close-to-open consistency of network filesystems),
   ``data`` (fsync the file) or ``full`` (file and directory).
 * No eviction of ours: the filesystem's quota governs. ``remote_ttl_s`` is honoured by file age.
@@ -38,7 +46,7 @@ import xxhash
 from lmcache_async.backend import Allocate
 from lmcache_async.backends.disk_layout import make_private_dirs
 from lmcache_async.memory import MemoryObj
-from lmcache_async.records import PROBE_LEN, RecordError, decode_header, peek_header_len
+from lmcache_async.records import PROBE_LEN, RecordError, RecordHeader, decode_header, peek_header_len
 
 from .codec import AllocationFailed, ForeignRecord, allocate, prepare
 from .connector import Connector, ConnectorSettings
@@ -56,6 +64,7 @@ STALE_TMP_S = 900.0
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
 _NO_LINK_ERRNOS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV})
 _LOG_EVERY_S = 5.0
+_PUBLISH_TRIES = 4  # publish attempts of one put, each after a damaged record at its name went
 
 
 def _writer_gone(host: str, pid_text: str) -> bool:
@@ -200,6 +209,82 @@ class FSConnector(Connector):
     def _expired(self, mtime: float) -> bool:
         return self._ttl is not None and time.time() - mtime > self._ttl
 
+    def _count(self, counter: str) -> None:
+        """Add one to a counter (any thread: executor jobs count what they find)."""
+        with self._lock:
+            setattr(self, counter, getattr(self, counter) + 1)
+
+    def _bad_record(self, path: Path, seen: os.stat_result, exc: RecordError) -> None:
+        """Count, log and delete a record file that failed a check (executor thread)."""
+        foreign = isinstance(exc, ForeignRecord)
+        self._count("foreign" if foreign else "corrupt")
+        removed = self._discard(path, seen)
+        self._log(
+            "fs:// record %s %s; %s",
+            path,
+            "holds another key" if foreign else f"is corrupt ({exc})",
+            "removed" if removed else "not removed (replaced or gone meanwhile)",
+        )
+
+    def _discard(self, path: Path, seen: os.stat_result) -> bool:
+        """Delete the record file at ``path`` if it is still the file ``seen`` describes; True
+        when it was deleted by this call.
+
+        Other processes share the directory, so a fresh record may have been published at the
+        name since the damaged one was read (after someone else deleted that one). The file is
+        therefore renamed to a private temporary name first (atomic: nobody can publish into it)
+        and compared there; a file other than ``seen`` is linked back to its name (unless yet
+        another record was published there meanwhile, which then stays). A process killed in
+        between leaves a temporary file that is reaped like a dead writer's. A file that cannot
+        be deleted (a read-only filesystem, say) stays, logged: it stays a miss."""
+        trash = path.parent / f".{path.name}.{_host_tag()}.{secrets.token_hex(4)}.tmp"
+        try:
+            try:
+                os.rename(path, trash)
+            except FileNotFoundError:
+                return False  # deleted already (by another reader, a remove, a clear)
+            if _same_file(os.stat(trash), seen):
+                _unlink(trash)
+                return True
+            try:  # someone else's record: put it back
+                os.link(trash, path)
+            except FileExistsError:
+                pass  # yet another record was published meanwhile: it stays
+            except OSError as exc:
+                if exc.errno not in _NO_LINK_ERRNOS:
+                    raise
+                if not path.exists():
+                    os.replace(trash, path)
+                    return False
+            _unlink(trash)
+            return False
+        except OSError as exc:  # what stays under a temporary name is reaped like a dead writer's
+            self._log("fs:// tier cannot remove the record %s: %s", path, exc)
+            return False
+
+    def _keep_existing(self, path: Path, key: str) -> bool:
+        """A put found a record at its name: True when it is a valid, live record of ``key``
+        (kept); False when there is none any more (absent, expired, or damaged/foreign and
+        deleted: the caller writes its own). OSError when it cannot be read."""
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            return False
+        try:
+            st = os.fstat(fd)
+            if self._expired(st.st_mtime):
+                self._discard(path, st)
+                return False
+            try:
+                hdr = _check_head(fd, st.st_size, key)
+                _check_payload(fd, hdr, memoryview(bytearray(hdr.payload_len)))  # checked, not kept
+            except RecordError as exc:
+                self._bad_record(path, st, exc)
+                return False
+            return True
+        finally:
+            os.close(fd)
+
     # ---- lifecycle ------------------------------------------------------------------------------------
     async def start(self) -> None:
         await self._run(make_private_dirs, self._root)
@@ -227,28 +312,28 @@ class FSConnector(Connector):
         out = prepare(name, obj, 1 << 62)  # files are never split
         obj.ref_count_up()  # the job reads the block; it must outlive a cancelled caller
         try:
-            stored = await self._run(self._write, self._root / name.relpath, out.head, out.payload,
+            stored = await self._run(self._write, self._root / name.relpath, name.key, out.head, out.payload,
                                      after=obj.ref_count_down)  # fmt: skip
         except OSError as exc:
             if exc.errno in _FULL_ERRNOS:
-                self.write_errors += 1
+                self._count("write_errors")
                 self._log("fs:// tier cannot write under %s: %s", self._root, exc)
                 return False
             raise
+        if stored is None:
+            self._count("write_errors")
+            self._log("fs:// tier cannot publish %s: damaged records keep appearing", name.relpath)
+            return False
         if stored:
             self.bytes_written += len(out.head) + out.payload.nbytes
         return True
 
-    def _write(self, path: Path, head: bytes, payload: memoryview) -> bool:
-        """Publish one record file; False when it was already there."""
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            pass
-        else:
-            if not self._expired(st.st_mtime):
-                return False
-            _unlink(path)
+    def _write(self, path: Path, key: str, head: bytes, payload: memoryview) -> bool | None:
+        """Publish one record file of ``key``. False when a valid record was already there (it is
+        kept; a damaged or foreign one is replaced); None when one could not be published (a
+        damaged record reappeared at the name every time)."""
+        if self._keep_existing(path, key):  # a re-put, or another process wrote it
+            return False
         make_private_dirs(path.parent)
         tmp = path.parent / f".{path.name}.{_host_tag()}.{secrets.token_hex(4)}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
@@ -261,16 +346,23 @@ class FSConnector(Connector):
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                return False
-            except OSError as exc:
-                if exc.errno not in _NO_LINK_ERRNOS:
-                    raise
-                if path.exists():
+            for _ in range(_PUBLISH_TRIES):
+                try:
+                    os.link(tmp, path)
+                    break
+                except FileExistsError:
+                    pass
+                except OSError as exc:
+                    if exc.errno not in _NO_LINK_ERRNOS:
+                        raise
+                    if not path.exists():
+                        os.replace(tmp, path)
+                        break
+                # Another writer published first: first valid writer wins, a damaged one goes.
+                if self._keep_existing(path, key):
                     return False
-                os.replace(tmp, path)
+            else:
+                return None
         finally:
             _unlink(tmp)
         if self._fsync == "full":
@@ -283,22 +375,18 @@ class FSConnector(Connector):
 
     # ---- get ---------------------------------------------------------------------------------------------
     async def get(self, name: EntryName, alloc: Allocate) -> MemoryObj | None:
+        """The verified entry, or None. A damaged record, or one of another key, is deleted
+        (counted as ``corrupt`` / ``foreign``) before the miss is returned."""
         path = self._root / name.relpath
         try:
             obj = await self._run(self._read, path, name.key, alloc, orphan=_release)
-        except ForeignRecord:
-            self.foreign += 1
-            self._log("fs:// record %s holds another key; treated as a miss", path)
-            return None
-        except RecordError as exc:
-            self.corrupt += 1
-            self._log("fs:// record %s is corrupt (%s); removed", path, exc)
+        except RecordError:  # counted, logged and deleted by the job
             return None
         except AllocationFailed:
-            self.alloc_failed += 1
+            self._count("alloc_failed")
             return None
         except _Expired:
-            self.expired += 1
+            self._count("expired")
             return None
         if obj is not None:
             self.bytes_read += obj.nbytes
@@ -312,32 +400,18 @@ class FSConnector(Connector):
         try:
             st = os.fstat(fd)
             if self._expired(st.st_mtime):
-                _unlink(path)
+                self._discard(path, st)
                 raise _Expired()
             try:
-                head = os.pread(fd, PROBE_LEN, 0)
-                hlen = peek_header_len(head)
-                if hlen > len(head):
-                    head = os.pread(fd, hlen, 0)
-                hdr = decode_header(head)
-                if hdr.key != key:
-                    raise ForeignRecord("record holds another key")
-                if hdr.num_parts != 1 or st.st_size != hdr.header_len + hdr.payload_len:
-                    raise RecordError("file size does not match its header")
-            except ForeignRecord:
-                raise
-            except RecordError:
-                _unlink(path)
-                raise
-            obj = allocate(hdr, alloc)
-            try:
-                dst = obj.byte_view()
-                _read_all(fd, dst, hdr.header_len)
-                if xxhash.xxh3_64_intdigest(dst) != hdr.checksum:
-                    _unlink(path)
-                    raise RecordError("payload checksum mismatch")
-            except BaseException:
-                obj.ref_count_down()
+                hdr = _check_head(fd, st.st_size, key)
+                obj = allocate(hdr, alloc)
+                try:
+                    _check_payload(fd, hdr, obj.byte_view())
+                except BaseException:
+                    obj.ref_count_down()
+                    raise
+            except RecordError as exc:
+                self._bad_record(path, st, exc)
                 raise
             return obj
         finally:
@@ -411,6 +485,35 @@ def _give_orphan(f: concurrent.futures.Future[T], orphan: Callable[[T], None]) -
     if f.cancelled() or f.exception() is not None:
         return
     orphan(f.result())
+
+
+def _check_head(fd: int, size: int, key: str) -> RecordHeader:
+    """The header of the single-part record in ``fd`` (a file of ``size`` bytes) when it is a
+    well-formed record of ``key`` exactly as long as its header says. Raises
+    :class:`ForeignRecord` for a record of another key, RecordError for anything else wrong."""
+    head = os.pread(fd, PROBE_LEN, 0)
+    hlen = peek_header_len(head)
+    if hlen > len(head):
+        head = os.pread(fd, hlen, 0)
+    hdr = decode_header(head)
+    if hdr.key != key:
+        raise ForeignRecord("record holds another key")
+    if hdr.num_parts != 1 or size != hdr.header_len + hdr.payload_len:
+        raise RecordError("file size does not match its header")
+    return hdr
+
+
+def _check_payload(fd: int, hdr: RecordHeader, dst: memoryview) -> None:
+    """Read the payload of ``fd``'s record (header ``hdr``) into ``dst``; RecordError unless it
+    is whole and its checksum matches."""
+    _read_all(fd, dst, hdr.header_len)
+    if xxhash.xxh3_64_intdigest(dst) != hdr.checksum:
+        raise RecordError("payload checksum mismatch")
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    """True when ``a`` and ``b`` describe the same, unchanged file."""
+    return (a.st_dev, a.st_ino, a.st_size, a.st_mtime_ns) == (b.st_dev, b.st_ino, b.st_size, b.st_mtime_ns)
 
 
 def _unlink(path: Path) -> bool:

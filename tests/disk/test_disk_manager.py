@@ -56,14 +56,20 @@ def test_entry_that_left_the_cpu_tier_is_served_from_disk(make_manager, tmp_path
     assert disk["hits"] == 1 and disk["corrupt"] == 0
 
 
-def test_put_of_a_key_only_the_disk_holds_is_a_no_op(make_manager, tmp_path):
-    """Content-addressed: the first bytes stay, in every tier, even when the CPU tier has let
-    the entry go and a later put of the same key carries other bytes."""
+def test_put_of_a_key_only_the_disk_holds_is_stored_in_the_cpu_tier_and_the_disk_keeps_its_record(
+    make_manager, tmp_path
+):
+    """The disk's "present" is not trusted for a put (it may be a damaged record): the CPU tier
+    takes the entry again, and the write-through leaves the disk's intact record as it was."""
     sm, a = _key_1_only_on_disk(make_manager, tmp_path)
-    assert sm.put_sync(key(1), torch.zeros(MiB // 4))
-    assert key(1) not in sm.backend("cpu")._index  # type: ignore[union-attr]
+    stored = sm.stats()["tiers"]["disk"]["stored"]
+    assert sm.put_sync(key(1), a.clone())
+    assert key(1) in sm.backend("cpu")._index  # type: ignore[union-attr]
     sm.flush_sync(timeout=30)
+    assert sm.stats()["tiers"]["disk"]["stored"] == stored  # not written again
+    assert sm.backend("cpu").remove_nowait(key(1))  # type: ignore[union-attr]
     _assert_key_1_reads(sm, a)
+    assert sm.stats()["tiers"]["disk"]["hits"] == 1
 
 
 def test_a_full_cpu_tier_does_not_block_reads_from_disk(make_manager, tmp_path):

@@ -84,7 +84,7 @@ async def test_truncated_file_is_a_counted_miss_and_removed(open_fs: Any, src_po
     src.ref_count_down()
 
 
-async def test_file_of_another_key_is_a_miss_and_kept(open_fs: Any, src_pool: PoolAllocator) -> None:
+async def test_file_of_another_key_is_a_counted_miss_and_removed(open_fs: Any, src_pool: PoolAllocator) -> None:
     be = await open_fs()
     src = make_obj(src_pool, seed=4)
     await be.put(make_key(4), src)
@@ -92,7 +92,141 @@ async def test_file_of_another_key_is_a_miss_and_kept(open_fs: Any, src_pool: Po
     other.parent.mkdir(parents=True, exist_ok=True)
     other.write_bytes(record_path(be, 4).read_bytes())  # as if the digests collided
     assert await be.get(make_key(5)) is None
-    assert be.stats()["foreign"] == 1 and other.exists()
+    assert be.stats()["foreign"] == 1 and not other.exists()
+    assert record_path(be, 4).exists()
+    src.ref_count_down()
+
+
+async def test_swapped_record_files_are_removed_and_the_keys_can_be_stored_again(
+    open_fs: Any, src_pool: PoolAllocator
+) -> None:
+    be = await open_fs()
+    objs = {i: make_obj(src_pool, seed=i) for i in (10, 11)}
+    for i, o in objs.items():
+        assert await be.put(make_key(i), o)
+    a, b = record_path(be, 10), record_path(be, 11)
+    data_a, data_b = a.read_bytes(), b.read_bytes()
+    a.write_bytes(data_b)
+    b.write_bytes(data_a)
+    assert await be.get(make_key(10)) is None
+    assert not a.exists() and be.stats()["foreign"] == 1
+    assert await be.put(make_key(10), objs[10])
+    got = await be.get(make_key(10))
+    assert got is not None and same(got, objs[10])
+    got.ref_count_down()
+    for o in objs.values():
+        o.ref_count_down()
+
+
+def _flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["flip_last_payload_byte", "truncate", "foreign_record"])
+async def test_a_put_over_a_damaged_record_replaces_it(open_fs: Any, src_pool: PoolAllocator, damage: str) -> None:
+    be = await open_fs()
+    src, other = make_obj(src_pool, seed=20), make_obj(src_pool, seed=21)
+    assert await be.put(make_key(20), src)
+    assert await be.put(make_key(21), other)
+    path = record_path(be, 20)
+    if damage == "flip_last_payload_byte":
+        _flip_last_byte(path)
+    elif damage == "truncate":
+        os.truncate(path, path.stat().st_size - 7)
+    else:
+        path.write_bytes(record_path(be, 21).read_bytes())
+    assert await be.put(make_key(20), src)
+    got = await be.get(make_key(20))
+    assert got is not None and same(got, src)
+    got.ref_count_down()
+    st = be.stats()
+    assert st["foreign" if damage == "foreign_record" else "corrupt"] == 1
+    assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
+    src.ref_count_down()
+    other.ref_count_down()
+
+
+async def test_a_put_over_a_valid_record_keeps_it(open_fs: Any, src_pool: PoolAllocator) -> None:
+    be = await open_fs()
+    first, second = make_obj(src_pool, seed=22), make_obj(src_pool, seed=23)
+    assert await be.put(make_key(22), first)
+    ino = record_path(be, 22).stat().st_ino
+    assert await be.put(make_key(22), second)  # the first valid writer wins
+    assert record_path(be, 22).stat().st_ino == ino
+    got = await be.get(make_key(22))
+    assert got is not None and same(got, first)
+    got.ref_count_down()
+    assert be.stats()["corrupt"] == 0
+    first.ref_count_down()
+    second.ref_count_down()
+
+
+async def test_a_damaged_record_published_first_by_another_writer_is_replaced(
+    open_fs: Any, src_pool: PoolAllocator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    be = await open_fs()
+    src = make_obj(src_pool, seed=24)
+    assert await be.put(make_key(24), src)
+    path = record_path(be, 24)
+    damaged = bytearray(path.read_bytes())
+    damaged[-1] ^= 0xFF
+    path.unlink()
+    real_link = os.link
+    planted: list[str] = []
+
+    def another_writer_first(src_path: Any, dst: Any, *args: Any, **kw: Any) -> None:
+        if os.fspath(dst) == os.fspath(path) and not planted:  # between the check and the link
+            planted.append(os.fspath(dst))
+            path.write_bytes(bytes(damaged))
+        real_link(src_path, dst, *args, **kw)
+
+    monkeypatch.setattr(os, "link", another_writer_first)
+    assert await be.put(make_key(24), src)
+    monkeypatch.undo()
+    assert planted
+    got = await be.get(make_key(24))
+    assert got is not None and same(got, src)
+    got.ref_count_down()
+    assert be.stats()["corrupt"] == 1
+    src.ref_count_down()
+
+
+async def test_a_record_published_between_the_read_and_the_removal_is_kept(
+    open_fs: Any, src_pool: PoolAllocator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader finds a damaged record; before it deletes it, another process deletes it too and
+    a writer publishes a fresh, valid record at the same name: that record must stay."""
+    from lmcache_async.backends.remote import fs
+
+    be = await open_fs()
+    src = make_obj(src_pool, seed=25)
+    assert await be.put(make_key(25), src)
+    path = record_path(be, 25)
+    fresh = path.read_bytes()
+    _flip_last_byte(path)
+    real_read_all = fs._read_all
+    raced: list[bool] = []
+
+    def read_then_race(fd: int, dst: memoryview, offset: int) -> None:
+        real_read_all(fd, dst, offset)
+        if not raced:
+            raced.append(True)
+            path.unlink()  # another reader removed the damaged record ...
+            tmp = path.with_name(".fresh.tmp")
+            tmp.write_bytes(fresh)
+            os.link(tmp, path)  # ... and another writer published a valid one
+            tmp.unlink()
+
+    monkeypatch.setattr(fs, "_read_all", read_then_race)
+    assert await be.get(make_key(25)) is None  # what this reader read was damaged
+    monkeypatch.undo()
+    assert raced and path.exists()
+    got = await be.get(make_key(25))
+    assert got is not None and same(got, src)
+    got.ref_count_down()
+    assert be.stats()["corrupt"] == 1
     src.ref_count_down()
 
 
