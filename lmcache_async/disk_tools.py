@@ -1,5 +1,8 @@
 """Tools for a disk-tier directory: ``lmcache-async inspect DIR [--verify] [--purge]``.
 
+* :func:`find_tier_dirs` finds the disk-tier directories at or below a directory (``DIR`` may be
+  a tier directory itself or a work directory holding tiers in subdirectories, as the demo's
+  does), and says where it looked when there are none.
 * :func:`inspect_dir` reads every record header (entries, bytes, models, dtypes, oldest/newest,
   temporary files, what the shared accounting says) and, with ``verify=True``, re-checks every
   payload checksum. It only reads: it is safe next to running processes.
@@ -20,7 +23,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, TextIO
+from typing import Any
 
 _CHUNK = 4 << 20
 
@@ -264,59 +267,199 @@ def purge_dir(path: str | os.PathLike[str]) -> int:
     return removed
 
 
-class _ProgressBar:
-    """``verify [#########-----------]  450/1000 files`` on a terminal."""
-
-    def __init__(self, out: TextIO, width: int = 30) -> None:
-        self.out = out
-        self.width = width
-        self._last = 0.0
-
-    def __call__(self, done: int, total: int) -> None:
-        now = time.monotonic()
-        if done < total and now - self._last < 0.1:
-            return
-        self._last = now
-        frac = done / total if total else 1.0
-        fill = int(frac * self.width)
-        self.out.write(f"\rverify [{'#' * fill}{'-' * (self.width - fill)}] {done}/{total} files")
-        if done >= total:
-            self.out.write("\n")
-        self.out.flush()
+# ---- finding tier directories ------------------------------------------------------------------
+SEARCH_DEPTH = 3
+"""How many directory levels below ``DIR`` ``inspect`` looks for tier directories by default
+(the demo's work directory holds ``kv/`` and ``ec/ec-disk/``)."""
+SEARCH_MAX_DIRS = 10_000
+"""``inspect`` stops looking after this many directories (a mistaken ``DIR`` such as ``/``)."""
 
 
+def is_tier_dir(path: str | os.PathLike[str]) -> bool:
+    """True when ``path`` is a disk-tier directory: it holds the tier's accounting file, or a
+    shard directory (``00`` .. ``ff``) holding an entry file. Reads directory listings only."""
+    from lmcache_async.backends.disk_layout import ACCT_NAME, is_shard_name, parse_entry_name
+
+    root = os.fspath(path)
+    if os.path.isfile(os.path.join(root, ACCT_NAME)):
+        return True
+    try:
+        with os.scandir(root) as it:
+            shards = [e.path for e in it if is_shard_name(e.name) and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return False
+    for sdir in shards:
+        try:
+            with os.scandir(sdir) as it:
+                if any(parse_entry_name(e.name) is not None for e in it):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+@dataclass
+class TierSearch:
+    """What :func:`find_tier_dirs` found below ``root`` and where it looked."""
+
+    root: str
+    found: list[str] = field(default_factory=list)
+    """Absolute paths of the tier directories, in breadth-first, then name order."""
+    looked_in: int = 0
+    """Directories examined, ``root`` included."""
+    depth: int = SEARCH_DEPTH
+    stopped_early: bool = False
+    """True when :data:`SEARCH_MAX_DIRS` ended the search before every directory was seen."""
+    deeper: bool = False
+    """True when directories lie below the deepest level searched (``depth`` cut the search)."""
+    shard_of: str | None = None
+    """The tier directory when ``root`` is one of its shard directories (then it is ``found``)."""
+
+    def where(self) -> str:
+        """Where the search looked, in words (for the message that it found nothing)."""
+        below = self.looked_in - 1
+        levels = "1 level" if self.depth == 1 else f"{self.depth} levels"
+        if below <= 0 and not self.deeper:
+            text = f"looked in {self.root}, which has no subdirectories"
+        elif below <= 0:
+            text = f"looked in {self.root} only"
+        else:
+            text = f"looked in {self.root} and {below} director{'y' if below == 1 else 'ies'} up to {levels} below it"
+        if self.deeper:
+            text += f"; deeper directories were not searched (--depth {self.depth})"
+        if self.stopped_early:
+            text += f"; stopped after {self.looked_in} directories"
+        return text
+
+
+def find_tier_dirs(
+    path: str | os.PathLike[str], depth: int = SEARCH_DEPTH, max_dirs: int = SEARCH_MAX_DIRS
+) -> TierSearch:
+    """The disk-tier directories at or below ``path``, at most ``depth`` levels down (breadth
+    first, symbolic links not followed, no descent into a tier directory). When ``path`` is a
+    shard directory of a tier, that tier is the one found.
+
+    Raises ``FileNotFoundError``/``NotADirectoryError`` when ``path`` is not a directory.
+    """
+    from lmcache_async.backends.disk_layout import is_shard_name
+
+    root = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(root):
+        if not os.path.exists(root):
+            raise FileNotFoundError(f"no such directory: {root}")
+        raise NotADirectoryError(f"not a directory: {root}")
+    search = TierSearch(root=root, depth=depth)
+    parent = os.path.dirname(root)
+    if is_shard_name(os.path.basename(root)) and is_tier_dir(parent):
+        search.looked_in = 1
+        search.found.append(parent)
+        search.shard_of = parent
+        return search
+    level = [root]
+    for d in range(depth + 1):
+        below: list[str] = []
+        for cur in level:
+            if search.looked_in >= max_dirs:
+                search.stopped_early = True
+                return search
+            search.looked_in += 1
+            if is_tier_dir(cur):
+                search.found.append(cur)
+                continue
+            try:
+                with os.scandir(cur) as it:
+                    subdirs = sorted(e.path for e in it if e.is_dir(follow_symlinks=False))
+            except OSError:  # unreadable: nothing below it to find
+                continue
+            if d == depth:
+                search.deeper = search.deeper or bool(subdirs)
+            else:
+                below.extend(subdirs)
+        level = below
+    return search
+
+
+# ---- the command -------------------------------------------------------------------------------
 def add_inspect_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``inspect`` sub-command to an ``argparse`` sub-parser collection."""
     p: argparse.ArgumentParser = subparsers.add_parser(
-        "inspect", help="survey, verify or empty a disk-tier directory",
-        description="Entries, bytes, models and ages of a disk-tier directory; --verify re-checks "
-        "every checksum; --purge empties it safely (entries and dead writers' temp files only).",
+        "inspect",
+        help="survey, verify or empty a disk-tier directory",
+        description="Entries, bytes, models and ages of a disk-tier directory (local_disk); --verify "
+        "re-checks every checksum; --purge empties it safely (entries and dead writers' temp files "
+        "only). DIR may also be a work directory holding tier directories below it (such as the "
+        "demo's, with --keep): each one found is reported. Exit status: 0 fine, 1 corrupt entries "
+        "found, 2 no tier directory found or DIR unusable.",
     )
-    p.add_argument("dir", help="the directory (local_disk)")
+    p.add_argument("dir", metavar="DIR", help="a disk-tier directory, or a directory with tier directories below it")
     p.add_argument("--verify", action="store_true", help="re-read every payload and check its checksum")
     p.add_argument("--purge", action="store_true", help="delete every entry (safe next to running processes)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar while verifying")
+    p.add_argument(
+        "--depth",
+        type=int,
+        default=SEARCH_DEPTH,
+        help=f"how many levels below DIR to look for tier directories (default {SEARCH_DEPTH})",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (none is drawn off a terminal)")
     p.set_defaults(func=run_inspect)
     return p
 
 
+def _error(message: str) -> int:
+    print(f"lmcache-async inspect: {message}", file=sys.stderr)
+    return 2
+
+
 def run_inspect(args: argparse.Namespace) -> int:
-    """Run ``inspect``: 0 when fine, 1 when corrupt entries were found, 2 on errors."""
+    """Run ``inspect``: 0 when fine, 1 when corrupt entries were found, 2 on errors (one line on
+    stderr), including when no tier directory is at or below ``args.dir``.
+
+    JSON: the report object when ``DIR`` is a tier directory; ``{"searched": DIR, "directories":
+    [report, ...]}`` when the tiers were found below it.
+    """
+    from lmcache_async.cli_progress import Progress
+
+    depth = getattr(args, "depth", SEARCH_DEPTH)
+    if depth < 0:
+        return _error(f"--depth must be >= 0, got {depth}")
     try:
-        if args.purge:
-            n = purge_dir(args.dir)
-            print(f"purged {args.dir}: {n} files deleted")
-            return 0
-        bar = None
-        if args.verify and not args.no_progress and sys.stderr.isatty():
-            bar = _ProgressBar(sys.stderr)
-        report = inspect_dir(args.dir, verify=args.verify, progress=bar)
+        search = find_tier_dirs(args.dir, depth=depth)
     except OSError as exc:
-        print(f"lmcache-async inspect: {exc}", file=sys.stderr)
-        return 2
+        return _error(str(exc))
+    if not search.found:
+        return _error(
+            f"no disk-tier directory at or below {search.root}: {search.where()}; a disk-tier directory "
+            "holds .lmcache-disk.acct and shard directories 00..ff"
+        )
+    nested = search.found != [search.root] and search.shard_of is None
+    names = [os.path.relpath(d, search.root) for d in search.found]
+    if search.shard_of is not None and not args.json:
+        print(f"{search.root} is a shard directory of the disk tier {search.shard_of}")
+    if nested and not args.json:
+        kind = "directory" if len(names) == 1 else "directories"
+        cut = f" (deeper directories were not searched: --depth {search.depth})" if search.deeper else ""
+        print(f"{len(names)} disk-tier {kind} below {search.root}: {', '.join(names)}{cut}")
+    reports: list[InspectReport] = []
+    try:
+        for tier, name in zip(search.found, names, strict=True):
+            if args.purge:
+                n = purge_dir(tier)
+                print(f"purged {tier}: {n} files deleted")
+                continue
+            what = "verify" if args.verify else "read"
+            desc = f"{what} {name}" if nested else what
+            with Progress(0, desc, "file", enabled=not args.no_progress, delay=0.5) as bar:
+                reports.append(inspect_dir(tier, verify=args.verify, progress=bar.update_to))
+    except OSError as exc:
+        return _error(str(exc))
+    if args.purge:
+        return 0
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
+        if nested:
+            print(json.dumps({"searched": search.root, "directories": [r.to_dict() for r in reports]}, indent=2))
+        else:
+            print(json.dumps(reports[0].to_dict(), indent=2))
     else:
-        print(format_report(report))
-    return 1 if report.corrupt else 0
+        print("\n\n".join(format_report(r) for r in reports))
+    return 1 if any(r.corrupt for r in reports) else 0

@@ -380,20 +380,75 @@ def throughput_gbs(r: Result) -> tuple[float | None, float | None]:
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "µs": 1e-6, "us": 1e-6, "ns": 1e-9}
 
 
+def better(r: Result) -> str:
+    """``"higher"`` or ``"lower"``: which way ``r``'s value (and its ratio) is better."""
+    return "higher" if r.higher_is_better else "lower"
+
+
 def format_table(results: list[Result]) -> str:
-    """A fixed-width table: suite, figure, value, baseline, ratio, target, met."""
-    rows = [("suite", "figure", "value", "baseline", "ratio", "target", "ok")]
+    """A fixed-width table: suite, figure, value, which way is better, baseline, ratio, target,
+    met. Values carry their units; the target applies to the ratio, or to the value when there
+    is no baseline (then it carries the unit)."""
+    rows = [("suite", "figure", "value", "better", "baseline", "ratio", "target", "ok")]
     for r in results:
         val = f"{r.value:.4g} {r.unit}"
         base = f"{r.baseline_name}: {r.baseline:.4g} {r.unit}" if r.baseline is not None else "-"
         ratio = f"{r.ratio:.3f}" if r.ratio is not None else "-"
-        tgt = (("<= " if r.target_kind == "max" else ">= ") + f"{r.target:g}") if r.target is not None else "-"
+        tgt = "-"
+        if r.target is not None:
+            tgt = ("<= " if r.target_kind == "max" else ">= ") + f"{r.target:g}"
+            if r.baseline is None:
+                tgt += f" {r.unit}"
         ok = {True: "yes", False: "NO", None: ""}[r.met]
-        rows.append((r.suite, r.name, val, base, ratio, tgt, ok))
+        rows.append((r.suite, r.name, val, better(r), base, ratio, tgt, ok))
+    return _fixed_width(rows)
+
+
+def _fixed_width(rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+_DASH = "\u2013"  # an en dash between the ends of a range
+
+
+def _span(values: list[float], unit: str = "", fmt: str = ".4g") -> str:
+    lo, hi = min(values), max(values)
+    a, b = format(lo, fmt), format(hi, fmt)
+    text = a if a == b else f"{a}{_DASH}{b}"
+    return f"{text} {unit}".rstrip()
+
+
+def format_series_summary(results: list[Result]) -> str:
+    """Minimum and maximum of every curve of ``results`` (the points sharing ``params["panel"]`` and
+    ``params["series"]`` across sizes or concurrency levels): values and baselines with units,
+    ratios, and which way is better. ``""`` when no curve has two points or more."""
+    groups: dict[tuple[str, str], list[Result]] = {}
+    for r in results:
+        p = r.params or {}
+        if "size" not in p and "concurrency" not in p:
+            continue
+        groups.setdefault((str(p.get("panel", r.suite)), str(p.get("series", r.name))), []).append(r)
+    span = f"min{_DASH}max"
+    rows = [("curve", "points", f"value {span}", f"baseline {span}", f"ratio {span}", "better")]
+    for (panel, series), rs in groups.items():
+        if len(rs) < 2 or len({r.unit for r in rs}) != 1:
+            continue
+        bases = [r.baseline for r in rs if r.baseline is not None]
+        ratios = [x for x in (r.ratio for r in rs) if x is not None]
+        rows.append(
+            (
+                f"{panel} / {series}",
+                str(len(rs)),
+                _span([r.value for r in rs], rs[0].unit),
+                _span(bases, rs[0].unit) if bases else "-",
+                _span(ratios, fmt=".3f") if ratios else "-",
+                better(rs[0]),
+            )
+        )
+    return _fixed_width(rows) if len(rows) > 1 else ""
 
 
 def format_markdown(results: list[Result]) -> str:
