@@ -47,6 +47,15 @@ class CPUBackend(StorageBackend):
         self.bytes = 0
         self.evictions = 0
 
+    @property
+    def max_entry_bytes(self) -> int:
+        """The pool's capacity: the largest payload an empty pool can hold (no header here)."""
+        return self.pool.capacity
+
+    def can_ever_hold(self, nbytes: int) -> bool:
+        """True when an entry of ``nbytes`` payload bytes fits into the empty pool."""
+        return self.pool.can_ever_fit(nbytes)
+
     # ---- synchronous surface (any thread) ------------------------------------------------------
     def lookup(self, key: CacheEngineKey) -> MemoryObj | None:
         """The entry with one more reference for the caller (touching it under LRU), or None."""

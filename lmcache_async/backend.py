@@ -111,6 +111,19 @@ class StorageBackend(ABC):
         """Operations cross a network or a transfer engine (they run under ``remote_timeout_s``)."""
         return False
 
+    @property
+    def max_entry_bytes(self) -> int | None:
+        """The largest record, header included, this tier could ever hold; None: no limit known.
+
+        "Ever" means with the tier empty: a put of a record this size may still fail right now
+        (no room, errors), but a larger one can never succeed, so the manager refuses an entry
+        larger than every tier's limit at once instead of carrying it in a one-off buffer.
+        Tiers without a record header (the CPU tier) answer the largest payload they can hold.
+        Cheap and answered on any thread (no I/O); it may change only when the tier's budget
+        does. The default, None, never refuses anything.
+        """
+        return None
+
     # ---- core ----------------------------------------------------------------------------
     @abstractmethod
     async def put(self, key: CacheEngineKey, obj: MemoryObj) -> bool:

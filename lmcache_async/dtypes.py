@@ -61,6 +61,17 @@ _CODES: list[tuple[int, str]] = [
     (17, "uint64"),
     (18, "complex64"),
     (19, "complex128"),
+    # Dtypes whose bytes the pool copies and the records carry as they are (checked for each
+    # in tests/core/test_storable_dtypes.py). Sub-byte shells (int1..int7, uint1..uint7) have
+    # no copy kernel and quantized dtypes no plain bytes: they get no code and are refused.
+    (20, "complex32"),
+    (21, "float8_e8m0fnu"),
+    (22, "float4_e2m1fn_x2"),
+    (23, "bits1x8"),
+    (24, "bits2x4"),
+    (25, "bits4x2"),
+    (26, "bits8"),
+    (27, "bits16"),
 ]
 DTYPE_TO_CODE: dict[torch.dtype, int] = {}
 CODE_TO_DTYPE: dict[int, torch.dtype] = {}
@@ -96,6 +107,11 @@ def parse_dtype(value: object) -> torch.dtype:
         if isinstance(attr, torch.dtype):
             return attr
     raise ValueError(f"unknown dtype {value!r}")
+
+
+def is_storable_dtype(dtype: object) -> bool:
+    """True when records (disk, fs://, remote, NIXL) can carry entries of ``dtype``."""
+    return dtype in DTYPE_TO_CODE
 
 
 def dtype_code(dtype: torch.dtype) -> int:

@@ -41,13 +41,17 @@ from lmcache_async.errors import LoopThreadCallError, ManagerClosedError
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.loop import LoopThread
 from lmcache_async.memory import (
+    GiB,
     HeapAllocator,
     MemoryFormat,
     MemoryObj,
     PoolAllocator,
     gib_to_bytes,
+    memory_available_bytes,
 )
 from lmcache_async.metadata import NEUTRAL_METADATA, LMCacheEngineMetadata
+from lmcache_async.records import header_length
+from lmcache_async.tensor_checks import check_storable_layout, check_storable_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +70,12 @@ _live_managers: weakref.WeakSet[StorageManager] = weakref.WeakSet()
 
 _exit_hook_lock = threading.Lock()
 _exit_hook_registered = False
+
+
+def _default_reserve_bytes() -> int:
+    """The memory kept free when ``memory_reserve_size`` is unset: the pools' rule (5% of the
+    memory available now, at least 0.5 GiB, at most 2 GiB)."""
+    return min(2 * GiB, max(GiB // 2, (memory_available_bytes() or 0) // 20))
 
 
 def _close_all_at_exit() -> None:  # pragma: no cover - exercised at interpreter exit
@@ -102,11 +112,11 @@ def _ensure_exit_hook() -> None:
 class _Tier:
     """A lower tier: its backend, timeout, circuit breaker and counters."""
 
-    def __init__(self, backend: StorageBackend, timeout: float) -> None:
+    def __init__(self, backend: StorageBackend, timeout: float, max_backoff_s: float) -> None:
         self.backend = backend
         self.name = backend.name
         self.timeout = timeout
-        self.breaker = CircuitBreaker()
+        self.breaker = CircuitBreaker(max_backoff_s=max_backoff_s)
         self.sem = asyncio.Semaphore(_WT_CONCURRENCY)
         self.hits = 0
         self.misses = 0
@@ -210,6 +220,8 @@ class StorageManager:
         self._close_lock = threading.Lock()
         self._timeout = float(config.blocking_timeout_secs)
         reserve = None if config.memory_reserve_size is None else gib_to_bytes(config.memory_reserve_size)
+        # One-off buffers (entries larger than the staging area) must leave this much free too.
+        self._reserve_bytes = reserve if reserve is not None else _default_reserve_bytes()
 
         size_gib = config.max_local_cpu_size if cpu_size_gib is None else cpu_size_gib
         self.pool: PoolAllocator | None = None
@@ -243,6 +255,10 @@ class StorageManager:
         self._pending: dict[CacheEngineKey, MemoryObj] = {}
         self._wt_tasks: set[asyncio.Task[None]] = set()
         self.put_rejected = 0
+        self.put_too_large = 0
+        self.one_off_refused = 0
+        self._refuse_last_log = 0.0
+        self._refuse_suppressed = 0
 
         self._cpu: Any = None
         self._lower: list[_Tier] = []
@@ -292,7 +308,7 @@ class StorageManager:
                 # Local lower tiers get half the sync bound so a stuck tier yields a miss,
                 # not a TimeoutError in the caller; remote/NIXL tiers use remote_timeout_s.
                 timeout = self.config.remote_timeout_s if backend.is_remote else self._timeout / 2
-                self._lower.append(_Tier(backend, timeout))
+                self._lower.append(_Tier(backend, timeout, self.config.remote_breaker_max_backoff_s))
 
     async def _start_backends(self) -> None:
         for tier in self._lower:
@@ -313,12 +329,26 @@ class StorageManager:
 
     # ---- allocation helpers ---------------------------------------------------------------------
     def _staging_alloc(self, shape: Sequence[int], dtype: torch.dtype, fmt: MemoryFormat) -> MemoryObj | None:
-        """Staging area first, a one-off heap buffer when it is full or too small."""
+        """Staging area first, a one-off heap buffer when it is full or too small; None when
+        that buffer would not leave the memory reserve free (see :meth:`_one_off_fits_memory`)."""
         if self.staging_pool is not None:
             obj = self.staging_pool.allocate(shape, dtype, fmt)
             if obj is not None:
                 return obj
+        n = dtype.itemsize
+        for d in shape:
+            n *= d
+        if not self._one_off_fits_memory(n):
+            self.one_off_refused += 1
+            return None
         return self._heap.allocate(shape, dtype, fmt)
+
+    def _one_off_fits_memory(self, nbytes: int) -> bool:
+        """True when a one-off buffer of ``nbytes`` leaves the memory reserve free (the same
+        reserve the pools are sized against: ``memory_reserve_size``). True where the
+        available memory cannot be read."""
+        avail = memory_available_bytes()
+        return avail is None or nbytes <= avail - self._reserve_bytes
 
     def _read_alloc(self, shape: Sequence[int], dtype: torch.dtype, fmt: MemoryFormat) -> MemoryObj | None:
         """Where a lower-tier read lands: the CPU pool when it has room (no second copy for
@@ -394,12 +424,17 @@ class StorageManager:
         return await self._lt.run_async(coro, orphan)
 
     # ---- put -----------------------------------------------------------------------------------
-    def _put_front(self, key: CacheEngineKey, value: torch.Tensor | MemoryObj, fmt: MemoryFormat) -> bool:
+    def _put_front(
+        self, key: CacheEngineKey, value: torch.Tensor | MemoryObj, fmt: MemoryFormat, checked: bool = False
+    ) -> bool:
+        """:meth:`put` on the caller's thread (``checked``: the value was validated already)."""
         self._check_usable()
         if type(key) is not CacheEngineKey:
             self._check_key(key)
         src_obj: MemoryObj | None = None
         if isinstance(value, torch.Tensor):
+            if not checked:
+                check_storable_tensor(value, "value")
             tensor = value
             shape = tuple(value.shape)
             dtype = value.dtype
@@ -407,13 +442,19 @@ class StorageManager:
             src_obj = value
             tensor = value.tensor
             shape, dtype, fmt = value.shape, value.dtype, value.fmt
+            if not checked:
+                check_storable_layout(dtype, len(shape), "value")
         else:
             raise TypeError(f"value must be a torch.Tensor or MemoryObj, got {type(value).__name__}")
         if not isinstance(fmt, MemoryFormat):
             raise TypeError(f"fmt must be a MemoryFormat, got {type(fmt).__name__}")
         cpu = self._cpu
         if cpu is not None:
-            if key in cpu._index or key in self._pending or self._held_below_nowait(key):
+            # Only what this manager holds itself makes a put the content-addressed no-op. A lower
+            # tier's "present" is unverified (an index entry, a file's size) and may stand for a
+            # damaged record: the CPU tier takes the entry and the write-through lets each lower
+            # tier keep its record or replace a damaged one.
+            if key in cpu._index or key in self._pending:
                 return True
             if src_obj is not None and src_obj.allocator is self.pool:
                 src_obj.ref_count_up()
@@ -442,43 +483,102 @@ class StorageManager:
             if lower and not self._enqueue_write(key, obj, None):
                 obj.ref_count_down()  # the queue closed meanwhile: its reference goes back
             return True
-        if key in self._pending or self._held_below_nowait(key):
+        if key in self._pending:  # a lower tier's unverified "present" does not count (see above)
             return True
         return self._stage_write(key, tensor, shape, dtype, fmt)
 
-    def _held_below_nowait(self, key: CacheEngineKey) -> bool:
-        """True when a lower tier that answers on the caller's thread (disk, NIXL: their
-        indexes are in memory) holds ``key``, so a put of it is the no-op the contract says.
+    def holds_locally(self, key: CacheEngineKey) -> bool:
+        """True when :meth:`put` of ``key`` would be the content-addressed no-op: the CPU tier
+        holds it or its write-through is still queued. Lower tiers are not asked (their
+        "present" is unverified until read; see :meth:`put`). Caller's thread, no hop; a racing
+        eviction can make the answer stale, which only costs the put a copy. Raises like
+        :meth:`put` after :meth:`close` or in a forked child."""
+        if self._closed or self._lt._forked:
+            self._check_usable()
+        cpu = self._cpu
+        return (cpu is not None and key in cpu._index) or key in self._pending
 
-        A tier that can only answer through the loop (remote) is not asked here: a put of a
-        key only such a tier holds stores the caller's bytes in the CPU tier and the remote
-        keeps its first copy (content-addressed keys carry the same bytes either way)."""
-        return any(tier.backend.contains_nowait(key) for tier in self._lower)
+    def _lower_could_hold(self, key: CacheEngineKey, rank: int, nbytes: int) -> bool:
+        """True when some lower tier could ever hold the record of ``key`` (header included),
+        by the tiers' :attr:`~StorageBackend.max_entry_bytes`; a tier without a known limit
+        (None, or a property that fails) could."""
+        hlen: int | None = None
+        for tier in self._lower:
+            try:
+                limit = tier.backend.max_entry_bytes
+            except Exception:  # a broken property must not fail the put: no limit known
+                return True
+            if limit is None:
+                return True
+            if hlen is None:
+                hlen = header_length(len(key.to_string().encode("utf-8")), rank)
+            if hlen + nbytes <= limit:
+                return True
+        return False
+
+    def _refuse_too_large(self, key: CacheEngineKey, nbytes: int) -> bool:
+        """Count (and log, once per burst) a put no tier could ever hold; returns False."""
+        self.put_rejected += 1
+        self.put_too_large += 1
+        now = time.monotonic()
+        if now - self._refuse_last_log >= _LOG_BURST_S:
+            extra = f" ({self._refuse_suppressed} more not logged)" if self._refuse_suppressed else ""
+            logger.warning(
+                "StorageManager %r: refused an entry of %d bytes (%s): larger than any tier can hold%s",
+                self.name,
+                nbytes,
+                key.to_string()[:200],
+                extra,
+            )
+            self._refuse_last_log = now
+            self._refuse_suppressed = 0
+        else:
+            self._refuse_suppressed += 1
+        return False
 
     def _stage_write(
         self, key: CacheEngineKey, tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, fmt: MemoryFormat
     ) -> bool:
         """Write-through without a CPU-tier copy: a staging block (a one-off buffer for an entry
         larger than the whole staging area) carries the bytes until the lower tiers have them;
-        the pending map serves reads meanwhile. False when there is no lower tier or the staging
-        area is full right now."""
-        if not self._lower:
-            self.put_rejected += 1
-            return False
-        sp = self.staging_pool
+        the pending map serves reads meanwhile.
+
+        False (counted in ``put_rejected``) when there is no lower tier, when no lower tier could
+        ever hold the record (also counted in ``put_too_large`` when the CPU tier could not
+        either), when the staging area is full right now, or when a one-off buffer is not
+        allowed. One-off buffers are bounded: at most one at a time beyond the staging size
+        (reads aside), never larger than the largest record a lower tier accepts
+        (:attr:`~StorageBackend.max_entry_bytes`), and never eating into the memory reserve
+        (``memory_reserve_size``; ``one_off_refused`` counts those refusals)."""
         n = dtype.itemsize
         for d in shape:
             n *= d
+        if not self._lower:
+            cpu = self._cpu
+            if cpu is not None and not cpu.can_ever_hold(n):
+                return self._refuse_too_large(key, n)
+            self.put_rejected += 1
+            return False
+        if not self._lower_could_hold(key, len(shape), n):
+            cpu = self._cpu
+            if cpu is None or not cpu.can_ever_hold(n):
+                return self._refuse_too_large(key, n)
+            self.put_rejected += 1  # the CPU tier could, but is full of held entries right now
+            return False
+        sp = self.staging_pool
         if sp is not None and sp.can_ever_fit(n):
             staged = sp.allocate(shape, dtype, fmt)
             if staged is None:
                 self.put_rejected += 1
                 return False
         else:
-            # One-off buffers are bounded too: one entry at a time beyond the staging size.
             heap_used = self._heap.used_bytes
             if heap_used and heap_used + n > (sp.capacity if sp is not None else 0):
                 self.put_rejected += 1
+                return False
+            if not self._one_off_fits_memory(n):
+                self.put_rejected += 1
+                self.one_off_refused += 1
                 return False
             staged = self._heap.allocate(shape, dtype, fmt)
         try:
@@ -496,8 +596,18 @@ class StorageManager:
         """Store ``value`` under ``key``; False only when no tier could take it right now.
 
         A tensor is copied into the pool (its own shape and dtype kept); a MemoryObj is borrowed
-        (the caller keeps its reference). A key already present is a no-op returning True.
-        Lower tiers are written in the background (``flush`` is the barrier). A put that
+        (the caller keeps its reference). A key the CPU tier holds, or whose write-through is
+        queued, is a no-op returning True; a key only a lower tier claims to hold is stored
+        again (that tier's record is unverified until read: it keeps it when intact). True
+        means readable now (CPU tier or queued write-through) and, after :meth:`flush`, in every
+        lower tier that accepted the write. Lower tiers are written in the background.
+
+        False at once, counted in ``stats()["put_rejected"]``: transient pressure (the CPU tier
+        and staging area hold only entries nobody may evict), or an entry larger than every tier
+        could ever hold (also ``put_too_large``; see :attr:`StorageBackend.max_entry_bytes`).
+        Caller mistakes raise before anything is stored: ``TypeError`` naming ``value`` for a
+        non-tensor, a quantized, sparse, nested or meta tensor or a dtype records cannot carry,
+        ``ValueError`` for more than 32 dimensions (:func:`check_storable_tensor`). A put that
         races :meth:`close` either raises :class:`ManagerClosedError` or returns True without
         reaching the lower tiers; it never leaves a pool block behind.
         """
@@ -517,7 +627,8 @@ class StorageManager:
         values: Sequence[torch.Tensor | MemoryObj],
         fmt: MemoryFormat = MemoryFormat.UNDEFINED,
     ) -> list[bool]:
-        """:meth:`put` for each pair; one result per key."""
+        """:meth:`put` for each pair; one result per key. Every pair is validated first (errors
+        name ``keys[i]``/``values[i]``), so a caller mistake stores nothing."""
         return self.batched_put_sync_inner(keys, values, fmt)
 
     def batched_put_sync(
@@ -539,7 +650,17 @@ class StorageManager:
     ) -> list[bool]:
         if len(keys) != len(values):
             raise ValueError(f"keys and values differ in length ({len(keys)} != {len(values)})")
-        return [self._put_front(k, v, fmt) for k, v in zip(keys, values, strict=True)]
+        # Every pair is checked before anything is stored: a caller mistake stores nothing.
+        for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+            if type(k) is not CacheEngineKey:
+                raise TypeError(f"keys[{i}] must be a CacheEngineKey, got {type(k).__name__}")
+            if isinstance(v, torch.Tensor):
+                check_storable_tensor(v, f"values[{i}]")
+            elif isinstance(v, MemoryObj):
+                check_storable_layout(v.dtype, len(v.shape), f"values[{i}]")
+            else:
+                raise TypeError(f"values[{i}] must be a torch.Tensor or MemoryObj, got {type(v).__name__}")
+        return [self._put_front(k, v, fmt, checked=True) for k, v in zip(keys, values, strict=True)]
 
     # ---- write-through ----------------------------------------------------------------------------
     def _enqueue_write(
@@ -1114,6 +1235,8 @@ class StorageManager:
             "staging": self.staging_pool.stats() if self.staging_pool is not None else None,
             "pending_writes": len(self._pending),
             "put_rejected": self.put_rejected,
+            "put_too_large": self.put_too_large,
+            "one_off_refused": self.one_off_refused,
         }
 
     def backend(self, name: str) -> StorageBackend | None:

@@ -26,10 +26,12 @@ import torch
 
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.dtypes import dtype_name, parse_dtype
+from lmcache_async.engines._devices import check_device
 from lmcache_async.keys import CacheEngineKey, stable_u64_from_str
 from lmcache_async.memory import MemoryFormat, MemoryObj
 from lmcache_async.metadata import NEUTRAL_METADATA, LMCacheEngineMetadata
 from lmcache_async.storage_manager import StorageManager
+from lmcache_async.tensor_checks import check_storable_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -49,35 +51,28 @@ def _check_mm_hash(mm_hash: object) -> str:
     return mm_hash
 
 
-def _check_tensor(tensor: object) -> torch.Tensor:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    return tensor
-
-
-_CPU = torch.device("cpu")
-
-
-def _check_device(device: object) -> torch.device:
-    if type(device) is str and device == "cpu":
-        return _CPU
-    if isinstance(device, torch.device):
-        return device
-    if not isinstance(device, (str, int)) or isinstance(device, bool):
-        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
+def _mm_hash_u64(mm_hash: str) -> int:
+    """``stable_u64_from_str(mm_hash)``; ``ValueError`` naming ``mm_hash`` when it is not
+    valid Unicode text (a lone surrogate has no UTF-8 form, so it has no hash)."""
     try:
-        return torch.device(device)
-    except (RuntimeError, ValueError) as exc:
-        raise ValueError(f"device {device!r} is not a valid torch device: {exc}") from None
+        return stable_u64_from_str(mm_hash)
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"mm_hash must be valid Unicode text encodable as UTF-8, got {mm_hash!r} "
+            f"({exc.reason} at position {exc.start})"
+        ) from None
 
 
 def ec_cache_key(model_name: str, mm_hash: str, encoder_dtype: torch.dtype) -> CacheEngineKey:
-    """The EC key of ``mm_hash`` (rank sentinels, ``stable_u64_from_str`` hash, encoder dtype)."""
+    """The EC key of ``mm_hash`` (rank sentinels, ``stable_u64_from_str`` hash, encoder dtype).
+
+    ``TypeError`` for a non-str ``mm_hash``; ``ValueError`` naming it when it is empty or not
+    encodable as UTF-8 (a lone surrogate)."""
     return CacheEngineKey(
         model_name,
         EC_KEY_WORLD_SIZE,
         EC_KEY_WORKER_ID,
-        stable_u64_from_str(_check_mm_hash(mm_hash)),
+        _mm_hash_u64(_check_mm_hash(mm_hash)),
         encoder_dtype,
     )
 
@@ -130,8 +125,6 @@ class ECCacheEngine:
             kv_shape=None,
         )
         self._sm = StorageManager(config, sm_meta, name="ec")
-        self._cpu = self._sm.backend("cpu")
-        self._has_lower = self._sm.has_lower_tiers
         self._keys: dict[str, CacheEngineKey] = {}
         self._dtype_name = dtype_name(self.encoder_dtype)
         self._lock = threading.Lock()
@@ -150,7 +143,8 @@ class ECCacheEngine:
 
     # ---- keys ----
     def key(self, mm_hash: str) -> CacheEngineKey:
-        """The cache key of ``mm_hash`` (memoised; ``TypeError``/``ValueError`` for a bad hash)."""
+        """The cache key of ``mm_hash`` (memoised). ``TypeError`` for a non-str hash;
+        ``ValueError`` naming ``mm_hash`` when it is empty or not encodable as UTF-8."""
         if type(mm_hash) is str:
             k = self._keys.get(mm_hash)
             if k is not None:
@@ -161,7 +155,7 @@ class ECCacheEngine:
                 self.model_name,
                 EC_KEY_WORLD_SIZE,
                 EC_KEY_WORKER_ID,
-                stable_u64_from_str(mm_hash),
+                _mm_hash_u64(mm_hash),
                 self.encoder_dtype,
                 self._dtype_name,
             )
@@ -197,26 +191,23 @@ class ECCacheEngine:
         key = self._keys.get(mm_hash) if type(mm_hash) is str else None
         if key is None:
             key = self.key(mm_hash)
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        tensor = check_storable_tensor(tensor, "tensor")
         # The copy must never join an autograd graph (the pool buffer would).
         return key, tensor.detach() if tensor.requires_grad else tensor
 
     def put(self, mm_hash: str, tensor: torch.Tensor) -> bool:
-        """Store ``tensor`` (any device, rank, shape, dtype) under ``mm_hash``.
+        """Store ``tensor`` (any device and shape; any dtype and rank the records store) under ``mm_hash``.
 
         One ``copy_`` into the pool (device→host included); the caller's tensor is not kept.
-        An ``mm_hash`` already present in any tier is not copied again (returns True).
+        An ``mm_hash`` the CPU tier holds (or is still writing down) is not copied again
+        (returns True); one only a lower tier claims is stored again, so a damaged record
+        there never turns a True into a lost entry.
         Returns False only when the pool cannot take the entry right now (nothing evictable):
-        it never waits. ``TypeError`` for a non-tensor or a non-str hash.
+        it never waits. ``TypeError`` naming ``tensor`` for anything the cache cannot store (a
+        non-tensor; a quantized, sparse, nested or meta tensor) and for a non-str hash.
         """
         key, src = self._put_prologue(mm_hash, tensor)
-        if self._has_lower:
-            present = self._present_sync(key)
-        else:  # CPU only: its index is the whole truth (the manager re-checks under its lock)
-            cpu = self._cpu
-            present = cpu is not None and cpu.contains_nowait(key) is True
-        if present:  # content-addressed: never copied twice
+        if self._sm.holds_locally(key):  # content-addressed: never copied twice
             self._count_put(True, True)
             return True
         ok = self._sm.put_sync(key, src, MemoryFormat.EC_TD)
@@ -227,7 +218,7 @@ class ECCacheEngine:
         """Async twin of :meth:`put`, awaitable from any event loop (the copy runs on the
         caller's thread)."""
         key, src = self._put_prologue(mm_hash, tensor)
-        if await self._present_async(key):
+        if self._sm.holds_locally(key):
             self._count_put(True, True)
             return True
         ok = await self._sm.put(key, src, MemoryFormat.EC_TD)
@@ -278,10 +269,12 @@ class ECCacheEngine:
 
         The result never aliases a pool buffer: keep it as long as you like. An entry that left
         the CPU tier but lives in a lower tier (disk, remote, NIXL) is read from there (and
-        promoted). Storage trouble and timeouts are misses.
+        promoted). Storage trouble and timeouts are misses. ``device`` is checked before the
+        lookup: one this machine cannot hold a tensor on (``cuda:0`` without CUDA, ``meta``)
+        raises ``ValueError`` naming ``device`` on a hit and on a miss alike.
         """
         key = self.key(mm_hash)
-        dev = _check_device(device)
+        dev = check_device(device)
         try:
             obj = self._sm.get_sync(key)
         except TimeoutError:
@@ -292,7 +285,7 @@ class ECCacheEngine:
     async def aget(self, mm_hash: str, device: str | torch.device = "cpu") -> torch.Tensor | None:
         """Async twin of :meth:`get`, awaitable from any event loop."""
         key = self.key(mm_hash)
-        dev = _check_device(device)
+        dev = check_device(device)
         try:
             obj = await self._sm.get(key)
         except TimeoutError:
@@ -307,11 +300,7 @@ class ECCacheEngine:
         key = self._keys.get(mm_hash) if type(mm_hash) is str else None
         if key is None:
             key = self.key(mm_hash)
-        try:
-            return self._sm.contains_sync(key)
-        except TimeoutError:
-            self._count_timeout()
-            return False
+        return self._present_sync(key)
 
     async def acontains(self, mm_hash: str) -> bool:
         """Async twin of :meth:`contains`."""
