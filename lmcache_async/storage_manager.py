@@ -498,6 +498,18 @@ class StorageManager:
         cpu = self._cpu
         return (cpu is not None and key in cpu._index) or key in self._pending
 
+    def local_prefix_len(self, keys: Sequence[CacheEngineKey]) -> int:
+        """Length of the prefix of ``keys`` that :meth:`holds_locally` answers True for: the
+        chunks a store may skip without losing anything. Caller's thread, no hop; lower tiers
+        are not asked (a damaged lower-tier record must not make a store skip its chunk)."""
+        self._check_usable()
+        cpu = self._cpu
+        n = cpu.prefix_len(keys) if cpu is not None else 0
+        pending = self._pending
+        while n < len(keys) and (keys[n] in pending or (cpu is not None and keys[n] in cpu._index)):
+            n += 1
+        return n
+
     def _lower_could_hold(self, key: CacheEngineKey, rank: int, nbytes: int) -> bool:
         """True when some lower tier could ever hold the record of ``key`` (header included),
         by the tiers' :attr:`~StorageBackend.max_entry_bytes`; a tier without a known limit

@@ -106,8 +106,9 @@ class LMCacheEngine:
         ``kv`` for anything the cache cannot store (a non-tensor; a quantized, sparse, nested or
         meta tensor).
 
-        The prefix already cached in some tier is skipped; chunks present are never stored twice
-        (entries are content-addressed) and are not counted. When the CPU pool cannot take a
+        The prefix the CPU tier already holds (or is still writing down) is skipped and not
+        counted; a chunk only a lower tier claims is stored again, and that tier keeps its record
+        when it is intact (entries are content-addressed). When the CPU pool cannot take a
         chunk even after evicting what nobody holds, the chunks before it are kept and the rest
         is skipped (never evicting a chunk this call wrote).
         """
@@ -131,8 +132,9 @@ class LMCacheEngine:
         if not keys:
             return 0
         sm = self.storage_manager
-        present = self._bounded(lambda: sm.batched_contains_sync(keys), 0, "store")
-        cached = first + present
+        # Only what a local tier holds is skipped: a lower tier's "present" is unverified until
+        # read, and trusting it would drop a chunk whose record there is damaged.
+        cached = first + sm.local_prefix_len(keys)
         # Keep the already cached prefix (masked or found) from this call's own evictions.
         sm.touch(plan.keys[:cached][::-1])
         src = kv.detach()
