@@ -2,7 +2,8 @@
 
 Connectors are chosen by URL scheme (:mod:`.connector`): Redis/Valkey (``redis://``,
 ``rediss://``, ``valkey://``, ``unix://``), Redis Cluster (``redis+cluster://h:p,h:p``) and a
-shared filesystem (``fs:///dir``). Every entry is one self-describing record
+shared filesystem (``fs:///dir``); ``mooncake://master:port`` is the Mooncake Store tier
+(:mod:`.mooncake`). Every entry is one self-describing record
 (:mod:`lmcache_async.records`), verified on read; names are namespaced by
 ``remote_key_prefix`` and the model name (:mod:`.naming`), so deployments sharing a server
 never read each other's entries.
@@ -226,8 +227,15 @@ def _release_results(tasks: Sequence[asyncio.Future[MemoryObj | None]]) -> None:
                 obj.ref_count_down()
 
 
-def create(ctx: BackendContext) -> RemoteBackend | None:
-    """Registry factory: a remote tier when ``remote_url`` is set, else None."""
+def create(ctx: BackendContext) -> StorageBackend | None:
+    """Registry factory: a remote tier when ``remote_url`` is set, else None.
+
+    ``mooncake://`` URLs get the Mooncake Store tier (:mod:`.mooncake`, which needs the
+    context's pool and staging memory to register them); every other scheme a connector."""
     if not ctx.config.remote_url:
         return None
+    if ctx.config.remote_url.strip().lower().startswith("mooncake://"):
+        from .mooncake import MooncakeBackend
+
+        return MooncakeBackend(ctx)
     return RemoteBackend(ctx)

@@ -9,6 +9,8 @@ Accepted forms (credentials are percent-decoded; ``?name=value`` options follow 
 * ``redis+cluster://[[user]:password@]host:port[,host:port...]`` (``rediss+cluster://`` for TLS;
   ``valkey+cluster://`` is an alias)
 * ``fs:///absolute/dir`` or ``fs://relative/dir`` — a shared filesystem directory
+* ``mooncake://host[:port]`` — a Mooncake Store master (RPC port, default 50051); the client
+  settings come from the ``mooncake_*`` configuration keys
 
 Options valid for every Redis-family URL: ``db``, ``max_connections``, ``socket_read_size``,
 ``client_name``, ``password``, ``username``. Unknown options are refused with a ``ValueError``
@@ -23,6 +25,7 @@ from urllib.parse import parse_qsl, unquote
 __all__ = ["RemoteURL", "parse_remote_url", "redact"]
 
 DEFAULT_PORT = 6379
+MOONCAKE_PORT = 50051
 
 _REDIS_SCHEMES = {"redis": False, "valkey": False, "rediss": True, "valkeys": True}
 _CLUSTER_SCHEMES = {
@@ -43,7 +46,7 @@ _FALSE = {"0", "false", "no", "off"}
 class RemoteURL:
     """A parsed ``remote_url``.
 
-    ``kind`` is ``"redis"``, ``"unix"``, ``"cluster"`` or ``"fs"``; ``scheme`` the scheme as
+    ``kind`` is ``"redis"``, ``"unix"``, ``"cluster"``, ``"fs"`` or ``"mooncake"``; ``scheme`` the scheme as
     written (lower case). ``hosts`` holds ``(host, port)`` pairs (one for ``redis``, one or more
     for ``cluster``, none otherwise); ``path`` the socket path (``unix``) or directory (``fs``).
     """
@@ -233,5 +236,14 @@ def parse_remote_url(url: str) -> RemoteURL:
             options=opts,
         )
 
-    known = sorted([*_REDIS_SCHEMES, *_CLUSTER_SCHEMES, "unix", "fs"])
+    if scheme == "mooncake":
+        _query(query, frozenset(), url)
+        netloc, _, path = body.partition("/")
+        if path.strip("/") or "@" in netloc or "," in netloc:
+            raise ValueError(f"remote_url {redact(url)!r}: mooncake:// takes one host:port (the master)")
+        tail = netloc.rsplit("]", 1)[-1]
+        master = _parse_host(netloc if ":" in tail else f"{netloc}:{MOONCAKE_PORT}", url)
+        return RemoteURL(scheme=scheme, kind="mooncake", hosts=(master,))
+
+    known = sorted([*_REDIS_SCHEMES, *_CLUSTER_SCHEMES, "unix", "fs", "mooncake"])
     raise ValueError(f"remote_url scheme {scheme!r} is not supported (known: {', '.join(known)})")

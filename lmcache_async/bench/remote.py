@@ -8,7 +8,10 @@ server: raw ``redis.asyncio`` SET/GET of the same bytes at the same concurrency.
 * **batched contains of 256 keys**: round trips (target 1), and its latency beside one raw
   ``EXISTS`` round trip;
 * **part-size sweep** on 16 MiB entries (512 KiB ... 4 MiB), which is how the
-  ``remote_part_size`` default was chosen.
+  ``remote_part_size`` default was chosen;
+* **Mooncake Store tier** (when the Mooncake wheel is installed): 1 MiB and 16 MiB put/get vs the
+  raw Mooncake client, beside the Redis tier, and recovery after a master restart
+  (:mod:`lmcache_async.bench.remote_mooncake`).
 
 Puts go to fresh keys: every key is deleted before each put round, since the tier's put of a
 present key is a no-op (deleted, not flushed: see :meth:`_Rig.wipe`). Reads land in a
@@ -426,6 +429,10 @@ async def _run(opts: BenchOptions, url: str) -> list[Result]:
         if not opts.quick and sweep:
             opts.say(f"remote: part-size sweep, 16 MiB entries, parts of {[p >> 10 for p in sweep]} KiB")
             out += await _sweep(rig, 16 * MiB, 8, sweep, reps)
+
+        from lmcache_async.bench.remote_mooncake import section as mooncake_section
+
+        out += await mooncake_section(opts, url)  # the Mooncake Store tier, beside this Redis server
     finally:
         await rig.close()
     return out

@@ -1,0 +1,530 @@
+"""The Mooncake Store tier against a real store: master, metadata server and a segment holder
+started on free loopback ports (:class:`~lmcache_async.testing.servers.MooncakeServers`).
+
+Without the Mooncake wheel or its binaries the tests skip with the reason, unless
+``LMCACHE_ASYNC_REQUIRE_MOONCAKE=1`` (set by ``nox -s tests``) turns the skip into a failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any, NoReturn
+
+import pytest
+import torch
+
+from lmcache_async import StorageManager
+from lmcache_async.backend import BackendContext
+from lmcache_async.config import LMCacheEngineConfig
+from lmcache_async.keys import CacheEngineKey
+from lmcache_async.memory import HeapAllocator, MemoryObj, PoolAllocator
+from lmcache_async.records import decode_header
+from lmcache_async.testing import PersistentBackendConformanceTests, make_key, make_obj
+from lmcache_async.testing.servers import MooncakeServers, ServerError, is_loopback_listener, mooncake_binaries
+
+REQUIRE_ENV = "LMCACHE_ASYNC_REQUIRE_MOONCAKE"
+REQUIRE_MOONCAKE = os.environ.get(REQUIRE_ENV) == "1"
+
+pytestmark = pytest.mark.mooncake
+
+
+def missing(reason: str) -> NoReturn:
+    """Skip for ``reason``, or fail when the run requires Mooncake."""
+    if REQUIRE_MOONCAKE:
+        pytest.fail(f"{reason} ({REQUIRE_ENV}=1 requires it)")
+    pytest.skip(reason)
+
+
+def _available() -> None:
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as exc:
+        missing(f"the Mooncake Store client cannot be imported ({exc}); pip install lmcache-async[mooncake]")
+    if mooncake_binaries() is None:
+        missing("no mooncake_master/mooncake_client binaries")
+
+
+def _start(**kw: Any) -> MooncakeServers:
+    _available()
+    try:
+        return MooncakeServers(**kw).start()
+    except ServerError as exc:
+        missing(f"the Mooncake store did not start: {exc}")
+
+
+@pytest.fixture(scope="session")
+def mooncake_store() -> Iterator[MooncakeServers]:
+    """One store shared by the tests that do not kill it (each test has its own prefix)."""
+    srv = _start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def own_store() -> Iterator[MooncakeServers]:
+    """A store of this test alone (to kill, pause or restart its master)."""
+    srv = _start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def same(a: MemoryObj, b: MemoryObj) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bytes(a.byte_view()) == bytes(b.byte_view())
+
+
+def mooncake_backend(ctx: BackendContext, store: MooncakeServers, prefix: str, timeout_s: float = 30.0) -> Any:
+    from lmcache_async.backends.remote.mooncake import MooncakeBackend
+
+    ctx.config = LMCacheEngineConfig.from_defaults(**store.config())
+    return MooncakeBackend(ctx, prefix=prefix, timeout_s=timeout_s)
+
+
+def raw_client(store: MooncakeServers) -> Any:
+    """A pure client of ``store`` through the tier's blocking wrapper (for inspecting objects)."""
+    from lmcache_async.backends.remote.mooncake_store import MooncakeClient, MooncakeSettings
+
+    settings = MooncakeSettings(master=store.url.split("://", 1)[1], metadata_server=store.metadata_server)
+    return MooncakeClient.open(settings)
+
+
+# ---- the conformance suite ------------------------------------------------------------------------
+class TestMooncakeConformance(PersistentBackendConformanceTests):
+    """Entries live in the holder's segment, so a reopened backend (a new client) finds them."""
+
+    @pytest.fixture(autouse=True)
+    def _store(self, mooncake_store: MooncakeServers) -> None:
+        self.store = mooncake_store
+        self.prefix = f"c{uuid.uuid4().hex[:12]}"
+
+    async def make_backend(self, ctx: BackendContext, location: Path) -> Any:
+        return mooncake_backend(ctx, self.store, self.prefix)
+
+
+# ---- fixtures of the specific tests -------------------------------------------------------------------
+@pytest.fixture
+def prefix() -> str:
+    return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def src_pool() -> PoolAllocator:
+    return PoolAllocator(64 << 20, name="mooncake-src", pretouch=False)
+
+
+@pytest.fixture
+async def open_backend(make_ctx: Any, prefix: str) -> AsyncIterator[Callable[..., Any]]:
+    """``await open_backend(store, **kw)``: a started Mooncake backend closed after the test."""
+    made: list[Any] = []
+
+    async def make(store: MooncakeServers, **kw: Any) -> Any:
+        be = mooncake_backend(make_ctx(), store, kw.pop("prefix", prefix), **kw)
+        made.append(be)
+        await be.start()
+        return be
+
+    yield make
+    for be in made:
+        await be.close()
+
+
+# ---- the store the fixtures start ------------------------------------------------------------------
+def test_every_listener_of_the_store_is_on_loopback(mooncake_store: MooncakeServers) -> None:
+    listeners = mooncake_store.listeners()
+    assert set(listeners) == {"metadata", "master", "holder"}
+    for part, addrs in listeners.items():
+        assert addrs, part
+        assert all(is_loopback_listener(a) for a in addrs), (part, addrs)
+
+
+# ---- layout ------------------------------------------------------------------------------------------
+async def test_entry_is_one_object_holding_header_then_payload(
+    mooncake_store: MooncakeServers, open_backend: Any, src_pool: PoolAllocator, prefix: str
+) -> None:
+    from lmcache_async.backends.remote.mooncake import header_room
+
+    be = await open_backend(mooncake_store)
+    key = make_key(1, model="org/model")
+    src = make_obj(src_pool, (64, 256), torch.float32, seed=1)
+    assert await be.put(key, src)
+    name = be.entry_name(key)
+    assert name.record.startswith(f"{prefix}:org%2Fmodel:{{")
+    client = raw_client(mooncake_store)
+    try:
+        room = header_room(name.key)
+        buf = torch.zeros(room + src.nbytes, dtype=torch.uint8)
+        with client.registered([(buf.data_ptr(), buf.numel())]):
+            assert client.session_start([name.record]) == [0]
+            try:
+                got = client.read_ranges([name.record], [[buf.data_ptr()]], [[buf.numel()]], [[0]])
+            finally:
+                client.session_end([name.record])
+        assert got == [room + src.nbytes]
+        hdr = decode_header(memoryview(buf.numpy()))
+        assert hdr.key == name.key and hdr.header_len == room and hdr.payload_len == src.nbytes
+        assert bytes(buf[room:].numpy()) == bytes(src.byte_view())
+    finally:
+        client.close()
+    src.ref_count_down()
+
+
+async def test_prefixes_isolate_deployments_on_one_store(
+    mooncake_store: MooncakeServers, open_backend: Any, src_pool: PoolAllocator, prefix: str
+) -> None:
+    a = await open_backend(mooncake_store, prefix=prefix + "-a")
+    b = await open_backend(mooncake_store, prefix=prefix + "-b")
+    src = make_obj(src_pool, seed=3)
+    key = make_key(3)
+    assert await a.put(key, src)
+    assert await a.contains(key)
+    assert not await b.contains(key)
+    assert await b.get(key) is None
+    await b.clear()
+    assert await a.contains(key)
+    src.ref_count_down()
+
+
+async def test_heap_buffers_round_trip(mooncake_store: MooncakeServers, open_backend: Any) -> None:
+    """Buffers outside the registered pools are registered for the call and released after."""
+    be = await open_backend(mooncake_store)
+    heap = HeapAllocator("mooncake-heap")
+    src = heap.allocate((3 << 20,), torch.uint8)
+    src.tensor.random_(0, 256, generator=torch.Generator().manual_seed(3))
+    key = make_key(30)
+    assert await be.put(key, src)
+    got = await be.get(key, lambda s, d, f: heap.allocate(s, d, f))
+    assert got is not None and torch.equal(got.tensor, src.tensor)
+    got.ref_count_down()
+    src.ref_count_down()
+
+
+# ---- bad objects -----------------------------------------------------------------------------------------
+def _replace_object(store: MooncakeServers, record: str, data: bytes) -> None:
+    """Put ``data`` under ``record`` in place of what is there (as a foreign writer would)."""
+    client = raw_client(store)
+    try:
+        client.remove(record)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        with client.registered([(buf.data_ptr(), buf.numel())]):
+            assert client.put_parts([record], [[buf.data_ptr()]], [[buf.numel()]]) == [0]
+    finally:
+        client.close()
+
+
+def _read_object(store: MooncakeServers, record: str, size: int) -> bytes:
+    client = raw_client(store)
+    try:
+        buf = torch.zeros(size, dtype=torch.uint8)
+        with client.registered([(buf.data_ptr(), size)]):
+            assert client.session_start([record]) == [0]
+            try:
+                assert client.read_ranges([record], [[buf.data_ptr()]], [[size]], [[0]]) == [size]
+            finally:
+                client.session_end([record])
+        return bytes(buf.numpy())
+    finally:
+        client.close()
+
+
+def _exists(store: MooncakeServers, record: str) -> bool:
+    client = raw_client(store)
+    try:
+        return bool(client.is_exist(record))
+    finally:
+        client.close()
+
+
+async def _stored(be: Any, src_pool: PoolAllocator, i: int) -> tuple[CacheEngineKey, str, MemoryObj, int]:
+    from lmcache_async.backends.remote.mooncake import header_room
+
+    src = make_obj(src_pool, seed=i)
+    key = make_key(i)
+    assert await be.put(key, src)
+    name = be.entry_name(key)
+    return key, name.record, src, header_room(name.key) + src.nbytes
+
+
+async def test_corrupt_payload_is_a_counted_miss_and_removed(
+    mooncake_store: MooncakeServers, open_backend: Any, src_pool: PoolAllocator
+) -> None:
+    be = await open_backend(mooncake_store)
+    key, record, src, size = await _stored(be, src_pool, 6)
+    data = bytearray(_read_object(mooncake_store, record, size))
+    data[-10] ^= 0xFF
+    _replace_object(mooncake_store, record, bytes(data))
+    assert await be.get(key) is None
+    assert be.stats()["corrupt"] == 1
+    assert not _exists(mooncake_store, record)
+    src.ref_count_down()
+
+
+async def test_truncated_object_is_a_counted_miss_and_removed(
+    mooncake_store: MooncakeServers, open_backend: Any, src_pool: PoolAllocator
+) -> None:
+    be = await open_backend(mooncake_store)
+    key, record, src, size = await _stored(be, src_pool, 7)
+    data = _read_object(mooncake_store, record, size)
+    _replace_object(mooncake_store, record, data[:100])
+    assert await be.get(key) is None
+    assert be.stats()["corrupt"] == 1
+    assert not _exists(mooncake_store, record)
+    src.ref_count_down()
+
+
+async def test_object_of_another_key_is_a_miss_and_kept(
+    mooncake_store: MooncakeServers, open_backend: Any, src_pool: PoolAllocator
+) -> None:
+    be = await open_backend(mooncake_store)
+    _key, record, src, size = await _stored(be, src_pool, 8)
+    other = be.entry_name(make_key(9)).record
+    _replace_object(mooncake_store, other, _read_object(mooncake_store, record, size))  # as if digests collided
+    assert await be.get(make_key(9)) is None
+    assert await be.remove(make_key(9)) is False
+    assert be.stats()["foreign"] == 1
+    assert _exists(mooncake_store, other)
+    src.ref_count_down()
+
+
+async def test_objects_read_a_moment_ago_are_removed_despite_their_lease(
+    own_store: MooncakeServers, open_backend: Any, src_pool: PoolAllocator
+) -> None:
+    be = await open_backend(own_store)
+    key, record, src, _size = await _stored(be, src_pool, 10)
+    got = await be.get(key)  # the master now holds a read lease on the object
+    assert got is not None
+    got.ref_count_down()
+    assert await be.remove(key) is True
+    assert not _exists(own_store, record)
+    assert await be.get(key) is None
+    src.ref_count_down()
+
+
+# ---- the store failing -----------------------------------------------------------------------------------
+async def test_presence_is_unknown_not_absent_when_the_master_is_gone(
+    own_store: MooncakeServers, open_backend: Any, src_pool: PoolAllocator
+) -> None:
+    from lmcache_async.backends.remote.mooncake import MooncakeError
+
+    be = await open_backend(own_store, timeout_s=1.0)
+    key, _record, src, _size = await _stored(be, src_pool, 11)
+    own_store.kill_master()
+    with pytest.raises((MooncakeError, TimeoutError)):
+        await be.batched_contains([key, make_key(12)])
+    src.ref_count_down()
+
+
+@pytest.mark.chaos
+async def test_calls_on_a_hung_master_are_abandoned_bounded_and_leak_no_buffer(
+    own_store: MooncakeServers, make_ctx: Any, src_pool: PoolAllocator, prefix: str
+) -> None:
+    from lmcache_async.backends.remote.mooncake import MooncakeBackend, MooncakeError
+
+    ctx = make_ctx()
+    staging = ctx.staging_pool
+    ctx.config = LMCacheEngineConfig.from_defaults(**own_store.config())
+    timeout = 0.5
+    be = MooncakeBackend(ctx, prefix=prefix, timeout_s=timeout, workers=2)
+    await be.start()
+    keys = [make_key(20 + i) for i in range(4)]
+    srcs = [make_obj(src_pool, seed=i) for i in range(4)]
+    try:
+        assert all(await be.batched_put(list(zip(keys, srcs, strict=True))))
+        own_store.pause_master()
+        try:
+            with pytest.raises((MooncakeError, TimeoutError)):
+                await be.get(keys[0])  # blocks in the client: abandoned at the timeout
+            for k in keys[1:]:  # refused: the store is down (a probe, when due, is abandoned too)
+                with pytest.raises((MooncakeError, TimeoutError)):
+                    await be.get(k)
+            st = be.stats()
+            assert st["store_down"] and st["refused"] >= 1
+            assert 1 <= st["in_flight_abandoned"] <= 2
+        finally:
+            own_store.resume_master()
+        deadline = time.monotonic() + 60
+        got = None
+        while time.monotonic() < deadline:  # recovers: a probe succeeds and a new client is set up
+            try:
+                got = await be.get(keys[0])
+            except (MooncakeError, TimeoutError):
+                await asyncio.sleep(0.2)
+                continue
+            break
+        assert got is not None and same(got, srcs[0]), be.stats()
+        got.ref_count_down()
+        deadline = time.monotonic() + 90  # a call stuck on the paused master ends at its RPC timeout
+        while be.stats()["in_flight_abandoned"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert be.stats()["in_flight_abandoned"] == 0
+        assert staging is not None and staging.used_bytes == 0  # abandoned reads released their buffers
+    finally:
+        await be.close()
+        for s in srcs:
+            s.ref_count_down()
+
+
+def _tensor(seed: int) -> torch.Tensor:
+    return torch.randn(128, 256, generator=torch.Generator().manual_seed(seed))
+
+
+def _remote_hits(sm: StorageManager) -> int:
+    return int(sm.stats()["tiers"]["remote"]["hits"])
+
+
+def _wait_recovered(sm: StorageManager, start: int, deadline_s: float = 60.0) -> int:
+    """Put/flush/get fresh keys until the remote tier serves one again; returns the next seed."""
+    deadline = time.monotonic() + deadline_s
+    i = start
+    while time.monotonic() < deadline:
+        key = make_key(i)
+        t = _tensor(i)
+        assert sm.put_sync(key, t)
+        sm.flush_sync(30)
+        hits = _remote_hits(sm)
+        got = sm.get_sync(key)
+        i += 1
+        if got is not None:
+            with got:
+                assert torch.equal(got.tensor, t)
+            if _remote_hits(sm) > hits:
+                return i
+        time.sleep(0.2)
+    raise AssertionError(f"remote tier did not recover: {sm.stats()['tiers']['remote']}")
+
+
+@pytest.mark.chaos
+def test_killed_master_gives_misses_within_twice_the_timeout_then_recovers(
+    own_store: MooncakeServers, make_manager: Callable[..., StorageManager], prefix: str
+) -> None:
+    timeout = 1.0
+    sm = make_manager(**own_store.config(remote_timeout_s=timeout, remote_key_prefix=prefix, local_cpu=False))
+    k = make_key(1)
+    assert sm.put_sync(k, _tensor(1))
+    sm.flush_sync(30)
+    got = sm.get_sync(k)
+    assert got is not None
+    with got:
+        assert torch.equal(got.tensor, _tensor(1))
+    own_store.kill_master()
+    for i in range(5):
+        t0 = time.monotonic()
+        assert sm.get_sync(make_key(100 + i)) is None
+        assert time.monotonic() - t0 < 2 * timeout
+        t0 = time.monotonic()
+        assert sm.contains_sync(make_key(100 + i)) is False
+        assert sm.batched_contains_sync([k, make_key(100 + i)]) == 0
+        assert time.monotonic() - t0 < 2 * 2 * timeout  # two calls, each within twice the timeout
+    assert sm.put_sync(make_key(200), _tensor(200))  # accepted; its write-through fails quietly
+    sm.flush_sync(30)
+    remote = sm.stats()["tiers"]["remote"]
+    assert remote["errors"] + remote["skipped"] > 0
+    own_store.restart_master()
+    _wait_recovered(sm, 300)
+    remote = sm.stats()["tiers"]["remote"]
+    assert remote["circuit"] == "closed" and remote["corrupt"] == 0 and remote["setups"] >= 2
+
+
+@pytest.mark.chaos
+def test_hung_master_calls_return_within_twice_the_timeout_then_recover(
+    own_store: MooncakeServers, make_manager: Callable[..., StorageManager], prefix: str
+) -> None:
+    timeout = 0.5
+    sm = make_manager(**own_store.config(remote_timeout_s=timeout, remote_key_prefix=prefix, local_cpu=False))
+    k = make_key(1)
+    assert sm.put_sync(k, _tensor(1))
+    sm.flush_sync(30)
+    own_store.pause_master()
+    try:
+        for i in range(4):
+            t0 = time.monotonic()
+            assert sm.get_sync(make_key(10 + i)) is None
+            assert time.monotonic() - t0 < 2 * timeout
+            t0 = time.monotonic()
+            assert sm.contains_sync(make_key(10 + i)) is False
+            assert time.monotonic() - t0 < 2 * timeout
+    finally:
+        own_store.resume_master()
+    _wait_recovered(sm, 50)
+    got = sm.get_sync(k)  # written before the pause, still there
+    assert got is not None
+    with got:
+        assert torch.equal(got.tensor, _tensor(1))
+
+
+def test_two_managers_share_entries_through_the_store(
+    mooncake_store: MooncakeServers, make_manager: Callable[..., StorageManager], prefix: str
+) -> None:
+    a = make_manager(**mooncake_store.config(remote_key_prefix=prefix, remote_timeout_s=30.0))
+    b = make_manager(**mooncake_store.config(remote_key_prefix=prefix, remote_timeout_s=30.0))
+    keys = [make_key(i) for i in range(6)]
+    for i, k in enumerate(keys):
+        assert a.put_sync(k, _tensor(i))
+    a.flush_sync(30)
+    assert b.batched_contains_sync(keys) == 6
+    for i, k in enumerate(keys):
+        got = b.get_sync(k)
+        assert got is not None
+        with got:
+            assert torch.equal(got.tensor, _tensor(i))
+    assert _remote_hits(b) == 6
+
+
+# ---- configuration (no store needed) -----------------------------------------------------------------
+def test_mooncake_url_names_the_master_with_a_default_port() -> None:
+    from lmcache_async.backends.remote import parse_remote_url
+
+    assert parse_remote_url("mooncake://10.0.0.5").hosts == (("10.0.0.5", 50051),)
+    assert parse_remote_url("mooncake://10.0.0.5:6000").hosts == (("10.0.0.5", 6000),)
+    assert parse_remote_url("mooncake://[::1]").hosts == (("::1", 50051),)
+    for bad in ("mooncake://", "mooncake://a:1,b:2", "mooncake://h:1/db", "mooncake://h?x=1", "mooncake://u:p@h"):
+        with pytest.raises(ValueError):
+            parse_remote_url(bad)
+
+
+async def test_remote_tier_of_a_mooncake_url_is_the_mooncake_backend(make_ctx: Any) -> None:
+    from lmcache_async.backends.remote import create
+    from lmcache_async.backends.remote.mooncake import MooncakeBackend
+
+    ctx = make_ctx()
+    ctx.config = LMCacheEngineConfig.from_defaults(remote_url="mooncake://127.0.0.1:1234", mooncake_replica_num=2)
+    be = create(ctx)
+    try:
+        assert isinstance(be, MooncakeBackend) and be.is_remote and be.name == "remote"
+        st = be.stats()
+        assert st["scheme"] == "mooncake" and st["store_down"] and st["setups"] == 0  # nothing connected yet
+    finally:
+        assert be is not None
+        await be.close()
+
+
+def test_mooncake_settings_come_from_the_config_keys(make_ctx: Any) -> None:
+    from lmcache_async.backends.remote.mooncake import mooncake_settings
+
+    ctx = make_ctx()
+    ctx.config = LMCacheEngineConfig.from_defaults(remote_url="mooncake://m.example:7000")
+    s = mooncake_settings(ctx, "mooncake://m.example:7000")
+    assert s.master == "m.example:7000" and s.metadata_server == "http://m.example:8080/metadata"
+    assert s.protocol == "tcp" and s.local_hostname == "127.0.0.1" and s.global_segment_size == 0
+    ctx.config = LMCacheEngineConfig.from_defaults(mooncake_protocol="carrier-pigeon")
+    with pytest.raises(ValueError, match="mooncake_protocol"):
+        mooncake_settings(ctx, "mooncake://m.example:7000")
+
+
+def test_headers_are_padded_to_a_length_known_from_the_key(src_pool: PoolAllocator) -> None:
+    from lmcache_async.backends.remote.mooncake import header_room, padded_header
+
+    for shape in [(), (7,), (2, 3, 4, 5, 6, 7, 8)]:
+        obj = make_obj(src_pool, shape, torch.float16, seed=1)
+        head = padded_header(obj, "some/key@1@0@abc@bfloat16", 1234)
+        assert len(head) == header_room("some/key@1@0@abc@bfloat16")
+        hdr = decode_header(head)
+        assert hdr.shape == shape and hdr.header_len == len(head) and hdr.checksum == 1234
+        obj.ref_count_down()
