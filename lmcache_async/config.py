@@ -614,6 +614,8 @@ def _ec_entries(data: Mapping[str, Any], path: str) -> list[Entry]:
             sub = key[3:]
             if sub in fields:
                 prefixed.append((sub, value, f"file {path} key {key}"))
+            elif key in fields:  # a key of the encoder cache's own (ec_model_name)
+                prefixed.append((key, value, f"file {path} key {key}"))
             else:
                 logger.warning("unknown encoder-cache key %r (from file %s) dropped", key, path)
     ec_map = data.get("ec")
@@ -635,6 +637,8 @@ def _ec_env_entries(environ: Mapping[str, str]) -> list[Entry]:
         if not var.startswith(EC_ENV_PREFIX):
             continue
         key = var[len(EC_ENV_PREFIX) :].lower()
+        if key not in fields and f"ec_{key}" in fields:  # LMCACHE_EC_MODEL_NAME: ec_model_name
+            key = f"ec_{key}"
         if key in fields:
             out.append((key, value, f"env {var}"))
         else:

@@ -31,8 +31,14 @@ logger = logging.getLogger(__name__)
 GiB = 1 << 30
 MiB = 1 << 20
 DEFAULT_ALIGN = 256
-_VIEW_CACHE_MAX = 1 << 16
 _PAGE = 4096
+# A cached tensor view costs about 800 bytes (the tensor with its key and strides); one view
+# per 32 KiB of pool keeps the cache below 2.5 % of the pool's bytes, beyond a floor of 64 views
+# (about 50 KiB) that lets small pools cache their live blocks.
+_VIEW_CACHE_BYTES_PER_VIEW = 32 << 10
+_VIEW_CACHE_MIN = 64
+_VIEW_CACHE_MAX = 1 << 16
+_VIEW_CACHE_REFRESH = 8
 
 
 class MemoryFormat(enum.IntEnum):
@@ -110,6 +116,15 @@ def validate_shape(shape: Any, what: str = "shape") -> tuple[int, ...]:
             raise ValueError(f"{what} must not contain negative sizes, got {tuple(shape)}")
         out.append(d)
     return tuple(out)
+
+
+def view_cache_limit(capacity: int) -> int:
+    """Most tensor views a pool of ``capacity`` bytes keeps for reuse.
+
+    One view per 32 KiB of pool (a view costs about 800 bytes, so the cache stays below 2.5 %
+    of the pool), at least 64 and at most 65,536.
+    """
+    return max(_VIEW_CACHE_MIN, min(_VIEW_CACHE_MAX, capacity // _VIEW_CACHE_BYTES_PER_VIEW))
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -351,6 +366,8 @@ class PoolAllocator(_AllocatorBase):
         self._mv: memoryview | None = None
         self._typed: dict[torch.dtype, torch.Tensor] = {}
         self._view_cache: dict[tuple[int, tuple[int, ...], torch.dtype], tuple[torch.Tensor, tuple[int, ...]]] = {}
+        self.view_cache_limit = view_cache_limit(size_bytes)
+        self._view_evictions = 0
         units = size_bytes // align
         # Free blocks in units of `align`: start -> length and end -> start for coalescing;
         # bins[k] holds starts of blocks whose length has bit_length k.
@@ -466,7 +483,8 @@ class PoolAllocator(_AllocatorBase):
             self.num_objects += 1
         off = start * align
         # Blocks are reused at the same offsets for the same shapes under steady churn; creating
-        # a view costs more than the rest of the allocation, so recent views are reused.
+        # a view costs more than the rest of the allocation, so views are reused (a hit takes no
+        # lock; only a miss, which creates a view anyway, takes the lock to insert).
         vkey = (off, shp, dtype)
         cached = self._view_cache.get(vkey)
         # (a holder may have changed a view's metadata in place, e.g. with ``t_()``)
@@ -475,10 +493,34 @@ class PoolAllocator(_AllocatorBase):
         else:
             strides = (1,) if len(shp) == 1 else _contiguous_strides(shp)
             view = typed.as_strided(shp, strides, off // itemsize)
-            if len(self._view_cache) >= _VIEW_CACHE_MAX:
-                self._view_cache.clear()
-            self._view_cache[vkey] = (view, strides)
+            with self.lock:
+                self._cache_view_locked(vkey, view, strides)
         return MemoryObj(self, off, size, view, shp, dtype, fmt, n)
+
+    def _cache_view_locked(
+        self, vkey: tuple[int, tuple[int, ...], torch.dtype], view: torch.Tensor, strides: tuple[int, ...]
+    ) -> None:
+        """Insert a view, keeping the cache at most ``view_cache_limit`` entries.
+
+        A full cache drops its newest entry, so the views cached first keep hitting when more
+        distinct blocks are in use than the cache holds; after ``_VIEW_CACHE_REFRESH`` times
+        ``view_cache_limit`` such drops it is emptied, so a workload whose shapes or offsets
+        changed refills it.
+        """
+        cache = self._view_cache
+        if len(cache) >= self.view_cache_limit:
+            self._view_evictions += 1
+            if self._view_evictions >= _VIEW_CACHE_REFRESH * self.view_cache_limit:
+                cache.clear()
+                self._view_evictions = 0
+            else:
+                cache.popitem()
+        cache[vkey] = (view, strides)
+
+    @property
+    def view_cache_entries(self) -> int:
+        """Tensor views cached for reuse (never more than ``view_cache_limit``)."""
+        return len(self._view_cache)
 
     def byte_view(self, offset: int, nbytes: int) -> memoryview:
         mv = self._mv

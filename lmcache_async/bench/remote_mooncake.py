@@ -291,8 +291,9 @@ async def _run(opts: BenchOptions, redis_url: str | None) -> list[Result]:
         opts.say(f"remote/mooncake: started {srv!r}")
         loop = asyncio.get_running_loop()
         executor = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="lmcache-async-bench-mc")
-        staging = PoolAllocator(512 * MiB, name="bench-mc-staging")
-        src = PoolAllocator(384 * MiB, name="bench-mc-src")
+        scale = 2 if opts.quick else 1  # a quick run moves half as many entries
+        staging = PoolAllocator(512 * MiB // scale, name="bench-mc-staging")
+        src = PoolAllocator(384 * MiB // scale, name="bench-mc-src")
         dst = PoolAllocator(96 * MiB, name="bench-mc-dst")
         for p in (staging, src, dst):
             p.wait_ready(30)

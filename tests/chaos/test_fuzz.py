@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import struct
 import subprocess
 import sys
@@ -261,8 +262,19 @@ ATHERIS_RUNS = scaled(100_000)
 def test_atheris_record_parser_run(tmp_path, figures):
     pytest.importorskip("atheris", reason="atheris is not installed (pip install atheris)")
     t0 = time.monotonic()
+    # Linux keeps a process's peak-RSS mark across exec, and libFuzzer checks that mark: the child
+    # starts at this test process's peak. Its RSS limit is therefore set 2 GiB above that, and
+    # one allocation of more than 2 GiB still counts as a finding on its own.
+    inherited_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
     res = subprocess.run(
-        [sys.executable, "-m", "lmcache_async.testing.fuzz_records", f"-atheris_runs={ATHERIS_RUNS}"],
+        [
+            sys.executable,
+            "-m",
+            "lmcache_async.testing.fuzz_records",
+            f"-atheris_runs={ATHERIS_RUNS}",
+            f"-rss_limit_mb={inherited_mb + 2048}",
+            "-malloc_limit_mb=2048",
+        ],
         cwd=tmp_path,  # crash artifacts land here
         capture_output=True,
         text=True,

@@ -380,3 +380,16 @@ def test_configuration_doc_lists_every_key():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     for key in LMCacheEngineConfig.model_fields:
         assert f"`{key}`" in doc, key
+
+
+def test_ec_model_name_is_read_from_a_top_level_yaml_key_and_the_ec_env(tmp_path, monkeypatch):
+    from lmcache_async.config import load_ec_engine_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("ec_model_name: from-yaml\n")
+    cfg = load_ec_engine_config(LMCacheEngineConfig.from_defaults(), path)
+    assert cfg.ec_model_name == "from-yaml"
+    monkeypatch.setenv("LMCACHE_EC_MODEL_NAME", "from-env")
+    cfg = load_ec_engine_config(LMCacheEngineConfig.from_defaults(), path)
+    assert cfg.ec_model_name == "from-env"
+    assert cfg.source_of("ec_model_name") == "env LMCACHE_EC_MODEL_NAME"

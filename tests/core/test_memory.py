@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lmcache_async import DoubleReleaseError, MemoryFormat, PoolSizeError
-from lmcache_async.memory import GiB, HeapAllocator, PoolAllocator, memory_available_bytes
+from lmcache_async.memory import GiB, HeapAllocator, PoolAllocator, memory_available_bytes, view_cache_limit
 
 
 def pool(size=1 << 20, **kw) -> PoolAllocator:
@@ -168,3 +168,66 @@ def test_reused_block_gets_a_correct_view_even_after_in_place_metadata_changes()
     again = p.allocate((4, 4), torch.float32)
     assert again.tensor.shape == (4, 4) and again.tensor.is_contiguous()
     again.ref_count_down()
+
+
+# A cached view costs about 800 bytes (measured with the tensor, its key and its strides).
+_VIEW_BYTES = 800
+
+
+def _churn_distinct_views(p: PoolAllocator, n: int, seed: int) -> None:
+    rng = random.Random(seed)
+    held: list = []
+    for i in range(n):
+        shape = (rng.randrange(1, 64), rng.randrange(1, 64))
+        o = p.allocate(shape, torch.float32)
+        if o is None:
+            while held:
+                held.pop().ref_count_down()
+            continue
+        assert o.tensor.shape == shape and o.tensor.is_contiguous()
+        assert o.tensor.data_ptr() == o.data_ptr
+        held.append(o)
+        if len(held) > 1 + i % 7:
+            held.pop(rng.randrange(len(held))).ref_count_down()
+    for o in held:
+        o.ref_count_down()
+
+
+def test_a_small_pools_view_cache_stays_a_small_fraction_of_the_pool():
+    p = pool(1 << 20)
+    _churn_distinct_views(p, 5_000, seed=3)
+    assert len(p._view_cache) * _VIEW_BYTES <= p.capacity // 16, f"{len(p._view_cache)} views cached"
+    assert p.view_cache_entries <= p.view_cache_limit
+    assert p.used_bytes == 0
+
+
+def test_the_view_cache_bound_holds_under_concurrent_allocations():
+    p = pool(2 << 20)
+    threads = [threading.Thread(target=_churn_distinct_views, args=(p, 2_000, s)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(p._view_cache) * _VIEW_BYTES <= p.capacity // 16, f"{len(p._view_cache)} views cached"
+    assert len(p._view_cache) <= p.view_cache_limit
+    assert p.used_bytes == 0
+
+
+def test_the_view_cache_bound_grows_with_the_pool_but_stays_a_small_fraction():
+    for capacity in (1 << 20, 64 << 20, 256 << 20, GiB, 64 * GiB):
+        limit = view_cache_limit(capacity)
+        assert limit >= 64
+        assert limit * _VIEW_BYTES <= max(capacity // 32, 64 * _VIEW_BYTES)
+    assert view_cache_limit(GiB) > view_cache_limit(64 << 20)
+
+
+def test_views_of_reused_blocks_stay_correct_when_the_view_cache_is_full():
+    p = pool(1 << 20)
+    _churn_distinct_views(p, 3_000, seed=5)  # fills the cache past its limit, evicting and refreshing
+    for _ in range(200):
+        o = p.allocate((16, 16), torch.float32)
+        o.tensor.fill_(2.0)
+        assert o.tensor.shape == (16, 16) and o.tensor.data_ptr() == o.data_ptr
+        assert torch.all(o.tensor == 2.0)
+        o.ref_count_down()
+    assert len(p._view_cache) <= p.view_cache_limit

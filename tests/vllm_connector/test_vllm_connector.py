@@ -135,7 +135,8 @@ def test_producer_to_consumer_through_vllm_objects(model_dir: Path, worker_agent
         assert isinstance(scheduler, LMCacheECConnector) and isinstance(worker, LMCacheECConnector)
         assert scheduler.impl.engine is worker.impl.engine  # one engine per process
         key = worker.impl.engine.key("img-1")
-        assert (key.model_name, key.dtype, key.world_size, key.worker_id) == ("tiny-vl", torch.float16, 1, 0)
+        # The served name is an alias: the key carries the model vLLM loads.
+        assert (key.model_name, key.dtype, key.world_size, key.worker_id) == (str(model_dir), torch.float16, 1, 0)
 
         # Producer step: the encoder ran; vLLM's runner hands the outputs to save_caches.
         produced = {"img-2": torch.randn(4, 64, dtype=torch.float16), "img-1": torch.randn(4, 64, dtype=torch.float16)}
@@ -216,3 +217,21 @@ def test_producer_and_consumer_instances_share_through_a_disk_dir(
     finally:
         for c in (producer, consumer_sched, consumer):
             c.shutdown()
+
+
+def test_stats_are_built_and_aggregated_through_vllms_api(model_dir: Path, worker_agent: None) -> None:
+    stats = LMCacheECConnector.build_ec_connector_stats({"hits": 2, "loaded_bytes": 64})
+    if stats is None:
+        pytest.skip("this vLLM has no EC connector stats API")
+    merged = stats.aggregate(LMCacheECConnector.build_ec_connector_stats({"hits": 1}))
+    assert merged.reduce() == {"hits": 3, "loaded_bytes": 64}
+    assert not merged.is_empty()
+    cfg = make_vllm_config(model_dir, "ec_both", SMALL)
+    scheduler = ECConnectorFactory.create_connector(cfg, ECConnectorRole.SCHEDULER)
+    try:
+        scheduler.get_ec_connector_stats()  # drain whatever start-up counted
+        scheduler.has_cache_item("nothing")
+        delta = scheduler.get_ec_connector_stats()
+        assert delta.data["misses"] == 1 and delta.data["lookups"] == 1
+    finally:
+        scheduler.shutdown()
