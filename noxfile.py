@@ -96,14 +96,14 @@ def soak(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """ruff."""
     session.install("ruff>=0.5")
-    session.run("ruff", "check", "lmcache_async", "backends", "tests", "noxfile.py")
+    session.run("ruff", "check", "lmcache_async", "backends", "bench", "tests", "noxfile.py")
 
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy over the package (backends included)."""
+    """mypy over the package (backends included) and the benchmark suite."""
     _install(session, "dev")
-    session.run("mypy", "lmcache_async", "backends")
+    session.run("mypy", "lmcache_async", "backends", "bench")
 
 
 @nox.session
@@ -131,7 +131,7 @@ def compare(session: nox.Session) -> None:
     venv = os.path.abspath(".venv-lmcache")
     session.run("bash", "scripts/lmcache_env.sh", venv, external=True)
     session.run(
-        "python", "-m", "lmcache_async.bench.compare",
+        "python", "-m", "lmcache_async_bench.compare",
         "--lmcache-python", os.path.join(venv, "bin", "python"), *session.posargs,
     )
 

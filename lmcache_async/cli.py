@@ -23,15 +23,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+BENCH_PACKAGE = "lmcache_async_bench"
+"""The benchmark suite: a package installed beside the core (from ``bench/``), imported only by ``bench``."""
+
 BENCH_SUITES: dict[str, str] = {
-    "cpu": "lmcache_async.bench.cpu",
-    "ec": "lmcache_async.bench.ec",
-    "kv_hs": "lmcache_async.bench.kv_hs",
-    "disk": "lmcache_async.bench.disk",
-    "remote": "lmcache_async.bench.remote",
-    "nixl": "lmcache_async.bench.nixl",
-    "scaling": "lmcache_async.bench.scaling",
-    "sweep": "lmcache_async.bench.sweep",
+    "cpu": f"{BENCH_PACKAGE}.cpu",
+    "ec": f"{BENCH_PACKAGE}.ec",
+    "kv_hs": f"{BENCH_PACKAGE}.kv_hs",
+    "disk": f"{BENCH_PACKAGE}.disk",
+    "remote": f"{BENCH_PACKAGE}.remote",
+    "nixl": f"{BENCH_PACKAGE}.nixl",
+    "scaling": f"{BENCH_PACKAGE}.scaling",
+    "sweep": f"{BENCH_PACKAGE}.sweep",
 }
 
 PROG = "lmcache-async"
@@ -281,6 +284,17 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 # ---- bench -------------------------------------------------------------------------------------
+def _require_bench() -> None:
+    """Raise :class:`UsageError` saying how to get the benchmark suite when it is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec(BENCH_PACKAGE) is None:
+        raise UsageError(
+            f"the benchmark suite ({BENCH_PACKAGE}) is not installed: "
+            "pip install 'lmcache-async[cli]', or pip install -e '.[cli]' in a source checkout"
+        )
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from lmcache_async.cli_progress import Progress
 
@@ -288,6 +302,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in BENCH_SUITES]
     if unknown:
         raise UsageError(f"unknown suite(s): {', '.join(unknown)}; known: {', '.join(BENCH_SUITES)}")
+    _require_bench()
     json_path = check_output_file(args.json, "--json") if args.json else None
     plot_path = None
     if args.plot:
@@ -297,7 +312,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if workdir is not None:
         os.makedirs(workdir, exist_ok=True)
 
-    from lmcache_async.bench.common import BenchOptions, Result, format_series_summary, format_table
+    from lmcache_async_bench.common import BenchOptions, Result, format_series_summary, format_table
 
     start = time.monotonic()
     results: list[Result] = []
@@ -351,7 +366,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         progress(f"results written to {json_path}")
     if plot_path is not None:
         if results:
-            from lmcache_async.bench.plot import plot_results
+            from lmcache_async_bench.plot import plot_results
 
             plot_results(results, plot_path)
             progress(f"plot written to {plot_path}")
@@ -364,7 +379,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _check_plot_format(given: str, path: str) -> None:
-    from lmcache_async.bench.plot import plot_formats
+    from lmcache_async_bench.plot import plot_formats
 
     try:
         formats = plot_formats()

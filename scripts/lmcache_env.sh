@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (or refresh) the virtual environment in which LMCache 0.5.6 runs for the side-by-side
-# benchmarks (`nox -s compare`, `python -m lmcache_async.bench.compare`).
+# benchmarks (`nox -s compare`, `python -m lmcache_async_bench.compare`).
 #
 # LMCache's wheel pins a CUDA build of torch, so it is installed with --no-deps next to the CPU
 # torch, followed by the small packages its import needs. LMCache then runs on CPU with plain

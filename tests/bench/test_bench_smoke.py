@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_async.bench.common import BenchOptions, CloneBaseline, FileBaseline, Result, alternate, format_table
 from lmcache_async.cli import BENCH_SUITES
+from lmcache_async_bench.common import BenchOptions, CloneBaseline, FileBaseline, Result, alternate, format_table
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,7 +55,7 @@ def test_suite_runs_quick(name: str, tmp_path: Path) -> None:
 
 
 def test_scaling_suite_reports_concurrency_and_flat_contains(tmp_path: Path) -> None:
-    from lmcache_async.bench import scaling
+    from lmcache_async_bench import scaling
 
     results = scaling.run(BenchOptions(reps=1, warmup=0, quick=True, workdir=str(tmp_path)))
     levels = {r.params.get("concurrency") for r in results if "concurrency" in r.params}
@@ -94,7 +94,7 @@ def test_clone_and_file_baselines_measure(tmp_path: Path) -> None:
 
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from lmcache_async.bench.plot import plot_results
+    from lmcache_async_bench.plot import plot_results
 
     rs = [
         Result("cpu", f"put {s}", s / 4e3, "µs", "copy_", s / 5e3, params={"size": s, "series": "put"})
@@ -111,7 +111,7 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
 
 # ---- the comparison ----------------------------------------------------------------------------
 def _worker(system: str, *args: str, tmp: Path) -> dict[str, object]:
-    cmd = [sys.executable, "-m", "lmcache_async.bench.compare.worker", "--system", system, *args,
+    cmd = [sys.executable, "-m", "lmcache_async_bench.compare.worker", "--system", system, *args,
            "--reps", "1", "--quick", "--workdir", str(tmp)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -144,8 +144,8 @@ def test_compare_worker_reports_unknown_workload(tmp_path: Path) -> None:
 
 
 def test_ours_after_cpu_eviction_hits_from_disk(tmp_path: Path) -> None:
-    from lmcache_async.bench.compare import _harness
-    from lmcache_async.bench.compare.ours_side import OursAdapter
+    from lmcache_async_bench.compare import _harness
+    from lmcache_async_bench.compare.ours_side import OursAdapter
 
     out = _harness.run_workload(OursAdapter(), "ec_get_after_eviction", 1 << 20, reps=1, warmup=0,
                                 workdir=str(tmp_path), quick=True)
@@ -154,7 +154,7 @@ def test_ours_after_cpu_eviction_hits_from_disk(tmp_path: Path) -> None:
 
 
 def test_compare_driver_without_lmcache_prints_a_table(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "lmcache_async.bench.compare", "--workloads", "ec_contains", "--quick",
+    cmd = [sys.executable, "-m", "lmcache_async_bench.compare", "--workloads", "ec_contains", "--quick",
            "--rounds", "1", "--reps", "1", "--skip", "lmcache", "--workdir", str(tmp_path),
            "--json", str(tmp_path / "c.json")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
@@ -166,7 +166,7 @@ def test_compare_driver_without_lmcache_prints_a_table(tmp_path: Path) -> None:
 
 
 def _lmcache_python() -> str | None:
-    from lmcache_async.bench.compare.worker import default_lmcache_python
+    from lmcache_async_bench.compare.worker import default_lmcache_python
 
     py = default_lmcache_python()
     return py if os.path.exists(py) else None
@@ -183,7 +183,7 @@ def test_compare_worker_lmcache_side_runs_when_its_venv_exists(tmp_path: Path) -
 
 
 def test_driver_ratio_and_targets() -> None:
-    from lmcache_async.bench.compare.driver import Row, format_rows, target_for
+    from lmcache_async_bench.compare.driver import Row, format_rows, target_for
 
     assert target_for("ec_put", 256 << 10) == 2.0
     assert target_for("ec_put", 1 << 20) is None

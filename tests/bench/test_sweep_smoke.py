@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_async.bench.common import BenchOptions, Result, format_table
+from lmcache_async_bench.common import BenchOptions, Result, format_table
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -31,7 +31,7 @@ def _expected_tiers() -> set[str]:
 
 @pytest.mark.slow
 def test_sweep_quick_reports_every_tier_and_size_and_plots(tmp_path: Path) -> None:
-    from lmcache_async.bench import sweep
+    from lmcache_async_bench import sweep
 
     work = tmp_path / "work"
     said: list[str] = []
@@ -54,7 +54,7 @@ def test_sweep_quick_reports_every_tier_and_size_and_plots(tmp_path: Path) -> No
     assert format_table(results)
 
     pytest.importorskip("matplotlib")
-    from lmcache_async.bench.plot import plot_results
+    from lmcache_async_bench.plot import plot_results
 
     png = tmp_path / "sweep.png"
     plot_results(results, str(png))
@@ -62,7 +62,7 @@ def test_sweep_quick_reports_every_tier_and_size_and_plots(tmp_path: Path) -> No
 
 
 def test_sweep_tiers_option_rejects_unknown_tiers() -> None:
-    from lmcache_async.bench import sweep
+    from lmcache_async_bench import sweep
 
     with pytest.raises(ValueError, match="unknown tiers"):
         sweep.run(BenchOptions(quick=True, reps=1, extra={"tiers": ["tape"]}))
@@ -72,7 +72,7 @@ def test_plot_draws_one_panel_per_sweep_tier(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     import matplotlib.image
 
-    from lmcache_async.bench.plot import plot_results
+    from lmcache_async_bench.plot import plot_results
 
     sizes = (1 << 16, 1 << 20, 1 << 24)
     results = [
@@ -98,7 +98,7 @@ def test_plot_draws_one_panel_per_sweep_tier(tmp_path: Path) -> None:
 
 
 def test_sweep_sizes_and_labels() -> None:
-    from lmcache_async.bench import sweep
+    from lmcache_async_bench import sweep
 
     assert [sweep.size_label(s) for s in sweep.SIZES] == ["64 KiB", "256 KiB", "1 MiB", "4 MiB", "16 MiB"]
     assert set(sweep.QUICK_SIZES) <= set(sweep.SIZES)

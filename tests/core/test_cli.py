@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_async.bench.common import Result, format_series_summary, format_table
 from lmcache_async.cli import build_parser, check_output_file, check_work_dir, main
 from lmcache_async.cli_progress import Progress, bars_wanted
+from lmcache_async_bench.common import Result, format_series_summary, format_table
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -280,7 +280,7 @@ def test_series_summary_gives_min_max_of_values_baselines_and_ratios() -> None:
 
 def test_plot_bars_say_values_units_and_direction_and_curves_and_bars_share_one_file(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from lmcache_async.bench.plot import bar_label, plot_results
+    from lmcache_async_bench.plot import bar_label, plot_results
 
     r = Result("cpu", "put_sync 1 MiB", 9312.0, "µs", "copy_", 3424.0, target=1.25)
     label = bar_label(r)

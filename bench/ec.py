@@ -6,7 +6,7 @@
   clones as kept results); target <= 1.2x;
 * ``contains`` of a present and of an absent hash, absolute; target <= 3 µs.
 
-Run: ``python -m lmcache_async.bench.ec [--quick] [--reps N]`` or ``lmcache-async bench ec``.
+Run: ``python -m lmcache_async_bench.ec [--quick] [--reps N]`` or ``lmcache-async bench ec``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,11 @@ import time
 
 import torch
 
-from lmcache_async.bench.common import (
+from lmcache_async.config import LMCacheEngineConfig
+from lmcache_async.engines.encoder_cache import ECCacheEngine
+from lmcache_async.metadata import LMCacheEngineMetadata
+
+from .common import (
     BenchOptions,
     CloneBaseline,
     CopyBaseline,
@@ -26,9 +30,6 @@ from lmcache_async.bench.common import (
     format_table,
     median_time,
 )
-from lmcache_async.config import LMCacheEngineConfig
-from lmcache_async.engines.encoder_cache import ECCacheEngine
-from lmcache_async.metadata import LMCacheEngineMetadata
 
 SUITE = "ec"
 _NSRC = 64

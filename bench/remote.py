@@ -11,7 +11,7 @@ server: raw ``redis.asyncio`` SET/GET of the same bytes at the same concurrency.
   ``remote_part_size`` default was chosen;
 * **Mooncake Store tier** (when the Mooncake wheel is installed): 1 MiB and 16 MiB put/get vs the
   raw Mooncake client, beside the Redis tier, and recovery after a master restart
-  (:mod:`lmcache_async.bench.remote_mooncake`).
+  (:mod:`lmcache_async_bench.remote_mooncake`).
 
 Puts go to fresh keys: every key is deleted before each put round, since the tier's put of a
 present key is a no-op (deleted, not flushed: see :meth:`_Rig.wipe`). Reads land in a
@@ -22,7 +22,7 @@ Rounds alternate tier and baseline so background noise hits both; each figure is
 Without ``opts.redis_url`` the suite starts its own ``redis-server`` (or Valkey) on a free
 loopback port. ``opts.extra``: ``concurrency`` (default 4), ``part_sizes`` (sweep list),
 ``part_size`` (the tier's part size, default: the config default).
-Run ``python -m lmcache_async.bench.remote [--quick]``.
+Run ``python -m lmcache_async_bench.remote [--quick]``.
 """
 
 from __future__ import annotations
@@ -37,11 +37,12 @@ from typing import Any
 import torch
 
 from lmcache_async.backend import BackendContext
-from lmcache_async.bench.common import BenchOptions, MiB, Result, with_redis
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import HeapAllocator, MemoryFormat, MemoryObj, PoolAllocator
 from lmcache_async.metadata import LMCacheEngineMetadata
+
+from .common import BenchOptions, MiB, Result, with_redis
 
 SUITE = "remote"
 PREFIX = "bench"
@@ -430,7 +431,7 @@ async def _run(opts: BenchOptions, url: str) -> list[Result]:
             opts.say(f"remote: part-size sweep, 16 MiB entries, parts of {[p >> 10 for p in sweep]} KiB")
             out += await _sweep(rig, 16 * MiB, 8, sweep, reps)
 
-        from lmcache_async.bench.remote_mooncake import section as mooncake_section
+        from .remote_mooncake import section as mooncake_section
 
         out += await mooncake_section(opts, url)  # the Mooncake Store tier, beside this Redis server
     finally:
@@ -446,7 +447,7 @@ def run(opts: BenchOptions) -> list[Result]:
 if __name__ == "__main__":
     import sys
 
-    from lmcache_async.bench.common import format_table
+    from .common import format_table
 
     quick = "--quick" in sys.argv
     print(format_table(run(BenchOptions(progress=print, quick=quick))))

@@ -13,7 +13,7 @@ measures, through a :class:`~lmcache_async.storage_manager.StorageManager` built
 One operation is in flight at a time, and so is each baseline's:
 
 * **cpu** — ``copy_`` from rotating sources into pre-touched destinations rotating over 256 MiB
-  (:class:`~lmcache_async.bench.common.CopyBaseline`); the pool rotates over 256 MiB too
+  (:class:`~lmcache_async_bench.common.CopyBaseline`); the pool rotates over 256 MiB too
   (steady state: every put evicts the oldest entry);
 * **disk** — the file baseline: one executor job per whole file (temp name + rename; reads with
   ``readinto`` into pre-touched buffers), each awaited before the next; reads come from the page
@@ -26,11 +26,11 @@ One operation is in flight at a time, and so is each baseline's:
 Every round of a point writes a bounded amount (``opts.extra["round_mib"]``, default 32 MiB;
 16 in quick mode, and at least 4 entries); the lower tiers are cleared before each put round,
 so the puts go to an empty tier like the baseline's go to new files. The tier and its baseline
-run interleaved round by round (:func:`~lmcache_async.bench.common.alternate`). The figures are
+run interleaved round by round (:func:`~lmcache_async_bench.common.alternate`). The figures are
 informational (no targets). ``opts.extra``: ``sizes`` (bytes), ``tiers`` (subset of
 :data:`TIERS`), ``round_mib``.
 
-Run ``python -m lmcache_async.bench.sweep [--quick] [--plot FILE]``.
+Run ``python -m lmcache_async_bench.sweep [--quick] [--plot FILE]``.
 """
 
 from __future__ import annotations
@@ -49,13 +49,14 @@ from typing import Any, Protocol
 
 import torch
 
-from lmcache_async.bench.common import BenchOptions, CopyBaseline, MiB, Result, alternate, with_redis
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.errors import BackendUnavailableError
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj, tensor_byte_view
 from lmcache_async.metadata import LMCacheEngineMetadata
 from lmcache_async.storage_manager import StorageManager
+
+from .common import BenchOptions, CopyBaseline, MiB, Result, alternate, with_redis
 
 SUITE = "sweep"
 KiB = 1 << 10
@@ -319,7 +320,7 @@ class _FileRounds:
     + rename; reads ``readinto`` a pre-touched buffer), each awaited before the next."""
 
     def __init__(self, directory: str, srcs: Sequence[torch.Tensor], n: int, executor: Any) -> None:
-        from lmcache_async.bench.disk import file_baseline_write
+        from .disk import file_baseline_write
 
         self._write = file_baseline_write
         self.dir = directory
@@ -449,7 +450,7 @@ def sweep_remote(opts: BenchOptions, sizes: Sequence[int], round_bytes: int, url
 
 # ---- nixl -------------------------------------------------------------------------------------
 def _nixl_point(opts: BenchOptions, sm: StorageManager, nbytes: int, n: int, workdir: Path) -> list[float]:
-    from lmcache_async.bench.nixl import _Bare, _Fixture
+    from .nixl import _Bare, _Fixture
 
     fx = _Fixture(nbytes, n, workdir)
     try:
@@ -547,7 +548,7 @@ def run(opts: BenchOptions) -> list[Result]:
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    from lmcache_async.bench.common import format_table
+    from .common import format_table
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
     ap.add_argument("--quick", action="store_true", help="three sizes, fewer entries (smoke run)")
@@ -570,7 +571,7 @@ def main(argv: list[str] | None = None) -> None:
     results = run(opts)
     print(format_table(results))
     if args.plot:
-        from lmcache_async.bench.plot import plot_results
+        from .plot import plot_results
 
         plot_results(results, args.plot)
         print(f"plot written to {args.plot}")

@@ -5,9 +5,9 @@
 * ``ours_side.py`` — the adapter over this project's engines;
 * ``lmcache_side.py`` — the adapter over LMCache, a standalone file run by path with the LMCache
   venv's python (``scripts/lmcache_env.sh`` builds that venv);
-* ``worker.py`` — ``python -m lmcache_async.bench.compare.worker --system ours|lmcache|baseline
+* ``worker.py`` — ``python -m lmcache_async_bench.compare.worker --system ours|lmcache|baseline
   --workload NAME --size BYTES --reps N`` prints one JSON line;
-* ``driver.py`` / ``python -m lmcache_async.bench.compare`` — runs every workload on the three
+* ``driver.py`` / ``python -m lmcache_async_bench.compare`` — runs every workload on the three
   systems in separate long-lived processes, alternating the order each round, and prints both
   medians, our ratio and the same-run baseline.
 """

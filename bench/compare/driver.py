@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from lmcache_async._subprocess import module_command
-from lmcache_async.bench.compare import _harness
-from lmcache_async.bench.compare.worker import LMCACHE_SIDE, default_lmcache_python
+
+from . import _harness
+from .worker import LMCACHE_SIDE, default_lmcache_python
 
 SYSTEMS = ("ours", "lmcache", "baseline")
 
@@ -256,9 +257,9 @@ def format_markdown(rows: list[Row]) -> str:
 
 
 def rows_to_results(rows: list[Row]) -> list[Any]:
-    """The rows as :class:`~lmcache_async.bench.common.Result` objects (one per system and
-    size, with the baseline and ``params`` for :func:`~lmcache_async.bench.plot.plot_results`)."""
-    from lmcache_async.bench.common import Result
+    """The rows as :class:`~lmcache_async_bench.common.Result` objects (one per system and
+    size, with the baseline and ``params`` for :func:`~lmcache_async_bench.plot.plot_results`)."""
+    from ..common import Result
 
     labels = {"ours": "lmcache_async", "lmcache": "LMCache 0.5.6"}
     out = []
@@ -337,7 +338,7 @@ def run(args: argparse.Namespace) -> int:
     env.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
     rows: list[Row] = []
     with open(log_path, "w", encoding="utf-8") as log:
-        ours_cmd = module_command("lmcache_async.bench.compare.worker", "--serve", "--system")
+        ours_cmd = module_command("lmcache_async_bench.compare.worker", "--serve", "--system")
         workers = {
             "ours": Worker("ours", [*ours_cmd, "ours"], log),
             "baseline": Worker("baseline", [*ours_cmd, "baseline"], log),
@@ -393,7 +394,7 @@ def run(args: argparse.Namespace) -> int:
             f.write(format_markdown(rows) + "\n")
         say(f"Markdown table written to {args.markdown}")
     if args.plot:
-        from lmcache_async.bench.plot import plot_results
+        from ..plot import plot_results
 
         plottable = [x for x in rows_to_results(rows) if x.params["workload"] in _SIZED]
         if plottable:
@@ -405,7 +406,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m lmcache_async.bench.compare", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m lmcache_async_bench.compare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", help=f"comma-separated subset of: {', '.join(DEFAULT_ORDER)}")
     p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], help="entry sizes in bytes (override)")

@@ -1,4 +1,4 @@
-"""``python -m lmcache_async.bench.compare.worker --system ours|lmcache|baseline ...``
+"""``python -m lmcache_async_bench.compare.worker --system ours|lmcache|baseline ...``
 
 Runs one workload (or serves requests, ``--serve``) on one system and prints one JSON line per
 outcome. ``--system lmcache`` re-executes ``lmcache_side.py`` by path with the LMCache venv's
@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from lmcache_async.bench.compare import _harness
+from . import _harness
 
 LMCACHE_SIDE = str(Path(__file__).with_name("lmcache_side.py"))
 
@@ -23,7 +23,7 @@ def default_lmcache_python() -> str:
     env = os.environ.get("LMCACHE_PYTHON")
     if env:
         return env
-    return str(Path(__file__).resolve().parents[3] / ".venv-lmcache" / "bin" / "python")
+    return str(Path(__file__).resolve().parents[2] / ".venv-lmcache" / "bin" / "python")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         os.execv(py, [py, LMCACHE_SIDE, *rest])
     if known.system == "baseline":
         return _harness.worker_main(_harness.PhysicalAdapter, rest, system="baseline")
-    from lmcache_async.bench.compare.ours_side import OursAdapter
+    from .ours_side import OursAdapter
 
     return _harness.worker_main(OursAdapter, rest, system="ours")
 

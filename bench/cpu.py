@@ -16,12 +16,13 @@ import time
 
 import torch
 
-from lmcache_async.bench.common import BenchOptions, CopyBaseline, MiB, Result, median_time
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.loop import LoopThread
 from lmcache_async.metadata import LMCacheEngineMetadata
 from lmcache_async.storage_manager import StorageManager
 from lmcache_async.token_database import ChunkedTokenDatabase
+
+from .common import BenchOptions, CopyBaseline, MiB, Result, median_time
 
 SUITE = "cpu"
 
@@ -206,6 +207,6 @@ def run(opts: BenchOptions) -> list[Result]:
 
 
 if __name__ == "__main__":
-    from lmcache_async.bench.common import format_table
+    from .common import format_table
 
     print(format_table(run(BenchOptions(progress=print))))

@@ -37,12 +37,13 @@ from typing import Any
 
 import torch
 
-from lmcache_async.bench.common import BenchOptions, MiB, Result, alternate
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.metadata import LMCacheEngineMetadata
 from lmcache_async.storage_manager import StorageManager
 from lmcache_async.token_database import ChunkedTokenDatabase
+
+from .common import BenchOptions, MiB, Result, alternate
 
 SUITE = "scaling"
 ENTRY = 64 << 10
@@ -397,6 +398,6 @@ def run(opts: BenchOptions) -> list[Result]:
 
 
 if __name__ == "__main__":
-    from lmcache_async.bench.common import format_table
+    from .common import format_table
 
     print(format_table(run(BenchOptions(progress=print))))

@@ -14,7 +14,7 @@ Figures and their baselines:
 * **kv store / retrieve** (bfloat16, 8 layers) vs the copy / ``torch.cat`` baselines, for
   information.
 
-Run ``python -m lmcache_async.bench.kv_hs [--quick] [--reps N] [--json]``. Measured and baseline
+Run ``python -m lmcache_async_bench.kv_hs [--quick] [--reps N] [--json]``. Measured and baseline
 calls alternate; on a shared, loaded host raise ``--reps`` for stable medians.
 """
 
@@ -30,14 +30,6 @@ from typing import Any
 
 import torch
 
-from lmcache_async.bench.common import (
-    BenchOptions,
-    CopyBaseline,
-    MiB,
-    Result,
-    alternate,
-    format_table,
-)
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.engines._chunks import key_cache
 from lmcache_async.engines.hidden_states import hs_entry_key
@@ -45,6 +37,15 @@ from lmcache_async.engines.kv import LMCacheEngine
 from lmcache_async.memory import GiB
 from lmcache_async.metadata import LMCacheEngineMetadata
 from lmcache_async.token_database import chain_hashes, tokens_to_int64_bytes
+
+from .common import (
+    BenchOptions,
+    CopyBaseline,
+    MiB,
+    Result,
+    alternate,
+    format_table,
+)
 
 SUITE = "kv_hs"
 CHUNK = 256
@@ -278,7 +279,7 @@ def run(opts: BenchOptions) -> list[Result]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lmcache_async.bench.kv_hs", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m lmcache_async_bench.kv_hs", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     ap.add_argument("--reps", type=int, default=9, help="repetitions per figure (median; >= 5)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -1,7 +1,7 @@
 """The ``--plot`` figure: throughput curves per tier, and every other figure as a bar beside its
 baseline and target.
 
-Reads the ``Result.params`` convention documented in :mod:`lmcache_async.bench.common`:
+Reads the ``Result.params`` convention documented in :mod:`lmcache_async_bench.common`:
 
 * results with ``params["size"]`` and no ``"concurrency"`` are points of throughput-vs-size
   curves, one panel per ``params["panel"]`` (default: the suite), one line per
@@ -33,7 +33,7 @@ import math
 from collections import defaultdict
 from typing import Any
 
-from lmcache_async.bench.common import Result, throughput_gbs
+from .common import Result, throughput_gbs
 
 MET_COLOR = "tab:green"
 MISSED_COLOR = "tab:red"

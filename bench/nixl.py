@@ -23,7 +23,7 @@ files), measured in the same run:
 Sources rotate over >= 128 MiB of the pool (DRAM-bound, like a real pool); files stay in the
 page cache (no ``drop_caches``): the figures compare code paths, not the disk.
 
-Run: ``python -m lmcache_async.bench.nixl [--quick] [--reps N] [--workdir DIR]``.
+Run: ``python -m lmcache_async_bench.nixl [--quick] [--reps N] [--workdir DIR]``.
 """
 
 from __future__ import annotations
@@ -43,12 +43,13 @@ from typing import Any
 import torch
 
 from lmcache_async.backend import BackendContext, StorageBackend, get_backend_factory
-from lmcache_async.bench.common import BenchOptions, MiB, Result, format_table
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.errors import BackendUnavailableError
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryFormat, MemoryObj, PoolAllocator
 from lmcache_async.metadata import LMCacheEngineMetadata
+
+from .common import BenchOptions, MiB, Result, format_table
 
 SUITE = "nixl"
 TARGET = 0.6

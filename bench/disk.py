@@ -34,13 +34,6 @@ import torch
 
 from lmcache_async.backends.disk import DiskBackend
 from lmcache_async.backends.disk_layout import ENTRY_SUFFIX, entry_path, key_digest
-from lmcache_async.bench.common import (
-    BenchOptions,
-    MiB,
-    Result,
-    alternate,
-    evict_from_page_cache,
-)
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import (
     HeapAllocator,
@@ -48,6 +41,14 @@ from lmcache_async.memory import (
     MemoryObj,
     PoolAllocator,
     tensor_byte_view,
+)
+
+from .common import (
+    BenchOptions,
+    MiB,
+    Result,
+    alternate,
+    evict_from_page_cache,
 )
 
 SUITE = "disk"
@@ -193,7 +194,7 @@ def _paired_note(res: Interleaved) -> str:
 
 def file_baseline_write(path: str, src: memoryview, fsync: str) -> None:
     """SPEC §6 file baseline, one whole-file job: temp name, write, fsync per policy, rename
-    (as :class:`~lmcache_async.bench.common.FileBaseline` does)."""
+    (as :class:`~lmcache_async_bench.common.FileBaseline` does)."""
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
     with open(tmp, "wb", buffering=0) as f:
         f.write(src)
@@ -476,7 +477,7 @@ def run(opts: BenchOptions) -> list[Result]:
 if __name__ == "__main__":
     import sys
 
-    from lmcache_async.bench.common import format_table
+    from .common import format_table
 
     quick = "--quick" in sys.argv
     results = run(BenchOptions(progress=print, quick=quick))

@@ -19,7 +19,7 @@ clients (segment size 0), so every byte crosses to the holder and back.
 
 Rounds alternate tier and baseline; each figure is the median over ``reps`` rounds and the note
 gives the median of the per-round ratios. ``opts.extra["concurrency"]`` (default 4).
-Run ``python -m lmcache_async.bench.remote_mooncake [--quick]``.
+Run ``python -m lmcache_async_bench.remote_mooncake [--quick]``.
 """
 
 from __future__ import annotations
@@ -35,11 +35,12 @@ import torch
 import xxhash
 
 from lmcache_async.backend import BackendContext
-from lmcache_async.bench.common import BenchOptions, MiB, Result
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import HeapAllocator, MemoryFormat, MemoryObj, PoolAllocator
 from lmcache_async.metadata import LMCacheEngineMetadata
+
+from .common import BenchOptions, MiB, Result
 
 SUITE = "remote"
 PREFIX = "benchmc"
@@ -419,6 +420,6 @@ def run(opts: BenchOptions) -> list[Result]:
 if __name__ == "__main__":
     import sys
 
-    from lmcache_async.bench.common import format_table
+    from .common import format_table
 
     print(format_table(run(BenchOptions(progress=print, quick="--quick" in sys.argv))))

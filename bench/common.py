@@ -2,7 +2,7 @@
 
 Every figure is the median over ``reps`` (>= 5) repetitions after a warm-up, printed beside a
 physical baseline measured in the same run, with the ratio. A suite is a module in
-:mod:`lmcache_async.bench` exposing ``run(opts: BenchOptions) -> list[Result]``.
+:mod:`lmcache_async_bench` exposing ``run(opts: BenchOptions) -> list[Result]``.
 
 Baselines (SPEC §6), all measured in the same process and run as the figure they sit beside:
 
@@ -14,7 +14,7 @@ Baselines (SPEC §6), all measured in the same process and run as the figure the
 * :class:`HopBaseline` — a bare ``run_coroutine_threadsafe(...).result()`` round trip;
 * the redis baseline (raw ``redis.asyncio`` SET/GET) lives with the remote suite.
 
-``Result.params`` convention (read by :mod:`lmcache_async.bench.plot` and by JSON consumers):
+``Result.params`` convention (read by :mod:`lmcache_async_bench.plot` and by JSON consumers):
 
 * ``"size"``: entry size in bytes. A Result carrying it is a point of a throughput-vs-entry-size
   curve; the plot converts a time per operation to GB/s with ``size`` (times ``"entries"``
