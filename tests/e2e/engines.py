@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -42,6 +43,27 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def end_process_group(proc: subprocess.Popen[Any], grace_s: float = 20.0) -> None:
+    """Stop ``proc`` (started with ``start_new_session=True``) and every process of its group.
+
+    vLLM's engine core and workers are children of the engine's process: when that process ends
+    without shutting them down (killed, or a failed start) they would live on, holding gigabytes.
+    SIGTERM first (``grace_s`` to exit), then SIGKILL to whatever of the group is left."""
+    import signal
+
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            try:
+                proc.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                continue
+        with contextlib.suppress(ProcessLookupError):  # stragglers of an exited leader
+            os.killpg(proc.pid, signal.SIGKILL)
+        break
+
+
 def run_engine(
     workdir: Path,
     name: str,
@@ -68,6 +90,7 @@ def run_engine(
             stdout=log,
             stderr=subprocess.STDOUT,
             cwd=str(workdir),
+            start_new_session=True,  # its engine-core and worker processes share its group
         )
         try:
             if after_start is not None:
@@ -83,9 +106,7 @@ def run_engine(
                     Path(spec["wait_for"]).write_text("go")
             proc.wait(timeout=CHILD_TIMEOUT_S)
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            end_process_group(proc)
     if not out_path.exists():
         tail = log_path.read_text()[-4000:]
         return {"error": f"no result (exit {proc.returncode})", "log_tail": tail, "passes": []}

@@ -42,7 +42,7 @@ if importlib.util.find_spec("vllm") is None:
         raise RuntimeError("LMCACHE_ASYNC_REQUIRE_VLLM=1 but vLLM is not importable in this environment")
     pytest.skip("vLLM is not installed here; `nox -s e2e` builds its environment", allow_module_level=True)
 
-from .engines import Redis, child_env, free_port, run_engine
+from .engines import Redis, child_env, end_process_group, free_port, run_engine
 
 PROMPTS = [[11, "describe the image"], [12, "what colour is it"], [13, "describe the image"],
            [14, "what is in the middle"], [15, "describe the image"]]
@@ -89,7 +89,9 @@ def _server(workdir: Path, model_dir: Path, disk: Path) -> dict[str, Any]:
     t0 = time.monotonic()
     base = f"http://127.0.0.1:{port}"
     with open(workdir / "server.log", "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(workdir))
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(workdir), start_new_session=True
+        )
         try:
             while True:
                 if proc.poll() is not None:
@@ -127,12 +129,7 @@ def _server(workdir: Path, model_dir: Path, disk: Path) -> dict[str, Any]:
             out["error"] = f"{type(exc).__name__}: {exc}"
             out["log_tail"] = (workdir / "server.log").read_text()[-4000:]
         finally:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            end_process_group(proc)
     out["wall_s"] = time.monotonic() - t0
     print(f"[e2e] server: {out['wall_s']:.1f} s")
     return out
