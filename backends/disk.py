@@ -41,7 +41,7 @@ operations, the index and the counters live in :mod:`.disk_store`, the shared bu
   ``ENOSPC``/``EDQUOT``/``EROFS``/``EACCES``/``EPERM``/``EFBIG`` stop writes (counted, logged
   once); reads go on; writes are retried after a back-off and resume when they succeed.
 * **I/O.** One executor job per whole file operation (open, write/read, close): measured faster
-  than aiofiles, which makes one thread hop per call (see ``lmcache_async.bench.disk``). Reads
+  than aiofiles, which makes one thread hop per call (see ``lmcache_async_bench.disk``). Reads
   land straight in the buffer from ``alloc`` (``readinto``); no intermediate copy.
 """
 

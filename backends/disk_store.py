@@ -54,6 +54,7 @@ from lmcache_async.backends.disk_layout import (
     write_all,
 )
 from lmcache_async.memory import MemoryObj
+from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.records import (
     RecordError,
     RecordHeader,
@@ -86,27 +87,6 @@ COUNTERS = (
     "evictions", "corrupt", "vanished", "write_errors", "writes_refused", "no_space",
     "read_errors", "alloc_failures", "tmp_reaped", "stored", "read_hits",
 )
-
-
-class _Log:
-    """Logs one message per category per interval, counting what it suppressed."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def warn(self, category: str, msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last.get(category, -1e9) < _LOG_EVERY_S:
-                self._suppressed[category] = self._suppressed.get(category, 0) + 1
-                return
-            self._last[category] = now
-            n = self._suppressed.pop(category, 0)
-        if n:
-            msg += f" ({n} similar messages suppressed)"
-        logger.warning(msg, *args)
 
 
 class _Repairs:
@@ -168,7 +148,7 @@ class DiskStore:
         self._scan_cleared = False
         self._evict_cursor = 0
         self.closed = False
-        self._log = _Log()
+        self._log = RateLimitedLog(logger, _LOG_EVERY_S)
         self._retry_base = write_retry_s
         self._retry_max = write_retry_max_s
         self._w_lock = threading.Lock()
@@ -185,8 +165,8 @@ class DiskStore:
             self._c[name] += n
 
     def warn(self, category: str, msg: str, *args: Any) -> None:
-        """Log a warning, at most one per ``category`` every few seconds."""
-        self._log.warn(category, msg, *args)
+        """Log a warning, at most one per ``category`` every few seconds (thread-safe)."""
+        self._log.warning(msg, *args, key=category)
 
     def counters(self) -> dict[str, int]:
         with self._clock:
@@ -261,7 +241,7 @@ class DiskStore:
     def _write_failed(self, exc: OSError, what: str) -> None:
         self.count("write_errors")
         if exc.errno not in WRITE_STOP_ERRNOS:
-            self._log.warn("write", "disk tier: %s failed: %s", what, exc)
+            self.warn("write", "disk tier: %s failed: %s", what, exc)
             return
         with self._w_lock:
             first = not self._w_stopped
@@ -391,14 +371,14 @@ class DiskStore:
     def _discard_corrupt(self, digest: bytes, ino: int, why: str) -> None:
         """Count and delete a damaged file (unless a fresh record replaced it meanwhile)."""
         self.count("corrupt")
-        self._log.warn("corrupt", "disk tier: %s is damaged (%s); deleted", self._path(digest), why)
+        self.warn("corrupt", "disk tier: %s is damaged (%s); deleted", self._path(digest), why)
         try:
             with self._budget.locked() as led:
                 self._unlink_entry(led, digest, ino)
                 led.recount(digest[0])  # its size may have changed behind the accounting
         except OSError as exc:  # read-only filesystem: it stays, and stays a miss
             self._note_removed(digest)
-            self._log.warn("corrupt-rm", "disk tier: cannot delete a damaged file: %s", exc)
+            self.warn("corrupt-rm", "disk tier: cannot delete a damaged file: %s", exc)
 
     def forget_vanished(self, digest: bytes) -> bool:
         """A lookup found no file for ``digest``: drop its index entry (any thread, no I/O).
@@ -450,7 +430,7 @@ class DiskStore:
             header = encode_header(kstr, obj.shape, obj.dtype, obj.fmt, payload_checksum(view))
         except ValueError as exc:  # a key or shape the record format cannot hold
             self.count("write_errors")
-            self._log.warn("encode", "disk tier: cannot store %r: %s", kstr[:200], exc)
+            self.warn("encode", "disk tier: cannot store %r: %s", kstr[:200], exc)
             return FAILED
         total = len(header) + len(view)
         tmp = f"{sdir}/{tmp_name(digest, hexd)}"
@@ -480,7 +460,7 @@ class DiskStore:
                     break
             else:  # a damaged record reappeared at the name every time
                 self.count("write_errors")
-                self._log.warn("write", "disk tier: cannot publish %s: damaged records keep appearing", path)
+                self.warn("write", "disk tier: cannot publish %s: damaged records keep appearing", path)
                 status = FAILED
             if status == STORED and self.fsync == "full":
                 fsync_dir(sdir)
@@ -561,7 +541,7 @@ class DiskStore:
             return None
         except OSError as exc:
             self.count("read_errors")
-            self._log.warn("read", "disk tier: cannot open %s: %s", path, exc)
+            self.warn("read", "disk tier: cannot open %s: %s", path, exc)
             return FAILED
         bad: tuple[int, str] | None = None
         try:
@@ -580,7 +560,7 @@ class DiskStore:
             return EXISTS
         except OSError as exc:
             self.count("read_errors")
-            self._log.warn("read", "disk tier: reading %s failed: %s", path, exc)
+            self.warn("read", "disk tier: reading %s failed: %s", path, exc)
             return FAILED
         finally:
             os.close(fd)
@@ -596,7 +576,7 @@ class DiskStore:
             return None
         except OSError as exc:
             self.count("read_errors")
-            self._log.warn("read", "disk tier: cannot open %s: %s", path, exc)
+            self.warn("read", "disk tier: cannot open %s: %s", path, exc)
             return None
         obj: MemoryObj | None = None
         bad: tuple[int, str] | None = None
@@ -626,7 +606,7 @@ class DiskStore:
             return out
         except OSError as exc:
             self.count("read_errors")
-            self._log.warn("read", "disk tier: reading %s failed: %s", path, exc)
+            self.warn("read", "disk tier: reading %s failed: %s", path, exc)
             return None
         finally:
             os.close(fd)

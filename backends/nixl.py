@@ -44,7 +44,6 @@ import fcntl
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +77,7 @@ from lmcache_async.backends.nixl_io import (
 from lmcache_async.errors import BackendUnavailableError
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj, PoolAllocator
+from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.records import MAX_KEY_LEN, MAX_RANK, RecordError, header_length
 
 logger = logging.getLogger(__name__)
@@ -202,24 +202,6 @@ class _Counters:
     extra: dict[str, int] = field(default_factory=dict)
 
 
-class _RateLimitedLog:
-    """One warning per burst window; the rest are counted and summarised."""
-
-    def __init__(self) -> None:
-        self._last = 0.0
-        self._suppressed = 0
-
-    def warn(self, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        if now - self._last >= _LOG_BURST_S:
-            extra = f" ({self._suppressed} similar messages not logged)" if self._suppressed else ""
-            logger.warning(msg + "%s", *args, extra)
-            self._last = now
-            self._suppressed = 0
-        else:
-            self._suppressed += 1
-
-
 def _lock_directory(root: Path) -> int:
     fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
@@ -317,7 +299,7 @@ class NixlBackend(StorageBackend):
         self._ready = asyncio.Event()
         self._start_task: asyncio.Task[None] | None = None
         self.counters = _Counters()
-        self._log = _RateLimitedLog()
+        self._log = RateLimitedLog(logger, _LOG_BURST_S)
 
     # ---- capabilities -----------------------------------------------------------------------------
     @property
@@ -672,7 +654,7 @@ class NixlBackend(StorageBackend):
         layout = self._layout
         for slot, failure in zip(slots, outcomes, strict=True):
             if failure is not None:
-                self._log.warn("nixl: invalidating slot %s failed: %s", slot, failure)
+                self._log.warning("nixl: invalidating slot %s failed: %s", slot, failure)
             elif isinstance(layout, SlotFileLayout) and slot not in layout.stuck:
                 self._free_slots.append(slot)
 
@@ -686,7 +668,7 @@ class NixlBackend(StorageBackend):
             try:
                 layout.delete(location)  # an 8-byte pwrite on an open fd
             except OSError as exc:
-                self._log.warn("nixl: invalidating slot %s failed: %s", location, exc)
+                self._log.warning("nixl: invalidating slot %s failed: %s", location, exc)
             return None
         task = asyncio.get_running_loop().create_task(self._unlink(layout, location))
         self._track(task)
@@ -696,7 +678,7 @@ class NixlBackend(StorageBackend):
         try:
             await self._run(layout.delete, location)
         except Exception as exc:
-            self._log.warn("nixl: deleting %s failed: %s", location, exc)
+            self._log.warning("nixl: deleting %s failed: %s", location, exc)
 
     def _failed(self, what: str, key: CacheEngineKey, exc: BaseException) -> None:
         self.counters.io_errors += 1
@@ -705,7 +687,7 @@ class NixlBackend(StorageBackend):
             # Rare and lasting (memory is withheld for good): always logged.
             logger.error("nixl: %s of %s is stuck in NIXL: %s", what, key, exc)
             return
-        self._log.warn("nixl: %s of %s failed: %s: %s", what, key, type(exc).__name__, exc)
+        self._log.warning("nixl: %s of %s failed: %s: %s", what, key, type(exc).__name__, exc)
 
     def _quarantine_block(self, obj: MemoryObj) -> None:
         """Keep ``obj`` allocated for good: a stuck request may still write into it."""
@@ -976,7 +958,7 @@ class NixlBackend(StorageBackend):
             job.dst.ref_count_down()
             if isinstance(failure, (RecordError, FileNotFoundError)):
                 self.counters.corrupt += 1
-                self._log.warn("nixl: dropping bad record of %s: %s", job.key, failure)
+                self._log.warning("nixl: dropping bad record of %s: %s", job.key, failure)
                 discard = self._drop(job.key, job.entry)
                 if discard is not None:
                     job.batch.discards.append(discard)

@@ -4,9 +4,10 @@ Paths (see ``docs/architecture.md``):
 
 * **local path** — ``put``/``get``/``contains``/``batched_contains`` first try the CPU tier on
   the caller's thread under its lock; a hit or a put that fits returns without touching the loop.
-* **loop path** — write-through to lower tiers is queued and the loop is woken once per batch;
-  a local miss makes one hop for the whole batch of keys; every lower-tier call runs under a
-  timeout and its tier's circuit breaker.
+* **loop path** — write-through to lower tiers is queued and the loop is woken once per batch
+  (:mod:`lmcache_async.write_through`); a local miss makes one hop for the whole batch of keys
+  (:mod:`lmcache_async.lower_tiers`); every lower-tier call runs under a timeout and its tier's
+  circuit breaker (:mod:`lmcache_async.tier_guard`).
 
 Ownership: ``get`` hands the caller one reference to a :class:`MemoryObj` (release it with
 ``ref_count_down()`` or a ``with`` block); ``put`` borrows a MemoryObj it is given.
@@ -15,19 +16,16 @@ Ownership: ``get`` hands the caller one reference to a :class:`MemoryObj` (relea
 from __future__ import annotations
 
 import asyncio
-import atexit
 import concurrent.futures
 import logging
 import os
 import threading
-import time
-import weakref
-from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 
+from lmcache_async import at_exit
 from lmcache_async.backend import (
     BackendContext,
     Presence,
@@ -35,153 +33,30 @@ from lmcache_async.backend import (
     get_backend_factory,
     is_configured,
 )
-from lmcache_async.circuit import CircuitBreaker
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.errors import LoopThreadCallError, ManagerClosedError
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.loop import LoopThread
+from lmcache_async.lower_tiers import LowerTiers, release_objs
 from lmcache_async.memory import (
-    GiB,
     HeapAllocator,
     MemoryFormat,
     MemoryObj,
     PoolAllocator,
     gib_to_bytes,
-    memory_available_bytes,
 )
 from lmcache_async.metadata import NEUTRAL_METADATA, LMCacheEngineMetadata
-from lmcache_async.records import header_length
+from lmcache_async.ratelog import RateLimitedLog
+from lmcache_async.staging import StagingArea, default_reserve_bytes
 from lmcache_async.tensor_checks import check_storable_layout, check_storable_tensor
+from lmcache_async.tier_guard import LOG_BURST_S, NO_ANSWER, NoAnswer, TierGuard
+from lmcache_async.write_through import WriteThrough
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_UNKNOWN: Any = object()  # a tier call that failed, timed out or was skipped
-_WT_BATCH_ITEMS = 64
-_WT_BATCH_BYTES = 64 << 20
-_WT_CONCURRENCY = 4
-_ENTRIES_PER_TIMEOUT = 8
 _CLOSE_FLUSH_S = 10.0
-_LOG_BURST_S = 5.0
-
-_live_managers: weakref.WeakSet[StorageManager] = weakref.WeakSet()
-
-
-_exit_hook_lock = threading.Lock()
-_exit_hook_registered = False
-
-
-def _default_reserve_bytes() -> int:
-    """The memory kept free when ``memory_reserve_size`` is unset: the pools' rule (5% of the
-    memory available now, at least 0.5 GiB, at most 2 GiB)."""
-    return min(2 * GiB, max(GiB // 2, (memory_available_bytes() or 0) // 20))
-
-
-def _close_all_at_exit() -> None:  # pragma: no cover - exercised at interpreter exit
-    for m in list(_live_managers):
-        try:
-            m.close_sync(flush_timeout=2.0)
-        except Exception:
-            pass
-
-
-def _ensure_exit_hook() -> None:
-    """Close every live manager at interpreter exit *before* the executors shut down.
-
-    ``concurrent.futures`` stops its pools from a ``threading`` exit hook, which runs before
-    ``atexit`` handlers; a flush from ``atexit`` would then find no executor and drop queued
-    writes. Hooks registered later run first, so ours (registered after the executor module was
-    imported) flushes while the executors still run.
-    """
-    global _exit_hook_registered
-    with _exit_hook_lock:
-        if _exit_hook_registered:
-            return
-        _exit_hook_registered = True
-    register = getattr(threading, "_register_atexit", None)
-    if register is not None:
-        try:
-            register(_close_all_at_exit)
-            return
-        except RuntimeError:  # already shutting down
-            pass
-    atexit.register(_close_all_at_exit)
-
-
-class _Tier:
-    """A lower tier: its backend, timeout, circuit breaker and counters."""
-
-    def __init__(self, backend: StorageBackend, timeout: float, max_backoff_s: float) -> None:
-        self.backend = backend
-        self.name = backend.name
-        self.timeout = timeout
-        self.breaker = CircuitBreaker(max_backoff_s=max_backoff_s)
-        self.sem = asyncio.Semaphore(_WT_CONCURRENCY)
-        self.hits = 0
-        self.misses = 0
-        self.errors = 0
-        self.timeouts = 0
-        self.skipped = 0
-        self.writes = 0
-        self.write_failures = 0
-        self._last_log = 0.0
-        self._suppressed = 0
-
-    async def call(self, op: str, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any, n: int = 1) -> T:
-        """Run ``fn(*args)`` under the tier's timeout and breaker; ``_UNKNOWN`` on any failure.
-
-        A batch of ``n`` entries gets one timeout per ``_ENTRIES_PER_TIMEOUT`` entries, so a
-        long batch on a slow device is not cut off (and its writes dropped) for its length."""
-        if not self.breaker.allow():
-            self.skipped += 1
-            return _UNKNOWN
-        timeout = self.timeout * max(1, -(-n // _ENTRIES_PER_TIMEOUT))
-        try:
-            async with asyncio.timeout(timeout):
-                result = await fn(*args)
-        except TimeoutError:
-            self.timeouts += 1
-            self._failed(op, f"timed out after {timeout}s")
-            return _UNKNOWN
-        except asyncio.CancelledError:
-            self.breaker.abandon()  # a cancelled probe must not keep the circuit half-open
-            raise
-        except Exception as exc:
-            self._failed(op, f"{type(exc).__name__}: {exc}")
-            return _UNKNOWN
-        self.breaker.success()
-        return result
-
-    def _failed(self, op: str, why: str) -> None:
-        self.errors += 1
-        self.breaker.failure()
-        now = time.monotonic()
-        if now - self._last_log >= _LOG_BURST_S:
-            extra = f" ({self._suppressed} similar errors not logged)" if self._suppressed else ""
-            logger.warning("tier %s: %s failed: %s%s", self.name, op, why, extra)
-            self._last_log = now
-            self._suppressed = 0
-        else:
-            self._suppressed += 1
-
-    def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"entries": 0, "bytes": 0, "evictions": 0}
-        try:
-            out.update(self.backend.stats())
-        except Exception:  # pragma: no cover - a broken backend must not break stats()
-            logger.debug("stats of %s failed", self.name, exc_info=True)
-        out.update(
-            hits=self.hits,
-            misses=self.misses,
-            errors=self.errors,
-            timeouts=self.timeouts,
-            skipped=self.skipped,
-            writes=self.writes,
-            write_failures=self.write_failures,
-            circuit=self.breaker.state,
-        )
-        return out
 
 
 class StorageManager:
@@ -221,7 +96,7 @@ class StorageManager:
         self._timeout = float(config.blocking_timeout_secs)
         reserve = None if config.memory_reserve_size is None else gib_to_bytes(config.memory_reserve_size)
         # One-off buffers (entries larger than the staging area) must leave this much free too.
-        self._reserve_bytes = reserve if reserve is not None else _default_reserve_bytes()
+        one_off_reserve = reserve if reserve is not None else default_reserve_bytes()
 
         size_gib = config.max_local_cpu_size if cpu_size_gib is None else cpu_size_gib
         self.pool: PoolAllocator | None = None
@@ -241,35 +116,30 @@ class StorageManager:
                 gib_to_bytes(config.staging_size), name=f"{name} staging (staging_size)", reserve_bytes=reserve
             )
         self._heap = HeapAllocator(f"{name}-heap")
+        self._staging = StagingArea(self.staging_pool, self._heap, one_off_reserve)
 
         self._lt = LoopThread(name)
         self._loop = self._lt.loop
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=config.executor_workers, thread_name_prefix=f"lmcache-async-{name}-io"
         )
-        # write-through queue (caller threads append; the loop drains)
-        self._wq: deque[tuple[CacheEngineKey, MemoryObj, tuple[int, ...] | None]] = deque()
-        self._wq_lock = threading.Lock()
-        self._wq_closed = False
-        self._wake_scheduled = False
-        self._pending: dict[CacheEngineKey, MemoryObj] = {}
-        self._wt_tasks: set[asyncio.Task[None]] = set()
         self.put_rejected = 0
         self.put_too_large = 0
-        self.one_off_refused = 0
-        self._refuse_last_log = 0.0
-        self._refuse_suppressed = 0
+        self._refuse_log = RateLimitedLog(logger, LOG_BURST_S)
 
         self._cpu: Any = None
-        self._lower: list[_Tier] = []
+        self._tiers = LowerTiers(self._read_alloc, self._promote, log=logger)
+        self._lower = self._tiers.guards  # filled by _build_tiers, in search order
+        self._wt = WriteThrough(self._lt, self._lower)
+        # The same dict as the queue's: the caller-thread paths read it without a hop or lock.
+        self._pending = self._wt.pending
         try:
             self._build_tiers(lower_tiers)
-            self._lt.run_sync(self._start_backends(), timeout=max(self._timeout, 30.0))
+            self._lt.run_sync(self._tiers.start(), timeout=max(self._timeout, 30.0))
         except BaseException:
             self._abort_init()
             raise
-        _live_managers.add(self)
-        _ensure_exit_hook()
+        at_exit.close_at_exit(self)
         self._metrics_server: Any = None
         if config.metrics_port is not None:
             from lmcache_async.metrics import start_metrics_server
@@ -284,7 +154,7 @@ class StorageManager:
             cache_name=self.name,
             loop=self._loop,
             executor=self._executor,
-            staging=self._staging_alloc,
+            staging=self._staging.allocate,
             staging_pool=self.staging_pool,
             pool=self.pool,
         )
@@ -308,48 +178,19 @@ class StorageManager:
                 # Local lower tiers get half the sync bound so a stuck tier yields a miss,
                 # not a TimeoutError in the caller; remote/NIXL tiers use remote_timeout_s.
                 timeout = self.config.remote_timeout_s if backend.is_remote else self._timeout / 2
-                self._lower.append(_Tier(backend, timeout, self.config.remote_breaker_max_backoff_s))
-
-    async def _start_backends(self) -> None:
-        for tier in self._lower:
-            start = getattr(tier.backend, "start", None)
-            if start is None:
-                continue
-            await tier.call("start", start)
+                self._lower.append(TierGuard(backend, timeout, self.config.remote_breaker_max_backoff_s, log=logger))
 
     def _abort_init(self) -> None:
         self._closed = True
         if self._lower and not self._lt.closed:
             try:
-                self._lt.run_sync(self._close_backends(), timeout=30.0)
+                self._lt.run_sync(self._tiers.close(), timeout=30.0)
             except Exception:
                 logger.warning("StorageManager %r: tiers did not close after a failed start", self.name)
         self._lt.stop()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # ---- allocation helpers ---------------------------------------------------------------------
-    def _staging_alloc(self, shape: Sequence[int], dtype: torch.dtype, fmt: MemoryFormat) -> MemoryObj | None:
-        """Staging area first, a one-off heap buffer when it is full or too small; None when
-        that buffer would not leave the memory reserve free (see :meth:`_one_off_fits_memory`)."""
-        if self.staging_pool is not None:
-            obj = self.staging_pool.allocate(shape, dtype, fmt)
-            if obj is not None:
-                return obj
-        n = dtype.itemsize
-        for d in shape:
-            n *= d
-        if not self._one_off_fits_memory(n):
-            self.one_off_refused += 1
-            return None
-        return self._heap.allocate(shape, dtype, fmt)
-
-    def _one_off_fits_memory(self, nbytes: int) -> bool:
-        """True when a one-off buffer of ``nbytes`` leaves the memory reserve free (the same
-        reserve the pools are sized against: ``memory_reserve_size``). True where the
-        available memory cannot be read."""
-        avail = memory_available_bytes()
-        return avail is None or nbytes <= avail - self._reserve_bytes
-
     def _read_alloc(self, shape: Sequence[int], dtype: torch.dtype, fmt: MemoryFormat) -> MemoryObj | None:
         """Where a lower-tier read lands: the CPU pool when it has room (no second copy for
         promotion), else the staging area, else a one-off buffer."""
@@ -357,7 +198,7 @@ class StorageManager:
             obj: MemoryObj | None = self._cpu.allocate(shape, dtype, fmt)
             if obj is not None:
                 return obj
-        return self._staging_alloc(shape, dtype, fmt)
+        return self._staging.allocate(shape, dtype, fmt)
 
     def allocate(
         self, shape: Sequence[int], dtype: torch.dtype, fmt: MemoryFormat = MemoryFormat.UNDEFINED
@@ -398,6 +239,11 @@ class StorageManager:
     def closed(self) -> bool:
         """True once :meth:`close` started."""
         return self._closed
+
+    @property
+    def one_off_refused(self) -> int:
+        """One-off buffers refused because they would eat into the memory reserve."""
+        return self._staging.one_off_refused
 
     @property
     def has_lower_tiers(self) -> bool:
@@ -480,7 +326,7 @@ class StorageManager:
             if existing is not None:
                 obj.ref_count_down()
                 return True
-            if lower and not self._enqueue_write(key, obj, None):
+            if lower and not self._wt.enqueue(key, obj, None):
                 obj.ref_count_down()  # the queue closed meanwhile: its reference goes back
             return True
         if key in self._pending:  # a lower tier's unverified "present" does not count (see above)
@@ -510,42 +356,16 @@ class StorageManager:
             n += 1
         return n
 
-    def _lower_could_hold(self, key: CacheEngineKey, rank: int, nbytes: int) -> bool:
-        """True when some lower tier could ever hold the record of ``key`` (header included),
-        by the tiers' :attr:`~StorageBackend.max_entry_bytes`; a tier without a known limit
-        (None, or a property that fails) could."""
-        hlen: int | None = None
-        for tier in self._lower:
-            try:
-                limit = tier.backend.max_entry_bytes
-            except Exception:  # a broken property must not fail the put: no limit known
-                return True
-            if limit is None:
-                return True
-            if hlen is None:
-                hlen = header_length(len(key.to_string().encode("utf-8")), rank)
-            if hlen + nbytes <= limit:
-                return True
-        return False
-
     def _refuse_too_large(self, key: CacheEngineKey, nbytes: int) -> bool:
         """Count (and log, once per burst) a put no tier could ever hold; returns False."""
         self.put_rejected += 1
         self.put_too_large += 1
-        now = time.monotonic()
-        if now - self._refuse_last_log >= _LOG_BURST_S:
-            extra = f" ({self._refuse_suppressed} more not logged)" if self._refuse_suppressed else ""
-            logger.warning(
-                "StorageManager %r: refused an entry of %d bytes (%s): larger than any tier can hold%s",
-                self.name,
-                nbytes,
-                key.to_string()[:200],
-                extra,
-            )
-            self._refuse_last_log = now
-            self._refuse_suppressed = 0
-        else:
-            self._refuse_suppressed += 1
+        self._refuse_log.warning(
+            "StorageManager %r: refused an entry of %d bytes (%s): larger than any tier can hold",
+            self.name,
+            nbytes,
+            key.to_string()[:200],
+        )
         return False
 
     def _stage_write(
@@ -571,34 +391,22 @@ class StorageManager:
                 return self._refuse_too_large(key, n)
             self.put_rejected += 1
             return False
-        if not self._lower_could_hold(key, len(shape), n):
+        if not self._tiers.could_hold(key, len(shape), n):
             cpu = self._cpu
             if cpu is None or not cpu.can_ever_hold(n):
                 return self._refuse_too_large(key, n)
             self.put_rejected += 1  # the CPU tier could, but is full of held entries right now
             return False
-        sp = self.staging_pool
-        if sp is not None and sp.can_ever_fit(n):
-            staged = sp.allocate(shape, dtype, fmt)
-            if staged is None:
-                self.put_rejected += 1
-                return False
-        else:
-            heap_used = self._heap.used_bytes
-            if heap_used and heap_used + n > (sp.capacity if sp is not None else 0):
-                self.put_rejected += 1
-                return False
-            if not self._one_off_fits_memory(n):
-                self.put_rejected += 1
-                self.one_off_refused += 1
-                return False
-            staged = self._heap.allocate(shape, dtype, fmt)
+        staged = self._staging.allocate_write(shape, dtype, fmt, n)
+        if staged is None:
+            self.put_rejected += 1
+            return False
         try:
             staged.tensor.copy_(tensor)
         except BaseException:
             staged.ref_count_down()
             raise
-        if not self._enqueue_write(key, staged, None, only_if_new=True):
+        if not self._wt.enqueue(key, staged, None, only_if_new=True):
             staged.ref_count_down()
         return True
 
@@ -675,97 +483,12 @@ class StorageManager:
         return [self._put_front(k, v, fmt, checked=True) for k, v in zip(keys, values, strict=True)]
 
     # ---- write-through ----------------------------------------------------------------------------
-    def _enqueue_write(
-        self, key: CacheEngineKey, obj: MemoryObj, targets: tuple[int, ...] | None, only_if_new: bool = False
-    ) -> bool:
-        """Queue ``obj`` (carrying one reference owned by the queue) for the lower tiers.
-
-        False when nothing was queued (the caller keeps that reference): with ``only_if_new``
-        when ``key`` is already pending, and always once the manager's close drained the queue."""
-        with self._wq_lock:
-            if self._wq_closed or (only_if_new and key in self._pending):
-                return False
-            self._pending[key] = obj
-            self._wq.append((key, obj, targets))
-            wake = not self._wake_scheduled
-            self._wake_scheduled = True
-        if wake:
-            self._lt.call_soon(self._drain)
-        return True
-
-    def _drain(self) -> None:
-        with self._wq_lock:
-            items = list(self._wq)
-            self._wq.clear()
-            self._wake_scheduled = False
-        if not items:
-            return
-        if self._loop.is_closed():  # pragma: no cover - racing close
-            self._release_items(items)
-            return
-        task = self._loop.create_task(self._write_through(items))
-        self._wt_tasks.add(task)
-        task.add_done_callback(self._wt_tasks.discard)
-
-    def _release_items(self, items: Sequence[tuple[CacheEngineKey, MemoryObj, Any]]) -> None:
-        with self._wq_lock:
-            for key, obj, _ in items:
-                if self._pending.get(key) is obj:
-                    del self._pending[key]
-        for _, obj, _ in items:
-            obj.ref_count_down()
-
-    async def _write_through(self, items: list[tuple[CacheEngineKey, MemoryObj, tuple[int, ...] | None]]) -> None:
-        try:
-            batch: list[tuple[CacheEngineKey, MemoryObj, tuple[int, ...] | None]] = []
-            size = 0
-            for item in items:
-                batch.append(item)
-                size += item[1].nbytes
-                if len(batch) >= _WT_BATCH_ITEMS or size >= _WT_BATCH_BYTES:
-                    await self._write_batch(batch)
-                    batch, size = [], 0
-            if batch:
-                await self._write_batch(batch)
-        finally:
-            self._release_items(items)
-
-    async def _write_batch(self, batch: list[tuple[CacheEngineKey, MemoryObj, tuple[int, ...] | None]]) -> None:
-        jobs = []
-        for i, tier in enumerate(self._lower):
-            pairs = [(k, o) for k, o, targets in batch if targets is None or i in targets]
-            if pairs:
-                jobs.append(self._write_tier(tier, pairs))
-        if jobs:
-            await asyncio.gather(*jobs)
-
-    async def _write_tier(self, tier: _Tier, pairs: list[tuple[CacheEngineKey, MemoryObj]]) -> None:
-        async with tier.sem:
-            res = await tier.call("put", tier.backend.batched_put, pairs, n=len(pairs))
-        if res is _UNKNOWN:
-            tier.write_failures += len(pairs)
-            return
-        ok = sum(1 for r in res if r)
-        tier.writes += ok
-        tier.write_failures += len(pairs) - ok
-
-    async def _flush(self) -> None:
-        while True:
-            self._drain()
-            tasks = list(self._wt_tasks)
-            if not tasks:
-                with self._wq_lock:
-                    if not self._wq:
-                        return
-                continue
-            await asyncio.gather(*tasks, return_exceptions=True)
-
     async def flush(self) -> None:
         """Wait until every write-through queued so far has reached (or failed on) every tier."""
         self._check_usable()
         if not self._lower:
             return
-        await self._run_async(self._flush())
+        await self._run_async(self._wt.flush())
 
     def flush_sync(self, timeout: float | None = None) -> None:
         """Blocking twin of :meth:`flush`; every tier call inside is already bounded by its
@@ -773,10 +496,12 @@ class StorageManager:
         self._check_sync()
         if not self._lower:
             return
-        self._run_sync(self._flush(), timeout)
+        self._run_sync(self._wt.flush(), timeout)
 
     # ---- get -----------------------------------------------------------------------------------
-    def _get_front(self, key: CacheEngineKey) -> MemoryObj | Any | None:
+    def _get_front(self, key: CacheEngineKey) -> MemoryObj | Literal[NoAnswer.NO_ANSWER] | None:
+        """The CPU tier's (or the queued write-through's) answer with the caller's reference, None
+        for a miss with no lower tier to ask, :data:`NO_ANSWER` when the lower tiers must be asked."""
         self._check_usable()
         if type(key) is not CacheEngineKey:
             self._check_key(key)
@@ -792,22 +517,10 @@ class StorageManager:
         self._cpu_misses += 1
         if not self._lower:
             return None
-        return _UNKNOWN
+        return NO_ANSWER
 
     _cpu_hits = 0
     _cpu_misses = 0
-
-    async def _get_lower(self, key: CacheEngineKey) -> MemoryObj | None:
-        for i, tier in enumerate(self._lower):
-            res = await tier.call("get", tier.backend.get, key, self._read_alloc)
-            if res is _UNKNOWN:
-                continue
-            if res is None:
-                tier.misses += 1
-                continue
-            tier.hits += 1
-            return self._promote(key, res, i)
-        return None
 
     def _promote(self, key: CacheEngineKey, obj: MemoryObj, tier_idx: int) -> MemoryObj:
         """Index a lower-tier hit in the CPU tier when it landed in the pool; write it back to
@@ -823,7 +536,7 @@ class StorageManager:
                 obj = existing
         if tier_idx > 0:
             obj.ref_count_up()
-            if not self._enqueue_write(key, obj, tuple(range(tier_idx))):
+            if not self._wt.enqueue(key, obj, tuple(range(tier_idx))):
                 obj.ref_count_down()
         return obj
 
@@ -833,17 +546,17 @@ class StorageManager:
         A lower-tier hit is promoted into the CPU tier when it has room.
         """
         r = self._get_front(key)
-        if r is not _UNKNOWN:
+        if r is not NO_ANSWER:
             return r
-        return await self._run_async(self._get_lower(key), _release_obj)
+        return await self._run_async(self._tiers.get(key), _release_obj)
 
     def get_sync(self, key: CacheEngineKey) -> MemoryObj | None:
         """Blocking twin of :meth:`get` (``TimeoutError`` after ``blocking_timeout_secs``)."""
         self._check_sync()
         r = self._get_front(key)
-        if r is not _UNKNOWN:
+        if r is not NO_ANSWER:
             return r
-        return self._run_sync(self._get_lower(key), self._timeout, _release_obj)
+        return self._run_sync(self._tiers.get(key), self._timeout, _release_obj)
 
     def _batched_get_front(self, keys: Sequence[CacheEngineKey]) -> tuple[list[MemoryObj | None], list[int]]:
         for k in keys:  # check every key before taking any reference
@@ -853,47 +566,21 @@ class StorageManager:
         missing: list[int] = []
         for i, k in enumerate(keys):
             r = self._get_front(k)
-            if r is _UNKNOWN:
+            if r is NO_ANSWER:
                 out.append(None)
                 missing.append(i)
             else:
                 out.append(r)
         return out, missing
 
-    async def _batched_get_lower(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
-        results: list[MemoryObj | None] = [None] * len(keys)
-        todo = list(range(len(keys)))
-        try:
-            for ti, tier in enumerate(self._lower):
-                if not todo:
-                    break
-                res = await tier.call(
-                    "get", tier.backend.batched_get, [keys[i] for i in todo], self._read_alloc, n=len(todo)
-                )
-                if res is _UNKNOWN:
-                    continue
-                still = []
-                for i, obj in zip(todo, res, strict=True):
-                    if obj is None:
-                        tier.misses += 1
-                        still.append(i)
-                    else:
-                        tier.hits += 1
-                        results[i] = self._promote(keys[i], obj, ti)
-                todo = still
-        except BaseException:  # cancelled mid-way: give back what earlier tiers already found
-            _release_objs(results)
-            raise
-        return results
-
     async def batched_get(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
         """One result per key (each falling through the tiers independently; one hop for all misses)."""
         out, missing = self._batched_get_front(keys)
         if missing:
             try:
-                got = await self._run_async(self._batched_get_lower([keys[i] for i in missing]), _release_objs)
+                got = await self._run_async(self._tiers.batched_get([keys[i] for i in missing]), release_objs)
             except BaseException:
-                _release_objs(out)
+                release_objs(out)
                 raise
             for i, obj in zip(missing, got, strict=True):
                 out[i] = obj
@@ -905,9 +592,9 @@ class StorageManager:
         out, missing = self._batched_get_front(keys)
         if missing:
             try:
-                got = self._run_sync(self._batched_get_lower([keys[i] for i in missing]), self._timeout, _release_objs)
+                got = self._run_sync(self._tiers.batched_get([keys[i] for i in missing]), self._timeout, release_objs)
             except BaseException:
-                _release_objs(out)
+                release_objs(out)
                 raise
             for i, obj in zip(missing, got, strict=True):
                 out[i] = obj
@@ -933,22 +620,12 @@ class StorageManager:
                 return True
         return None if need_loop else False
 
-    async def _presence_lower(self, key: CacheEngineKey) -> Presence:
-        unknown = False
-        for tier in self._lower:
-            r = await tier.call("contains", tier.backend.contains, key)
-            if r is _UNKNOWN:
-                unknown = True
-            elif r:
-                return Presence.PRESENT
-        return Presence.UNKNOWN if unknown else Presence.ABSENT
-
     async def contains(self, key: CacheEngineKey) -> bool:
         """True when some tier holds ``key`` (a tier that fails to answer counts as absent)."""
         r = self._contains_front(key)
         if r is not None:
             return r
-        return await self._run_async(self._presence_lower(key)) is Presence.PRESENT
+        return await self._run_async(self._tiers.presence(key)) is Presence.PRESENT
 
     def contains_sync(self, key: CacheEngineKey) -> bool:
         """Blocking twin of :meth:`contains`; a CPU hit answers in about a microsecond."""
@@ -961,7 +638,7 @@ class StorageManager:
         r = self._contains_front(key)
         if r is not None:
             return r
-        return self._run_sync(self._presence_lower(key), self._timeout) is Presence.PRESENT
+        return self._run_sync(self._tiers.presence(key), self._timeout) is Presence.PRESENT
 
     async def presence(self, key: CacheEngineKey) -> Presence:
         """Tri-state presence: UNKNOWN when a tier that might hold it failed or was skipped."""
@@ -970,7 +647,7 @@ class StorageManager:
             return Presence.PRESENT
         if r is False:
             return Presence.ABSENT
-        return await self._run_async(self._presence_lower(key))
+        return await self._run_async(self._tiers.presence(key))
 
     def presence_sync(self, key: CacheEngineKey) -> Presence:
         """Blocking twin of :meth:`presence`."""
@@ -981,7 +658,7 @@ class StorageManager:
         if r is False:
             return Presence.ABSENT
         try:
-            return self._run_sync(self._presence_lower(key), self._timeout)
+            return self._run_sync(self._tiers.presence(key), self._timeout)
         except TimeoutError:
             return Presence.UNKNOWN
 
@@ -1021,22 +698,7 @@ class StorageManager:
         pending = self._pending
         cpu = self._cpu
         present = [k in pending or (cpu is not None and cpu.contains_nowait(k)) for k in keys]
-        for tier in self._lower:
-            todo = [i for i, p in enumerate(present) if not p]
-            if not todo:
-                break
-            res = await tier.call(
-                "contains", tier.backend.batched_contains, [keys[i] for i in todo], n=len(todo) // 32 + 1
-            )
-            if res is _UNKNOWN:
-                continue
-            for i, flag in zip(todo, res, strict=True):
-                if flag:
-                    present[i] = True
-        n = 0
-        while n < len(present) and present[n]:
-            n += 1
-        return n
+        return await self._tiers.prefix_len(keys, present)
 
     async def batched_contains(self, keys: Sequence[CacheEngineKey]) -> int:
         """Length of the prefix of ``keys`` present in some tier."""
@@ -1061,15 +723,8 @@ class StorageManager:
     # ---- remove / clear ---------------------------------------------------------------------------
     async def _remove_lower(self, key: CacheEngineKey) -> bool:
         if key in self._pending:
-            await self._flush()
-        removed = False
-        for tier in self._lower:
-            if not tier.backend.supports_delete:
-                continue
-            r = await tier.call("remove", tier.backend.remove, key)
-            if r is not _UNKNOWN and r:
-                removed = True
-        return removed
+            await self._wt.flush()
+        return await self._tiers.remove(key)
 
     async def remove(self, key: CacheEngineKey) -> bool:
         """Delete ``key`` from every tier; True when some tier held it. Readers holding a
@@ -1091,10 +746,8 @@ class StorageManager:
         return removed
 
     async def _clear_lower(self) -> None:
-        await self._flush()
-        for tier in self._lower:
-            if tier.backend.supports_delete:
-                await tier.call("clear", tier.backend.clear)
+        await self._wt.flush()
+        await self._tiers.clear()
 
     async def clear(self) -> None:
         """Remove every entry from every tier (pending writes are flushed first)."""
@@ -1114,36 +767,11 @@ class StorageManager:
 
     # ---- close ------------------------------------------------------------------------------------
     async def _shutdown(self, flush_timeout: float) -> None:
-        try:
-            async with asyncio.timeout(flush_timeout):
-                await self._flush()
-        except TimeoutError:
+        if not await self._wt.shutdown(flush_timeout):
             logger.warning(
                 "StorageManager %r: pending writes did not finish in %.1fs; dropped", self.name, flush_timeout
             )
-        tasks = list(self._wt_tasks)
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
-        self._close_write_queue()
-        await self._close_backends()
-
-    def _close_write_queue(self) -> None:
-        """Refuse further write-through and give back what is still queued. Idempotent."""
-        with self._wq_lock:
-            self._wq_closed = True
-            left = list(self._wq)
-            self._wq.clear()
-        self._release_items(left)
-
-    async def _close_backends(self) -> None:
-        for tier in self._lower:
-            try:
-                async with asyncio.timeout(max(tier.timeout, 5.0)):
-                    await tier.backend.close()
-            except Exception:
-                logger.warning("tier %s did not close cleanly", tier.name, exc_info=True)
+        await self._tiers.close()
 
     def _in_forked_child(self) -> bool:
         return self._lt._forked or os.getpid() != self._lt._pid
@@ -1157,13 +785,13 @@ class StorageManager:
             if self._closed:
                 return False
             self._closed = True
-        _live_managers.discard(self)
+        at_exit.forget(self)
         return True
 
     def _finish_close(self) -> None:
         self._lt.stop()
         self._executor.shutdown(wait=False, cancel_futures=True)
-        self._close_write_queue()  # a shutdown that timed out, or writes queued after it
+        self._wt.close()  # a shutdown that timed out, or writes queued after it
         if self._cpu is not None:
             self._cpu.close_nowait()
         if self._metrics_server is not None:
@@ -1179,8 +807,9 @@ class StorageManager:
         # release what they still hold, even while this object lives on.
         self._cpu = None
         self._lower = []
+        self._tiers.detach()
         self.pool = None
-        self.staging_pool = None
+        self.staging_pool = self._staging.pool = None
 
     def close_sync(self, flush_timeout: float = _CLOSE_FLUSH_S) -> None:
         """Refuse new work, flush pending writes (bounded), close the tiers and stop the loop.
@@ -1248,7 +877,7 @@ class StorageManager:
             "pending_writes": len(self._pending),
             "put_rejected": self.put_rejected,
             "put_too_large": self.put_too_large,
-            "one_off_refused": self.one_off_refused,
+            "one_off_refused": self._staging.one_off_refused,
         }
 
     def backend(self, name: str) -> StorageBackend | None:
@@ -1267,8 +896,3 @@ class StorageManager:
 def _release_obj(obj: MemoryObj | None) -> None:
     if obj is not None:
         obj.ref_count_down()
-
-
-def _release_objs(objs: list[MemoryObj | None]) -> None:
-    for o in objs:
-        _release_obj(o)

@@ -46,6 +46,7 @@ import xxhash
 from lmcache_async.backend import Allocate
 from lmcache_async.backends.disk_layout import make_private_dirs
 from lmcache_async.memory import MemoryObj
+from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.records import PROBE_LEN, RecordError, RecordHeader, decode_header, peek_header_len
 
 from .codec import AllocationFailed, ForeignRecord, allocate, prepare
@@ -130,7 +131,7 @@ class FSConnector(Connector):
         self._lock = threading.Lock()
         self._closed = False
         self._reaper: asyncio.Future[None] | None = None
-        self._last_log = 0.0
+        self._rate_log = RateLimitedLog(logger, _LOG_EVERY_S)
         self.corrupt = 0
         self.foreign = 0
         self.expired = 0
@@ -201,10 +202,8 @@ class FSConnector(Connector):
             raise
 
     def _log(self, msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        if now - self._last_log >= _LOG_EVERY_S:
-            self._last_log = now
-            logger.warning(msg, *args)
+        """A warning, at most one every few seconds (any thread)."""
+        self._rate_log.warning(msg, *args)
 
     def _expired(self, mtime: float) -> bool:
         return self._ttl is not None and time.time() - mtime > self._ttl

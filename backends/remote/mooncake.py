@@ -48,6 +48,7 @@ import xxhash
 from lmcache_async.backend import Allocate, BackendContext, StorageBackend
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import HeapAllocator, MemoryObj, PoolAllocator, gib_to_bytes
+from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.records import MAX_RANK, RecordError, decode_header, encode_header, header_length
 
 from .mooncake_store import (
@@ -219,7 +220,7 @@ class MooncakeBackend(StorageBackend):
         self._probe_token = 0
         self._abandoned = 0
         self._closed = False
-        self._last_log = 0.0
+        self._rate_log = RateLimitedLog(logger, _LOG_EVERY_S)
         # counters
         self.corrupt = 0
         self.foreign = 0
@@ -258,10 +259,8 @@ class MooncakeBackend(StorageBackend):
 
     # ---- calls on the worker threads ---------------------------------------------------------------
     def _log(self, msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        if now - self._last_log >= _LOG_EVERY_S:
-            self._last_log = now
-            logger.warning(msg, *args)
+        """A warning, at most one every few seconds (any thread)."""
+        self._rate_log.warning(msg, *args)
 
     def _mark_down(self, why: str) -> None:
         with self._lock:

@@ -39,7 +39,6 @@ import asyncio
 import logging
 import os
 import socket
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,6 +46,7 @@ import xxhash
 
 from lmcache_async.backend import Allocate
 from lmcache_async.memory import MemoryObj
+from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.records import (
     PROBE_LEN,
     RecordError,
@@ -407,7 +407,7 @@ class RedisConnector(Connector):
         self.retries = 0
         self.bytes_written = 0
         self.bytes_read = 0
-        self._last_log = 0.0
+        self._rate_log = RateLimitedLog(logger, _LOG_EVERY_S)
 
     # ---- routing (the cluster connector overrides these) -------------------------------------
     def _pool(self, address: str, factory: Callable[[], AbstractConnection]) -> ConnectionPool:
@@ -504,10 +504,8 @@ class RedisConnector(Connector):
         raise RedisError(f"key {key[:80]!r} kept being redirected")
 
     def _log(self, msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        if now - self._last_log >= _LOG_EVERY_S:
-            self._last_log = now
-            logger.warning(msg, *args)
+        """A warning, at most one every few seconds (any thread)."""
+        self._rate_log.warning(msg, *args)
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:

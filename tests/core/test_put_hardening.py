@@ -13,7 +13,7 @@ from support import membackend
 from support.membackend import MemBackend
 
 from lmcache_async import StorageManager
-from lmcache_async import storage_manager as sm_module
+from lmcache_async import staging as staging_module
 from lmcache_async.backend import Allocate, StorageBackend, register_backend
 from lmcache_async.backends.cpu import CPUBackend
 from lmcache_async.keys import CacheEngineKey
@@ -217,7 +217,7 @@ def test_cpu_only_manager_counts_an_entry_larger_than_its_pool_as_too_large(make
 
 def _short_of_memory(monkeypatch: pytest.MonkeyPatch, avail: int) -> None:
     # (raising=False: should the name go, the refusals asserted below fail loudly instead)
-    monkeypatch.setattr(sm_module, "memory_available_bytes", lambda: avail, raising=False)
+    monkeypatch.setattr(staging_module, "memory_available_bytes", lambda: avail, raising=False)
 
 
 def test_one_off_write_buffer_never_eats_into_the_memory_reserve(make_manager, monkeypatch):

@@ -61,6 +61,7 @@ from lmcache_async.integration.vllm.leases import LeaseDir, read_record
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj
 from lmcache_async.metadata import LMCacheEngineMetadata
+from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.records import RecordError
 
 logger = logging.getLogger(__name__)
@@ -471,7 +472,7 @@ class LMCacheECConnectorImpl:
         self._reported: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._worker_reported: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._errors_by_op: dict[str, int] = {}
-        self._last_log: dict[str, float] = {}
+        self._rate_log = RateLimitedLog(logger, _LOG_EVERY_S)
         self._device: torch.device | None = None
         self._token: tuple[Any, ...] | None = None
         extra = dict(getattr(transfer, "ec_connector_extra_config", None) or {})
@@ -548,12 +549,7 @@ class LMCacheECConnectorImpl:
 
     def _log(self, category: str, msg: str, *args: Any) -> None:
         """A warning, at most once per few seconds per category."""
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last_log.get(category, -_LOG_EVERY_S) < _LOG_EVERY_S:
-                return
-            self._last_log[category] = now
-        logger.warning(msg, *args)
+        self._rate_log.warning(msg, *args, key=category)
 
     def _load_device(self) -> torch.device:
         dev = self._device
