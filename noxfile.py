@@ -1,4 +1,4 @@
-"""Developer sessions: tests, ci, lint, typecheck, bench, compare, demo, vllm, e2e.
+"""Developer sessions: tests, quick, ci, lint, typecheck, docs, bench, compare, demo, vllm, e2e.
 
 Torch is pinned to the CPU build that lies on disk (``torch==2.13.0``) and installed before
 the project so pip never pulls a multi-GB CUDA build.
@@ -83,13 +83,30 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", *session.posargs, env=env)  # includes a bounded atheris run (tests/chaos)
 
 
+QUICK_MARKERS = "not chaos and not soak and not slow and not redis and not nixl and not mooncake"
+
+
+@nox.session
+def quick(session: nox.Session) -> None:
+    """The fast lane (under 2 minutes on 2 cores): no chaos, soak or slow tests and no tier that
+    needs a server binary, NIXL or Mooncake; the rest of the unit, conformance, engine and disk
+    tests. ``nox -s tests`` stays the full run.
+
+    Extra arguments go to pytest, e.g. ``nox -s quick -- tests/core -x``."""
+    _install(session, "test")
+    session.run(
+        "pytest", "-m", QUICK_MARKERS, "-p", "no:cacheprovider", "-q", "-o", "timeout=300",
+        *(session.posargs or ["tests/core", "tests/disk", "tests/ec", "tests/engines"]),
+    )  # fmt: skip
+
+
 @nox.session
 def soak(session: nox.Session) -> None:
     """The chaos suite's long soak variants (on demand)."""
     _ensure_redis(session)
     _install(session, "test,nixl")
     env = {"LMCACHE_ASYNC_REQUIRE_SERVERS": "1", "LMCACHE_ASYNC_REQUIRE_NIXL": "1", "LMCACHE_ASYNC_SOAK": "1"}
-    session.run("pytest", "tests/chaos", "-m", "soak", *session.posargs, env=env)
+    session.run("pytest", "tests/chaos", "-m", "soak", "-o", "timeout=3600", *session.posargs, env=env)
 
 
 @nox.session
@@ -104,6 +121,17 @@ def typecheck(session: nox.Session) -> None:
     """mypy over the package (backends included) and the benchmark suite."""
     _install(session, "dev")
     session.run("mypy", "lmcache_async", "backends", "bench")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The documentation site, ``mkdocs build --strict`` into ``site/`` (git-ignored).
+
+    The configuration reference and the LMCache key table are generated from
+    ``lmcache_async/config.py`` during the build (``docs/hooks/generated.py``).
+    """
+    _install(session, "docs")
+    session.run("mkdocs", "build", "--strict", "--site-dir", "site", env={"NO_MKDOCS_2_WARNING": "1"})
 
 
 @nox.session
@@ -156,7 +184,7 @@ def vllm(session: nox.Session) -> None:
             "the real-vLLM connector test did not run"
         )
     session.run(
-        os.path.join(venv, "bin", "python"), "-m", "pytest", "tests/vllm_connector", "-rs",
+        os.path.join(venv, "bin", "python"), "-m", "pytest", "tests/vllm_connector", "-rs", "-o", "timeout=1800",
         *session.posargs,
         external=True,
         env={"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
@@ -178,6 +206,9 @@ def e2e(session: nox.Session) -> None:
     python = str(out).strip().splitlines()[-1]
     session.run(
         python, "-m", "pytest", "tests/e2e", "-p", "no:cacheprovider", "-o", "faulthandler_timeout=0", "-s", "-rA",
+        # Engines start for minutes: a long per-test bound where pytest-timeout is installed; the
+        # venv may lack it, and then the "unknown config option: timeout" warning must not be an error.
+        "-o", "timeout=3600", "-W", "ignore::pytest.PytestConfigWarning",
         *session.posargs,
         external=True,
         env={"LMCACHE_ASYNC_REQUIRE_VLLM": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",

@@ -1,10 +1,10 @@
 """The CPU tier: an LRU (or FIFO) index over the manager's memory pool.
 
-Besides the async backend interface it has a synchronous surface that the StorageManager calls
-on the caller's thread (no loop hop): :meth:`lookup`, :meth:`contains_nowait`,
-:meth:`prefix_len`, :meth:`allocate`, :meth:`insert`, :meth:`remove_nowait`. All of it is
-thread-safe under one index lock; the lock order is index -> allocator, and no copy happens
-under the lock.
+Besides the async backend interface it implements :class:`~lmcache_async.backend.PoolTier`
+(the caller-thread surface the StorageManager uses without a loop hop: :meth:`lookup`,
+:meth:`contains_nowait`, :meth:`prefix_len`, :meth:`allocate`, :meth:`insert`,
+:meth:`remove_nowait`, ...). All of it is thread-safe under one index lock; the lock order is
+index -> allocator, and no copy happens under the lock.
 
 The index holds one reference per entry. An entry with any other reference (a reader, an
 in-flight write-through) is never evicted.
@@ -72,6 +72,10 @@ class CPUBackend(StorageBackend):
         """Presence without touching the entry."""
         return key in self._index
 
+    def __contains__(self, key: object) -> bool:
+        """Presence, lock-free (one dict lookup); see :class:`~lmcache_async.backend.PoolTier`."""
+        return key in self._index
+
     def prefix_len(self, keys: Sequence[CacheEngineKey]) -> int:
         """How many leading ``keys`` are present."""
         idx = self._index
@@ -135,7 +139,7 @@ class CPUBackend(StorageBackend):
         out: list[tuple[CacheEngineKey, MemoryObj]] = []
         got = 0
         for k, o in self._index.items():
-            if o._refs == 1 and (protect is None or k not in protect):
+            if o.get_ref_count() == 1 and (protect is None or k not in protect):
                 out.append((k, o))
                 got += o.size
                 if got >= need:
@@ -168,9 +172,8 @@ class CPUBackend(StorageBackend):
             existing = self._index.get(key)
             if existing is not None:
                 return existing
-            if extra_refs:
-                with obj.allocator.lock:
-                    obj._refs += extra_refs
+            for _ in range(extra_refs):  # nobody else sees obj before it is indexed
+                obj.ref_count_up()
             self._index[key] = obj
             self.bytes += obj.size
             return None

@@ -232,6 +232,41 @@ class Ledger:
         _TOTALS.pack_into(self._mm, _TOTALS_OFF, sum(slots[0::2]), sum(slots[1::2]))
 
 
+class Repairs:
+    """Accounting repairs during one removal pass (under the directory lock).
+
+    A shard found to count files that are gone (an indexed file missing, a listing holding
+    fewer bytes than the accounting) is recounted, once per pass. If that recount really
+    finds bytes counted for missing files, files were deleted behind the tier's back, and such
+    files rarely go alone (``rm dir/*/*.lmc``): every shard is recounted once, so eviction
+    never pays for missing bytes with real entries. A recount that changes nothing (another
+    process deleted the file and accounted it) costs one listing.
+    """
+
+    def __init__(self) -> None:
+        self.shards: set[int] = set()
+        self.full = False
+
+    def shard(self, led: Ledger, shard: int) -> ShardListing | None:
+        """Recount ``shard`` (first time in this pass); its fresh listing, or None."""
+        if self.full or shard in self.shards:
+            return None
+        self.shards.add(shard)
+        before = led.shard(shard)[0]
+        listing = led.recount(shard)
+        if led.shard(shard)[0] < before:
+            self.everything(led)
+        return listing
+
+    def everything(self, led: Ledger) -> bool:
+        """Recount every shard (first time in this pass); False when done already."""
+        if self.full:
+            return False
+        self.full = True
+        led.recount_many(list(range(NUM_SHARDS)))
+        return True
+
+
 class DirBudget:
     """The shared accounting file of one directory and its lock. Thread-safe; blocking."""
 

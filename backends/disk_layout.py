@@ -16,13 +16,15 @@ runs on executor threads, never on the event loop.
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import hashlib
 import os
 import socket
 import time
-from collections.abc import Sequence
+
+# re-exported: the disk tier's raw record-file I/O lives in the shared module
+from lmcache_async.record_files import publish_noreplace as publish_noreplace
+from lmcache_async.record_files import read_exact_into as read_exact_into
+from lmcache_async.record_files import write_all as write_all
 
 NUM_SHARDS = 256
 ENTRY_SUFFIX = ".lmc"
@@ -172,50 +174,6 @@ def tmp_reapable(fname: str, mtime: float, now: float | None = None) -> bool:
     return not writer_alive(pid, start)
 
 
-# ---- atomic publish -----------------------------------------------------------------------------
-_AT_FDCWD = -100
-_RENAME_NOREPLACE = 1
-_renameat2 = None
-_renameat2_ok = True
-try:
-    _libc = ctypes.CDLL(None, use_errno=True)
-    _renameat2 = _libc.renameat2
-    _renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    _renameat2.restype = ctypes.c_int
-except (OSError, AttributeError):  # pragma: no cover - non-glibc
-    _renameat2_ok = False
-
-
-def publish_noreplace(tmp: str, final: str) -> bool:
-    """Atomically rename ``tmp`` to ``final`` unless ``final`` exists.
-
-    True when published; False when ``final`` already existed (``tmp`` is left for the caller to
-    delete). Uses ``renameat2(RENAME_NOREPLACE)``; where the filesystem lacks it, a hard link
-    (also atomic and never replacing) followed by unlinking ``tmp``. Other errors raise OSError.
-    """
-    global _renameat2_ok
-    if _renameat2_ok and _renameat2 is not None:
-        rc = _renameat2(_AT_FDCWD, os.fsencode(tmp), _AT_FDCWD, os.fsencode(final), _RENAME_NOREPLACE)
-        if rc == 0:
-            return True
-        err = ctypes.get_errno()
-        if err == errno.EEXIST:
-            return False
-        if err not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
-            raise OSError(err, os.strerror(err), final)
-        _renameat2_ok = False
-    try:
-        os.link(tmp, final)
-    except FileExistsError:
-        return False
-    try:
-        os.unlink(tmp)
-    except FileNotFoundError:
-        pass
-    return True
-
-
-# ---- raw file I/O -------------------------------------------------------------------------------
 def ensure_dir(path: str) -> bool:
     """Create ``path`` (0700) if missing; True when it was created by this call."""
     try:
@@ -249,42 +207,6 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def write_all(fd: int, bufs: Sequence[bytes | memoryview]) -> None:
-    """Write every buffer in order (``os.writev``, looping over short writes)."""
-    total = sum(memoryview(b).nbytes for b in bufs)
-    if not total:
-        return
-    n = os.writev(fd, bufs)
-    if n == total:  # the usual case for a regular file
-        return
-    views = [memoryview(b).cast("B") for b in bufs if len(b)]
-    while views and n:  # skip what the first call wrote
-        if n >= len(views[0]):
-            n -= len(views.pop(0))
-        else:
-            views[0] = views[0][n:]
-            n = 0
-    while views:
-        n = os.writev(fd, views)
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
-
-
-def read_exact_into(fd: int, view: memoryview, offset: int) -> int:
-    """``preadv`` into ``view`` from ``offset`` until it is full or the file ends; bytes read."""
-    got = 0
-    total = len(view)
-    while got < total:
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n <= 0:
-            break
-        got += n
-    return got
 
 
 def drop_from_page_cache(path: str) -> None:

@@ -14,7 +14,7 @@ damaged, truncated or foreign file is deleted and counted. A write that finds a 
 its key's name checks it the same way (:meth:`DiskStore.write`): a valid one is kept, a damaged or
 foreign one is deleted (counted) and replaced, so a put always leaves a readable record. Nor
 does it trust the accounting blindly: files deleted behind the tier's back are noticed by
-lookups, reads and eviction and their shards recounted (:class:`_Repairs`), so writes never
+lookups, reads and eviction and their shards recounted (:class:`Repairs`), so writes never
 stay refused until the next start; and a read or write racing a removal never leaves an index
 entry without a file (:meth:`DiskStore._note_present`).
 """
@@ -27,7 +27,6 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -36,7 +35,7 @@ from lmcache_async.backends.disk_budget import (
     DirBudget,
     EntryFile,
     Ledger,
-    ShardListing,
+    Repairs,
     list_shard,
 )
 from lmcache_async.backends.disk_layout import (
@@ -47,21 +46,19 @@ from lmcache_async.backends.disk_layout import (
     fsync_dir,
     key_digest,
     publish_noreplace,
-    read_exact_into,
     shard_name,
     tmp_name,
     tmp_reapable,
     write_all,
 )
+from lmcache_async.lru import LruIndex
 from lmcache_async.memory import MemoryObj
 from lmcache_async.ratelog import RateLimitedLog
+from lmcache_async.record_files import payload_problem, read_header, verified_header
 from lmcache_async.records import (
     RecordError,
-    RecordHeader,
-    decode_header,
     encode_header,
     payload_checksum,
-    peek_header_len,
 )
 
 logger = logging.getLogger("lmcache_async.backends.disk")
@@ -72,7 +69,6 @@ WRITE_STOP_ERRNOS = frozenset(
     {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
 )
 """Errors that stop writes for a back-off (disk full, quota, read-only, permission, too big)."""
-_HEADER_PROBE = 512  # first read of a header (most keys fit); a longer header takes a second read
 _TOUCH_AFTER_S = 60.0  # refresh a file's mtime on read at most this often
 _PUBLISH_TRIES = 4  # publish attempts of one write, each after a damaged record at its name went
 _LOG_EVERY_S = 5.0
@@ -87,41 +83,6 @@ COUNTERS = (
     "evictions", "corrupt", "vanished", "write_errors", "writes_refused", "no_space",
     "read_errors", "alloc_failures", "tmp_reaped", "stored", "read_hits",
 )
-
-
-class _Repairs:
-    """Accounting repairs during one removal pass (under the directory lock).
-
-    A shard found to count files that are gone (an indexed file missing, a listing holding
-    fewer bytes than the accounting) is recounted, once per pass. If that recount really
-    finds bytes counted for missing files, files were deleted behind the tier's back, and such
-    files rarely go alone (``rm dir/*/*.lmc``): every shard is recounted once, so eviction
-    never pays for missing bytes with real entries. A recount that changes nothing (another
-    process deleted the file and accounted it) costs one listing.
-    """
-
-    def __init__(self) -> None:
-        self.shards: set[int] = set()
-        self.full = False
-
-    def shard(self, led: Ledger, shard: int) -> ShardListing | None:
-        """Recount ``shard`` (first time in this pass); its fresh listing, or None."""
-        if self.full or shard in self.shards:
-            return None
-        self.shards.add(shard)
-        before = led.shard(shard)[0]
-        listing = led.recount(shard)
-        if led.shard(shard)[0] < before:
-            self.everything(led)
-        return listing
-
-    def everything(self, led: Ledger) -> bool:
-        """Recount every shard (first time in this pass); False when done already."""
-        if self.full:
-            return False
-        self.full = True
-        led.recount_many(list(range(NUM_SHARDS)))
-        return True
 
 
 class DiskStore:
@@ -142,7 +103,7 @@ class DiskStore:
         self.budget_bytes = budget_bytes
         self.fsync: FsyncPolicy = fsync
         self._budget = DirBudget(root)
-        self._index: OrderedDict[bytes, int] = OrderedDict()  # digest -> file bytes, LRU first
+        self._index: LruIndex[bytes, int] = LruIndex()  # digest -> file bytes, LRU first
         self._ilock = threading.Lock()
         self._scan_removed: set[bytes] | None = None
         self._scan_cleared = False
@@ -208,7 +169,7 @@ class DiskStore:
     def _note_removed(self, digest: bytes) -> None:
         """Forget ``digest`` (index lock NOT held by the caller)."""
         with self._ilock:
-            self._index.pop(digest, None)
+            self._index.pop(digest)
             if self._scan_removed is not None:
                 self._scan_removed.add(digest)
 
@@ -221,10 +182,7 @@ class DiskStore:
         in between drops out of the index, which only costs a lookup an ``os.stat``.
         """
         with self._ilock:
-            idx = self._index
-            if digest in idx:
-                idx.move_to_end(digest)
-            idx[digest] = size
+            self._index.put(digest, size, size)
             if self._scan_removed is not None:
                 self._scan_removed.discard(digest)
         try:
@@ -273,14 +231,14 @@ class DiskStore:
     # ---- removal primitives (directory lock held) ----------------------------------------------
     def _unlink_entry(
         self, led: Ledger, digest: bytes, expect_ino: int | None = None, *,
-        repairs: _Repairs | None = None,
+        repairs: Repairs | None = None,
     ) -> int | None:
         """Delete the entry file of ``digest`` (only if it is inode ``expect_ino`` when given);
         bytes freed, or None when nothing was deleted. The accounting follows.
 
         ``repairs``: the caller knew the file (an indexed entry). If it is already gone, it was
         deleted behind the tier's back (or by another process) and the accounting may still
-        count it: its shard is recounted (see :class:`_Repairs`).
+        count it: its shard is recounted (see :class:`Repairs`).
         """
         path = self._path(digest)
         missing = False
@@ -311,13 +269,10 @@ class DiskStore:
 
     def _pop_victim(self, exclude: bytes | None) -> bytes | None:
         with self._ilock:
-            for d in self._index:
-                if d != exclude:
-                    del self._index[d]
-                    return d
-        return None
+            victim = self._index.pop_oldest(None if exclude is None else lambda d, _size: d == exclude)
+        return None if victim is None else victim[0]
 
-    def _evict_unindexed(self, led: Ledger, need: int, exclude: bytes | None, repairs: _Repairs) -> bool:
+    def _evict_unindexed(self, led: Ledger, need: int, exclude: bytes | None, repairs: Repairs) -> bool:
         """Evict files this process has not indexed (oldest mtime first, shard by shard) until
         ``need`` more bytes fit in the budget. A shard whose accounting claims more bytes than
         its files hold (files deleted behind the tier's back) is recounted instead of paying for
@@ -350,14 +305,14 @@ class DiskStore:
     def _make_room(self, led: Ledger, need: int, exclude: bytes | None) -> bool:
         """Evict (LRU) until ``need`` more bytes fit in the budget; False when they cannot.
 
-        Self-repairing (:class:`_Repairs`): an indexed victim whose file is already gone has its
+        Self-repairing (:class:`Repairs`): an indexed victim whose file is already gone has its
         shard recounted, and when nothing at all can be evicted while the accounting says the
         directory is over budget, every shard is recounted once before giving up (files deleted
         behind the tier's back must not refuse writes until the next start)."""
         budget = self.budget_bytes
         if need > budget:
             return False
-        repairs = _Repairs()
+        repairs = Repairs()
         while led.total_bytes + need > budget:
             victim = self._pop_victim(exclude)
             if victim is None:
@@ -387,7 +342,7 @@ class DiskStore:
         tier's back and the accounting may still count it, so the caller has its shard
         recounted (:meth:`repair_shard`)."""
         with self._ilock:
-            known = self._index.pop(digest, None) is not None
+            known = self._index.pop(digest) is not None
             if known and self._scan_removed is not None:
                 self._scan_removed.add(digest)
         if known:
@@ -396,11 +351,11 @@ class DiskStore:
 
     def repair_shard(self, shard: int) -> None:
         """Recount ``shard`` (all of them when it counted bytes of missing files; see
-        :class:`_Repairs`) under the directory lock. Blocking; failures are ignored (the next
+        :class:`Repairs`) under the directory lock. Blocking; failures are ignored (the next
         holder of the lock, or the next start, repairs it)."""
         try:
             with self._budget.locked() as led:
-                _Repairs().shard(led, shard)
+                Repairs().shard(led, shard)
         except OSError:
             pass
 
@@ -547,12 +502,12 @@ class DiskStore:
         try:
             st = os.fstat(fd)
             try:
-                hdr = _verified_header(fd, st.st_size, kstr)
+                hdr = verified_header(fd, st.st_size, kstr)
             except RecordError as exc:
                 bad = (st.st_ino, str(exc))
                 return None
             # A scratch buffer: the payload is only checked, never kept.
-            bad_payload = _payload_problem(fd, hdr, memoryview(bytearray(hdr.payload_len)))
+            bad_payload = payload_problem(fd, hdr, memoryview(bytearray(hdr.payload_len)))
             if bad_payload is not None:
                 bad = (st.st_ino, bad_payload)
                 return None
@@ -583,7 +538,7 @@ class DiskStore:
         try:
             st = os.fstat(fd)
             try:
-                hdr = _verified_header(fd, st.st_size, kstr)
+                hdr = verified_header(fd, st.st_size, kstr)
             except RecordError as exc:
                 bad = (st.st_ino, str(exc))
                 return None
@@ -591,7 +546,7 @@ class DiskStore:
             if obj is None:
                 self.count("alloc_failures")
                 return None
-            bad_payload = _payload_problem(fd, hdr, obj.byte_view())
+            bad_payload = payload_problem(fd, hdr, obj.byte_view())
             if bad_payload is not None:
                 bad = (st.st_ino, bad_payload)
                 return None
@@ -618,7 +573,7 @@ class DiskStore:
     def remove(self, digest: bytes) -> bool:
         """Delete the entry; True when a file was deleted. An indexed entry whose file is gone
         has its shard recounted (it was deleted behind the tier's back)."""
-        repairs = _Repairs() if digest in self._index else None
+        repairs = Repairs() if digest in self._index else None
         with self._budget.locked() as led:
             return self._unlink_entry(led, digest, repairs=repairs) is not None
 
@@ -677,7 +632,7 @@ class DiskStore:
             return False
         problem = None
         try:
-            hdr = _read_header(fd)
+            hdr = read_header(fd)
             if key_digest(hdr.key) != e.digest:
                 problem = "file name does not match the key it holds"
             elif e.size != hdr.total_len:
@@ -700,50 +655,19 @@ class DiskStore:
             cleared = self._scan_cleared
             self._scan_removed = None
             self._scan_cleared = False
-            merged: OrderedDict[bytes, int] = OrderedDict()
+            merged: LruIndex[bytes, int] = LruIndex()
             if not cleared:
                 for _mt, d, size in found:
                     if d not in removed:
-                        merged[d] = size
+                        merged.put(d, size, size)
             for d, size in self._index.items():  # touched since start: most recent
-                if d in merged:
-                    merged.move_to_end(d)
-                merged[d] = size
+                merged.put(d, size, size)
             self._index = merged
             return len(merged)
 
     def evict_to_budget(self) -> None:
         with self._budget.locked() as led:
             self._make_room(led, 0, None)
-
-
-def _read_header(fd: int, expect_key: str | None = None) -> RecordHeader:
-    """Decode and check the header of the record in ``fd`` (:func:`decode_header`: also the
-    key when ``expect_key`` is given); RecordError when it is not a well-formed record."""
-    head = os.pread(fd, _HEADER_PROBE, 0)
-    hlen = peek_header_len(head)
-    if hlen > len(head):
-        head = os.pread(fd, hlen, 0)
-    return decode_header(head, expect_key=expect_key)
-
-
-def _verified_header(fd: int, size: int, kstr: str) -> RecordHeader:
-    """The header of the record in ``fd`` (a file of ``size`` bytes) when it is a well-formed
-    record of ``kstr`` exactly as long as its header says; RecordError otherwise."""
-    hdr = _read_header(fd, kstr)
-    if size != hdr.total_len:
-        raise RecordError("file is truncated" if size < hdr.total_len else "trailing bytes")
-    return hdr
-
-
-def _payload_problem(fd: int, hdr: RecordHeader, view: memoryview) -> str | None:
-    """Read the payload of ``fd``'s record (header ``hdr``) into ``view`` and check it; what is
-    wrong with it, or None when it is whole and its checksum matches."""
-    if read_exact_into(fd, view, hdr.header_len) != hdr.payload_len:
-        return "file is truncated"
-    if payload_checksum(view) != hdr.checksum:
-        return "payload checksum mismatch"
-    return None
 
 
 def _exists(path: str) -> bool:

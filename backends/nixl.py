@@ -37,15 +37,11 @@ Contract (beyond :class:`~lmcache_async.backend.StorageBackend`):
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
-import contextlib
-import fcntl
 import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -62,17 +58,29 @@ from lmcache_async.backends.nixl_agent import (
     nixl_available,
     park,
 )
+from lmcache_async.backends.nixl_index import Entry, NixlCounters, NixlIndex
 from lmcache_async.backends.nixl_io import (
+    DirectoryInUseError,
     EntryMeta,
     KeyFileLayout,
     Layout,
     ObjectLayout,
     Scanned,
     Scratch,
-    ScratchSlot,
     SlotFileLayout,
-    read_record,
-    write_record,
+    lock_directory,
+    storage_root,
+)
+from lmcache_async.backends.nixl_jobs import JobKind, JobRunner
+from lmcache_async.backends.nixl_work import (
+    NixlWork,
+    ReadBatch,
+    ReadJob,
+    WritePlan,
+    no_orphan,
+    plan_bytes,
+    read_bytes,
+    slot_bytes,
 )
 from lmcache_async.errors import BackendUnavailableError
 from lmcache_async.keys import CacheEngineKey
@@ -91,136 +99,12 @@ __all__ = [
     "create",
     "load_nixl",
     "nixl_available",
+    "storage_root",
 ]
 
 _LOG_BURST_S = 5.0
 T = TypeVar("T")
 X = TypeVar("X")
-
-
-class DirectoryInUseError(BackendUnavailableError):
-    """The storage directory is locked by another tier instance (this or another process)."""
-
-
-@dataclass
-class _Entry:
-    meta: EntryMeta
-    location: str | int
-    readers: int = 0
-    removed: bool = False
-
-    @property
-    def size(self) -> int:
-        return self.meta.total_len
-
-
-@dataclass
-class _Plan:
-    key: CacheEngineKey
-    obj: MemoryObj
-    meta: EntryMeta
-    location: str | int
-    future: asyncio.Future[bool]
-    registered: bool
-    recycle: list[str | int]
-
-
-@dataclass(frozen=True)
-class _JobKind:
-    """One kind of worker job (writes, reads, slot zeroing): what a job does with its items on
-    a worker thread, what the loop does with the outcomes, and what the worker does instead
-    when the loop is gone (give memory back only); ``nbytes`` sizes an item for the split
-    between workers."""
-
-    name: str
-    run: Callable[[list[Any]], list[BaseException | None]]
-    finish: Callable[[list[Any], list[BaseException | None]], None]
-    orphan: Callable[[list[Any], list[BaseException | None]], None]
-    nbytes: Callable[[Any], int]
-
-
-@dataclass
-class _Queued:
-    """Work of one kind waiting for the next loop iteration's hand-off."""
-
-    items: list[Any]
-    done: asyncio.Future[None]
-
-
-class _ReadBatch:
-    """Results of one ``batched_get``; buffers arriving after the caller gave up go back."""
-
-    def __init__(self, results: list[MemoryObj | None]) -> None:
-        self.results = results
-        self.abandoned = False
-        #: Deletions of records this batch found damaged; the call returns once they are done.
-        self.discards: list[asyncio.Future[Any]] = []
-
-    def deliver(self, index: int, obj: MemoryObj) -> None:
-        if self.abandoned:
-            obj.ref_count_down()
-        else:
-            self.results[index] = obj
-
-    def abandon(self) -> None:
-        self.abandoned = True
-        for i, obj in enumerate(self.results):
-            if obj is not None:
-                obj.ref_count_down()
-                self.results[i] = None
-
-
-@dataclass
-class _ReadJob:
-    index: int
-    key: CacheEngineKey
-    entry: _Entry
-    dst: MemoryObj
-    registered: bool
-    batch: _ReadBatch
-
-
-@dataclass
-class _Counters:
-    writes: int = 0
-    write_failures: int = 0
-    reads: int = 0
-    read_failures: int = 0
-    corrupt: int = 0
-    io_errors: int = 0
-    evictions: int = 0
-    too_large: int = 0
-    no_space: int = 0
-    no_buffer: int = 0
-    bounced: int = 0
-    staged: int = 0
-    scanned: int = 0
-    reaped: int = 0
-    jobs: int = 0
-    stuck: int = 0
-    quarantined_bytes: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
-
-
-def _lock_directory(root: Path) -> int:
-    fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        try:
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
-        finally:
-            os.close(fd)
-        raise DirectoryInUseError(
-            f"NIXL storage directory {str(root)!r} is in use (lock held by pid {holder}); "
-            "give each process its own nixl_path"
-        ) from None
-    except BaseException:
-        os.close(fd)
-        raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
-    return fd
 
 
 class NixlBackend(StorageBackend):
@@ -243,15 +127,12 @@ class NixlBackend(StorageBackend):
         self._torn_down = False
         self._teardown_pending = False
         self._teardown_lock = threading.Lock()
-        self._live_jobs = 0  # submitted worker jobs whose bookkeeping has not run yet
-        self._jobs_lock = threading.Lock()
         self._quarantine: list[MemoryObj] = []
-        self._tasks: set[asyncio.Future[Any]] = set()
         self._lock_fd: int | None = None
         self._regions: list[Any] = []
         self._scratch: Scratch | None = None
         self._layout: Layout | None = None
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._runner: JobRunner | None = None
         target = str(root) if root is not None else settings.path
         self.root: Path | None = None
         self._agent = None
@@ -261,10 +142,8 @@ class NixlBackend(StorageBackend):
                 try:
                     make_private_dirs(self.root)
                 except OSError as exc:
-                    raise BackendUnavailableError(
-                        f"nixl_path directory {target!r} cannot be created: {exc}"
-                    ) from exc
-                self._lock_fd = _lock_directory(self.root)
+                    raise BackendUnavailableError(f"nixl_path directory {target!r} cannot be created: {exc}") from exc
+                self._lock_fd = lock_directory(self.root)
             self._agent = NixlAgent(f"lmcache-async-{ctx.cache_name}", settings.plugin, settings.params)
             self._registered: tuple[PoolAllocator, ...] = tuple(
                 p for p in (ctx.pool, ctx.staging_pool) if p is not None and p.capacity > 0
@@ -280,25 +159,31 @@ class NixlBackend(StorageBackend):
             else:
                 assert self.root is not None
                 self._layout = KeyFileLayout(self._agent, self.root)
-            self._executor = concurrent.futures.ThreadPoolExecutor(
-                settings.workers, thread_name_prefix=f"lmcache-async-{ctx.cache_name}-nixl"
+            staging = ctx.staging_pool
+            registered_staging = staging if any(staging is p for p in self._registered) else None
+            work = NixlWork(
+                self._agent, self._layout, self._scratch, settings.chunk_bytes, self._registered, registered_staging
+            )
+            self._work = work
+            self._runner = JobRunner(
+                settings.workers,
+                f"lmcache-async-{ctx.cache_name}-nixl",
+                2 * settings.chunk_bytes,
+                on_idle=self._maybe_teardown,
+                on_orphaned_idle=self._teardown,
             )
         except BaseException:
             self._teardown()
             raise
-        self._index: collections.OrderedDict[CacheEngineKey, _Entry] = collections.OrderedDict()
-        self._bytes = 0
-        self._reserved = 0
+        self._index = NixlIndex(settings.max_bytes, self._lru)
         self._writing: dict[CacheEngineKey, asyncio.Future[bool]] = {}
-        self._free_slots: list[int] = []
         self._zeroing: set[asyncio.Future[None]] = set()
-        self._queued: dict[str, _Queued] = {}
-        self._writes = _JobKind("write", self._write_job, self._finish_writes, self._orphan_writes, _plan_bytes)
-        self._reads = _JobKind("read", self._read_job, self._finish_reads, self._orphan_reads, _read_bytes)
-        self._zeroings = _JobKind("zero", self._zero_job, self._finish_zeroing, _no_orphan, _slot_bytes)
+        self._writes = JobKind("write", work.write, self._finish_writes, work.orphan_writes, plan_bytes)
+        self._reads = JobKind("read", work.read, self._finish_reads, work.orphan_reads, read_bytes)
+        self._zeroings = JobKind("zero", work.zero, self._finish_zeroing, no_orphan, slot_bytes)
         self._ready = asyncio.Event()
         self._start_task: asyncio.Task[None] | None = None
-        self.counters = _Counters()
+        self.counters = NixlCounters()
         self._log = RateLimitedLog(logger, _LOG_BURST_S)
 
     # ---- capabilities -----------------------------------------------------------------------------
@@ -324,9 +209,7 @@ class NixlBackend(StorageBackend):
     @property
     def layout_name(self) -> str:
         """``files``, ``slots`` or ``objects``."""
-        return {KeyFileLayout: "files", SlotFileLayout: "slots", ObjectLayout: "objects"}[
-            type(self._layout)
-        ]
+        return {KeyFileLayout: "files", SlotFileLayout: "slots", ObjectLayout: "objects"}[type(self._layout)]
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -356,8 +239,8 @@ class NixlBackend(StorageBackend):
         # oldest first, so the LRU order follows the files' ages
         removals = [self._admit_scanned(s) for s in found]
         if isinstance(self._layout, SlotFileLayout):
-            used = {e.location for e in self._index.values()}
-            self._free_slots = [i for i in reversed(range(self._layout.count)) if i not in used]
+            used = self._index.locations()
+            self._index.free_slots = [i for i in reversed(range(self._layout.count)) if i not in used]
         # Over budget after a restart with a smaller nixl_max_size: drop the oldest.
         victims: list[str | int] = []
         self._make_room(0, recycle=victims)
@@ -373,15 +256,11 @@ class NixlBackend(StorageBackend):
         except (ValueError, TypeError):
             self.counters.reaped += 1
             return self._discard_storage(s.location)
-        old = self._index.pop(key, None)
+        old = self._index.add(key, Entry(s.meta, s.location))
         removal = None
         if old is not None:  # two records of one key: keep the newer
-            self._bytes -= old.size
             self.counters.reaped += 1
             removal = self._discard_storage(old.location)
-        entry = _Entry(s.meta, s.location)
-        self._index[key] = entry
-        self._bytes += entry.size
         self.counters.scanned += 1
         return removal
 
@@ -399,8 +278,8 @@ class NixlBackend(StorageBackend):
         self._closed = True
         self._ready.set()  # waiters see the tier closed
         try:
-            while self._tasks:
-                await asyncio.shield(asyncio.gather(*list(self._tasks), return_exceptions=True))
+            if self._runner is not None:
+                await self._runner.drain()
         finally:
             for fut in self._writing.values():
                 if not fut.done():
@@ -410,7 +289,7 @@ class NixlBackend(StorageBackend):
 
     def _maybe_teardown(self) -> None:
         """On the loop: release everything once closed and nothing is in flight."""
-        if self._teardown_pending and not self._tasks and self._live_jobs == 0:
+        if self._teardown_pending and (self._runner is None or self._runner.idle):
             self._teardown()
 
     def _teardown(self) -> None:
@@ -422,9 +301,8 @@ class NixlBackend(StorageBackend):
         agent = self._agent
         if self._quarantine:  # a stuck request may still write into them: never freed
             park(*self._quarantine)
-        if self._executor is not None:
-            self._executor.shutdown(wait=False)
-            self._executor = None
+        if self._runner is not None:
+            self._runner.shutdown()
         if self._layout is not None:
             self._layout.close()
             self._layout = None
@@ -445,178 +323,58 @@ class NixlBackend(StorageBackend):
             self._lock_fd = None
 
     # ---- helpers --------------------------------------------------------------------------------
+    @property
+    def _tasks(self) -> set[asyncio.Future[Any]]:
+        """What :meth:`close` waits for (loop thread)."""
+        return self._runner.tasks if self._runner is not None else set()
+
+    @property
+    def _executor(self) -> concurrent.futures.ThreadPoolExecutor | None:
+        return self._runner.executor if self._runner is not None else None
+
     def _track(self, fut: asyncio.Future[Any]) -> None:
-        self._tasks.add(fut)
-        fut.add_done_callback(self._untrack)
-
-    def _untrack(self, fut: asyncio.Future[Any]) -> None:
-        self._tasks.discard(fut)
-        self._maybe_teardown()
-
-    def _job_started(self) -> None:
-        with self._jobs_lock:
-            self._live_jobs += 1
-
-    def _job_ended(self, loop_gone: bool = False) -> None:
-        """A job's bookkeeping ran (on the loop), or the loop is gone and it never will (on
-        the worker thread: nothing else runs on the loop, so the last job releases all)."""
-        with self._jobs_lock:
-            self._live_jobs -= 1
-            idle = self._live_jobs == 0
-        if loop_gone:
-            if idle:
-                self._teardown()
-        else:
-            self._maybe_teardown()
-
-    def _end_job_from_worker(self, loop: asyncio.AbstractEventLoop) -> None:
-        try:
-            loop.call_soon_threadsafe(self._job_ended)
-        except RuntimeError:  # the loop is closed
-            self._job_ended(loop_gone=True)
+        assert self._runner is not None
+        self._runner.track(fut)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on a worker thread (index scans, file deletions)."""
-        executor = self._executor
-        if executor is None:
+        if self._runner is None:
             raise NixlTransferError("the nixl tier is closed")
-        loop = asyncio.get_running_loop()
-        self._job_started()
-        try:
-            cf = executor.submit(fn, *args)
-        except RuntimeError as exc:
-            self._job_ended()
-            raise NixlTransferError("the nixl tier is closed") from exc
-        cf.add_done_callback(lambda _: self._end_job_from_worker(loop))
-        return await asyncio.wrap_future(cf)
+        return await self._runner.run(fn, *args)
 
-    def _submit(
-        self,
-        fn: Callable[[list[X]], list[BaseException | None]],
-        items: list[X],
-        finish: Callable[[list[X], list[BaseException | None]], None],
-        orphan: Callable[[list[X], list[BaseException | None]], None],
-    ) -> asyncio.Future[None]:
-        """Run ``fn(items)`` (one outcome per item) on a worker thread, then ``finish(items,
-        outcomes)`` on the loop. The returned future is done once ``finish`` ran.
-
-        No task waits on the worker: the job's completion schedules ``finish``, so a caller
-        that is cancelled (timeout) cannot make anything skip it. Should the loop be gone by
-        then, ``orphan(items, outcomes)`` runs on the worker thread instead (give memory back
-        only).
-        """
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
-        self._track(done)
-        self._job_started()
-
-        def run_finish(outcomes: list[BaseException | None]) -> None:
-            try:
-                finish(items, outcomes)
-            finally:
-                if not done.done():
-                    done.set_result(None)
-                self._job_ended()
-
-        def on_job_done(cf: concurrent.futures.Future[list[BaseException | None]]) -> None:
-            try:
-                outcomes = cf.result()
-            except BaseException as exc:  # cancelled at shutdown, or a bug in the job
-                outcomes = [exc] * len(items)
-            try:
-                loop.call_soon_threadsafe(run_finish, outcomes)
-            except RuntimeError:
-                try:
-                    orphan(items, outcomes)
-                finally:
-                    self._job_ended(loop_gone=True)
-
-        executor = self._executor
-        try:
-            if executor is None:
-                raise NixlTransferError("the nixl tier is closed")
-            cf = executor.submit(fn, items)
-        except (RuntimeError, NixlTransferError) as exc:
-            run_finish([exc] * len(items))
-        else:
-            cf.add_done_callback(on_job_done)
-        return done
-
-    def _enqueue(self, kind: _JobKind, items: list[Any]) -> asyncio.Future[None]:
-        """On the loop: queue ``items`` for the hand-off at the next loop iteration. Every
-        call of ``kind`` made during this iteration goes out together, split into at most one
-        job per worker (see :meth:`_submit`), so concurrent single ``put``/``get`` calls pay
-        one thread hand-off between them, like one batch. The returned future is done once
-        every item queued with it was finished."""
-        q = self._queued.get(kind.name)
-        if q is None:
-            loop = asyncio.get_running_loop()
-            q = _Queued([], loop.create_future())
-            self._queued[kind.name] = q
-            self._track(q.done)  # close() and teardown wait for it
-            loop.call_soon(self._hand_off, kind)
-        q.items.extend(items)
-        return q.done
-
-    def _hand_off(self, kind: _JobKind) -> None:
-        q = self._queued.pop(kind.name)
-        groups = self._groups(q.items, kind.nbytes)
-        futs = [self._submit(kind.run, group, kind.finish, kind.orphan) for group in groups]
-        self.counters.jobs += len(futs)
-
-        def all_done(_: object) -> None:
-            if not q.done.done():
-                q.done.set_result(None)
-
-        asyncio.gather(*futs).add_done_callback(all_done)
-
-    def _groups(self, items: list[X], nbytes: Callable[[X], int]) -> list[list[X]]:
-        """Up to ``workers`` jobs of similar byte counts (one can checksum while another
-        transfers); one job when there is too little work to share."""
-        if not items:
-            return []
-        return _split(items, self.settings.workers, nbytes, 2 * self.settings.chunk_bytes)
-
-    def _is_registered(self, obj: MemoryObj) -> bool:
-        alloc = obj.allocator
-        return any(alloc is p for p in self._registered)
+    def _enqueue(self, kind: JobKind[X], items: list[X]) -> asyncio.Future[None]:
+        """Queue ``items`` for the next hand-off to the workers (see :meth:`JobRunner.enqueue`)."""
+        assert self._runner is not None
+        return self._runner.enqueue(kind, items)
 
     def _make_room(self, size: int, recycle: list[str | int] | None = None) -> bool:
         """Evict unread entries (LRU/FIFO order) until ``size`` more bytes (and, for slots, a
         slot) fit. False when they cannot. With ``recycle``, the victims' files or slots are
         handed over to the coming write job instead of being deleted or invalidated here: it
         reuses one and deletes/invalidates the rest off the event loop."""
-        cap = self.settings.max_bytes
         layout = self._layout
         slots = isinstance(layout, SlotFileLayout)
         stuck = layout.stuck if isinstance(layout, SlotFileLayout) else set()
         handover = recycle if isinstance(layout, KeyFileLayout | SlotFileLayout) else None
-        while self._bytes + self._reserved + size > cap or (
-            slots and size and not self._free_slots and not recycle
-        ):
-            victim = next(((k, e) for k, e in self._index.items() if e.readers == 0), None)
+        index = self._index
+        while not index.fits(size) or (slots and size and not index.free_slots and not recycle):
+            victim = index.oldest_unread()
             if victim is None:
                 return False
             key, entry = victim
             if handover is not None and entry.location not in stuck:  # a stuck slot is never reused
-                del self._index[key]
-                self._bytes -= entry.size
-                entry.removed = True
+                index.discard(key, entry)
                 handover.append(entry.location)
             else:
                 self._drop(key, entry)
             self.counters.evictions += 1
         return True
 
-    def _drop(self, key: CacheEngineKey, entry: _Entry) -> asyncio.Future[Any] | None:
+    def _drop(self, key: CacheEngineKey, entry: Entry) -> asyncio.Future[Any] | None:
         """Remove ``key`` from the index and account its bytes; storage goes once unread.
         Returns what finishes the storage's removal when it started now, else None."""
-        if entry.removed:
+        if not self._index.discard(key, entry):
             return None
-        if self._index.get(key) is entry:
-            del self._index[key]
-            self._bytes -= entry.size
-        entry.removed = True
         if entry.readers == 0:
             return self._release_location(entry.location)
         return None
@@ -635,20 +393,6 @@ class NixlBackend(StorageBackend):
             return done
         return self._discard_storage(location)
 
-    def _zero_job(self, slots: list[int]) -> list[BaseException | None]:
-        """Worker thread: zero each slot's magic; one outcome per slot."""
-        layout = self._layout
-        assert isinstance(layout, SlotFileLayout)
-        out: list[BaseException | None] = []
-        for slot in slots:
-            try:
-                layout.delete(slot)
-            except Exception as exc:
-                out.append(exc)
-            else:
-                out.append(None)
-        return out
-
     def _finish_zeroing(self, slots: list[int], outcomes: list[BaseException | None]) -> None:
         """On the loop: free the zeroed slots (one that could not be zeroed is not reused)."""
         layout = self._layout
@@ -656,7 +400,7 @@ class NixlBackend(StorageBackend):
             if failure is not None:
                 self._log.warning("nixl: invalidating slot %s failed: %s", slot, failure)
             elif isinstance(layout, SlotFileLayout) and slot not in layout.stuck:
-                self._free_slots.append(slot)
+                self._index.free_slots.append(slot)
 
     def _discard_storage(self, location: str | int) -> asyncio.Future[Any] | None:
         """Delete a record file on a worker thread (a slot: invalidate it here). Returns the
@@ -698,32 +442,6 @@ class NixlBackend(StorageBackend):
             obj.nbytes,
         )
 
-    def _each_with_slot(
-        self, items: list[X], work: Callable[[ScratchSlot, X], None]
-    ) -> list[BaseException | None]:
-        """Worker thread: ``work(slot, item)`` for every item; one outcome per item. A stuck
-        request retires its scratch slot and the remaining items go on with a fresh one."""
-        scratch = self._scratch
-        assert scratch is not None
-        out: list[BaseException | None] = []
-        while len(out) < len(items):
-            try:
-                with scratch.slot() as slot:
-                    for item in items[len(out) :]:
-                        try:
-                            work(slot, item)
-                        except NixlStuckError as exc:
-                            out.append(exc)
-                            scratch.retire(slot)
-                            break
-                        except Exception as exc:
-                            out.append(exc)
-                        else:
-                            out.append(None)
-            except Exception as exc:  # no scratch area to be had
-                out.extend([exc] * (len(items) - len(out)))
-        return out
-
     # ---- contains -------------------------------------------------------------------------------
     def contains_nowait(self, key: CacheEngineKey) -> bool | None:
         """Index lookup on the caller's thread (None until the index was rebuilt)."""
@@ -741,8 +459,8 @@ class NixlBackend(StorageBackend):
     async def batched_contains(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
         if not await self._ensure_ready():
             return [False] * len(keys)
-        idx = self._index
-        return [k in idx for k in keys]
+        index = self._index
+        return [k in index for k in keys]
 
     # ---- put ----------------------------------------------------------------------------------
     async def put(self, key: CacheEngineKey, obj: MemoryObj) -> bool:
@@ -755,11 +473,11 @@ class NixlBackend(StorageBackend):
             return []
         if not await self._ensure_ready():
             return [False] * len(items)
-        if self._zeroing and not self._free_slots:
+        if self._zeroing and not self._index.free_slots:
             # Slots being zeroed after remove/clear: free in a moment, not worth an eviction.
             await asyncio.gather(*list(self._zeroing), return_exceptions=True)
         answers: list[bool | asyncio.Future[bool]] = []
-        plans: list[_Plan] = []
+        plans: list[WritePlan] = []
         loop = asyncio.get_running_loop()
         for key, obj in items:
             if key in self._index:
@@ -782,9 +500,7 @@ class NixlBackend(StorageBackend):
             out.append(a if isinstance(a, bool) else await asyncio.shield(a))
         return out
 
-    def _plan_write(
-        self, key: CacheEngineKey, obj: MemoryObj, loop: asyncio.AbstractEventLoop
-    ) -> _Plan | None:
+    def _plan_write(self, key: CacheEngineKey, obj: MemoryObj, loop: asyncio.AbstractEventLoop) -> WritePlan | None:
         kstr = key.to_string()
         klen = len(kstr.encode("utf-8"))
         hlen = header_length(klen, len(obj.shape))
@@ -807,37 +523,35 @@ class NixlBackend(StorageBackend):
         if recycle:  # an evicted entry's file or slot, invalidated and overwritten by the job
             location = recycle[0]
         elif isinstance(layout, SlotFileLayout):
-            location = self._free_slots.pop()
+            location = self._index.free_slots.pop()
         else:
             location = layout.new_location(kstr)
-        registered = self._is_registered(obj)
+        registered = self._work.registered(obj)
         if not registered:
             if layout.piecewise:
                 self.counters.bounced += 1
             else:
                 self.counters.staged += 1
-        self._reserved += meta.total_len
+        self._index.reserved += meta.total_len
         obj.ref_count_up()  # held until the job is done, whatever happens to the caller
         fut: asyncio.Future[bool] = loop.create_future()
         self._writing[key] = fut
-        return _Plan(key, obj, meta, location, fut, registered, recycle)
+        return WritePlan(key, obj, meta, location, fut, registered, recycle)
 
-    def _finish_writes(self, plans: list[_Plan], outcomes: list[BaseException | None]) -> None:
+    def _finish_writes(self, plans: list[WritePlan], outcomes: list[BaseException | None]) -> None:
         """On the loop, after a write job: index what was written, count what failed."""
         layout = self._layout
         slots = layout if isinstance(layout, SlotFileLayout) else None
         for plan, failure in zip(plans, outcomes, strict=True):
             plan.obj.ref_count_down()
-            self._reserved -= plan.meta.total_len
+            self._index.reserved -= plan.meta.total_len
             # evicted entries' files or slots the job handled besides the record's own
             others = [loc for loc in plan.recycle if loc != plan.location]
             if failure is None:
-                entry = _Entry(plan.meta, plan.location)
-                self._index[plan.key] = entry
-                self._bytes += entry.size
+                self._index.add(plan.key, Entry(plan.meta, plan.location))
                 self.counters.writes += 1
                 if slots is not None:  # the job zeroed them: free for the next writes
-                    self._free_slots.extend(int(loc) for loc in others if loc not in slots.stuck)
+                    self._index.free_slots.extend(int(loc) for loc in others if loc not in slots.stuck)
             else:
                 self.counters.write_failures += 1
                 self._failed("write", plan.key, failure)
@@ -854,49 +568,6 @@ class NixlBackend(StorageBackend):
             if not plan.future.done():
                 plan.future.set_result(failure is None)
 
-    def _write_job(self, plans: list[_Plan]) -> list[BaseException | None]:
-        """Worker thread: write every planned record; one outcome per plan."""
-        layout, agent = self._layout, self._agent
-        assert layout is not None and agent is not None
-        chunk = self.settings.chunk_bytes
-
-        def write(slot: ScratchSlot, plan: _Plan) -> None:
-            src, registered = plan.obj, plan.registered
-            staged: MemoryObj | None = None
-            try:
-                if not registered and not layout.piecewise:
-                    staged = self._stage_copy(src)
-                    src, registered = staged, True
-                with layout.open_write(plan.location, plan.meta, plan.recycle) as loc:
-                    write_record(agent, slot, loc, plan.meta, src, registered, chunk, layout.piecewise)
-            finally:
-                # A stuck write only reads its source: the block may go back.
-                if staged is not None:
-                    staged.ref_count_down()
-
-        return self._each_with_slot(plans, write)
-
-    def _orphan_writes(self, plans: list[_Plan], outcomes: list[BaseException | None]) -> None:
-        """Worker thread, the loop being gone: give sources back, delete unconsumed victims."""
-        layout = self._layout
-        for plan, failure in zip(plans, outcomes, strict=True):
-            plan.obj.ref_count_down()
-            if failure is not None and isinstance(layout, KeyFileLayout):
-                for loc in plan.recycle:
-                    with contextlib.suppress(OSError):
-                        layout.delete(loc)
-
-    def _stage_copy(self, src: MemoryObj) -> MemoryObj:
-        """A registered copy of ``src`` for one-piece writes (object stores)."""
-        pool = self._ctx.staging_pool
-        staged = None
-        if pool is not None and any(pool is p for p in self._registered):
-            staged = pool.allocate(src.shape, src.dtype, src.fmt)
-        if staged is None:
-            raise NixlTransferError("no registered staging room for an unregistered source")
-        staged.tensor.copy_(src.tensor)
-        return staged
-
     # ---- get ----------------------------------------------------------------------------------
     async def get(self, key: CacheEngineKey, alloc: Allocate | None = None) -> MemoryObj | None:
         return (await self.batched_get([key], alloc))[0]
@@ -910,26 +581,23 @@ class NixlBackend(StorageBackend):
         results: list[MemoryObj | None] = [None] * len(keys)
         if not keys or not await self._ensure_ready():
             return results
-        reads: list[tuple[int, CacheEngineKey, _Entry]] = []
+        reads: list[tuple[int, CacheEngineKey, Entry]] = []
         for i, key in enumerate(keys):
-            entry = self._index.get(key)
+            entry = self._index.begin_read(key)
             if entry is None:
                 continue
-            if self._lru:
-                self._index.move_to_end(key)
-            entry.readers += 1
             reads.append((i, key, entry))
         if not reads:
             return results
         alloc = alloc or self._ctx.staging
-        batch = _ReadBatch(results)
-        jobs: list[_ReadJob] = []
+        batch = ReadBatch(results)
+        jobs: list[ReadJob] = []
         for i, key, entry in reads:
-            buf = self._read_buffer(entry.meta, alloc)
+            buf = self._work.read_buffer(entry.meta, alloc, self.counters)
             if buf is None:
                 self._reader_done(entry)
                 continue
-            jobs.append(_ReadJob(i, key, entry, buf[0], buf[1], batch))
+            jobs.append(ReadJob(i, key, entry, buf[0], buf[1], batch))
         if not jobs:
             return results
         done = self._enqueue(self._reads, jobs)
@@ -942,7 +610,7 @@ class NixlBackend(StorageBackend):
             raise
         return results
 
-    def _finish_reads(self, jobs: list[_ReadJob], outcomes: list[BaseException | None]) -> None:
+    def _finish_reads(self, jobs: list[ReadJob], outcomes: list[BaseException | None]) -> None:
         """On the loop, after a read job: deliver, or drop bad records and count."""
         for job, failure in zip(jobs, outcomes, strict=True):
             self._reader_done(job.entry)
@@ -965,57 +633,9 @@ class NixlBackend(StorageBackend):
             else:
                 self._failed("read", job.key, failure)
 
-    def _readers_done(self, entries: list[_Entry]) -> None:
-        for e in entries:
-            self._reader_done(e)
-
-    def _reader_done(self, entry: _Entry) -> None:
-        entry.readers -= 1
-        if entry.removed and entry.readers == 0:
+    def _reader_done(self, entry: Entry) -> None:
+        if self._index.end_read(entry):
             self._release_location(entry.location)
-
-    def _read_buffer(self, meta: EntryMeta, alloc: Allocate) -> tuple[MemoryObj, bool] | None:
-        """Where a read lands: ``alloc``'s buffer when registered, else a staging block, else
-        ``alloc``'s buffer through the bounce area. None when no memory is available."""
-        try:
-            obj = alloc(meta.shape, meta.dtype, meta.fmt)
-        except Exception as exc:
-            logger.debug("nixl: read allocation failed: %s", exc)
-            obj = None
-        if obj is not None and self._is_registered(obj):
-            return obj, True
-        pool = self._ctx.staging_pool
-        if pool is not None and any(pool is p for p in self._registered):
-            staged = pool.allocate(meta.shape, meta.dtype, meta.fmt)
-            if staged is not None:
-                if obj is not None:
-                    obj.ref_count_down()
-                return staged, True
-        if obj is None:
-            self.counters.no_buffer += 1
-            return None
-        self.counters.bounced += 1
-        return obj, False
-
-    def _read_job(self, jobs: list[_ReadJob]) -> list[BaseException | None]:
-        """Worker thread: read and verify every record; one outcome per job."""
-        layout, agent = self._layout, self._agent
-        assert layout is not None and agent is not None
-        chunk = self.settings.chunk_bytes
-
-        def read(slot: ScratchSlot, job: _ReadJob) -> None:
-            with layout.open_read(job.entry.location, job.entry.meta) as loc:
-                read_record(agent, slot, loc, job.entry.meta, job.dst, job.registered, chunk)
-
-        return self._each_with_slot(jobs, read)
-
-    def _orphan_reads(self, jobs: list[_ReadJob], outcomes: list[BaseException | None]) -> None:
-        """Worker thread, the loop being gone: give read buffers back (never a stuck one)."""
-        for job, failure in zip(jobs, outcomes, strict=True):
-            if isinstance(failure, NixlStuckError):
-                park(job.dst)
-            else:
-                job.dst.ref_count_down()
 
     # ---- remove / clear -------------------------------------------------------------------------
     async def remove(self, key: CacheEngineKey) -> bool:
@@ -1035,86 +655,26 @@ class NixlBackend(StorageBackend):
             return
         if self._writing:
             await asyncio.gather(*self._writing.values(), return_exceptions=True)
-        for key, entry in list(self._index.items()):
+        for key, entry in self._index.items():
             self._drop(key, entry)
 
     # ---- stats ----------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        c = self.counters
         return {
             "entries": len(self._index),
-            "bytes": self._bytes,
-            "reserved_bytes": self._reserved,
+            "bytes": self._index.bytes,
+            "reserved_bytes": self._index.reserved,
             "capacity_bytes": self.settings.max_bytes,
-            "evictions": c.evictions,
-            "writes": c.writes,
-            "write_failures": c.write_failures,
-            "reads": c.reads,
-            "read_failures": c.read_failures,
-            "corrupt": c.corrupt,
-            "io_errors": c.io_errors,
-            "too_large": c.too_large,
-            "no_space": c.no_space,
-            "no_buffer": c.no_buffer,
-            "bounced": c.bounced,
-            "staged": c.staged,
-            "scanned": c.scanned,
-            "reaped": c.reaped,
-            "jobs": c.jobs,
-            "stuck": c.stuck,
-            "quarantined_bytes": c.quarantined_bytes,
+            "jobs": self._runner.jobs if self._runner is not None else 0,
+            **self.counters.as_dict(),
             "plugin": self.settings.plugin,
             "layout": self.layout_name if self._layout is not None else "closed",
-            "free_slots": len(self._free_slots) if isinstance(self._layout, SlotFileLayout) else None,
+            "free_slots": len(self._index.free_slots) if isinstance(self._layout, SlotFileLayout) else None,
         }
 
     def __repr__(self) -> str:
         where = self.root if self.root is not None else self.settings.path
         return f"NixlBackend(plugin={self.settings.plugin}, where={str(where)!r}, entries={len(self._index)})"
-
-
-def _plan_bytes(plan: _Plan) -> int:
-    return plan.meta.total_len
-
-
-def _read_bytes(job: _ReadJob) -> int:
-    return job.entry.size
-
-
-def _slot_bytes(_slot: int) -> int:
-    return 0  # a few bytes each: one job
-
-
-def _no_orphan(_items: list[Any], _outcomes: list[BaseException | None]) -> None:
-    """Nothing to give back (the loop is gone, and so is the tier's use of the items)."""
-
-
-def _split(items: list[X], parts: int, nbytes: Callable[[X], int], min_bytes: int) -> list[list[X]]:
-    """``items`` in at most ``parts`` contiguous groups of similar byte counts (one group
-    when there is too little work to share)."""
-    total = sum(nbytes(i) for i in items)
-    parts = min(parts, len(items), max(1, total // max(min_bytes, 1)))
-    if parts <= 1:
-        return [items]
-    groups: list[list[X]] = [[]]
-    acc = 0
-    share = total / parts
-    for it in items:
-        if groups[-1] and acc >= share * len(groups) and len(groups) < parts:
-            groups.append([])
-        groups[-1].append(it)
-        acc += nbytes(it)
-    return groups
-
-
-def storage_root(ctx: BackendContext, settings: NixlSettings) -> str:
-    """Where a manager's tier keeps its records: ``<nixl_path>/<cache>-<worker_id>`` (a
-    directory, or an object-name prefix for OBJ), so the KV, hidden-state and encoder caches
-    and the workers of one host never share one."""
-    leaf = f"{ctx.cache_name}-{ctx.metadata.worker_id}"
-    if settings.is_object_store:
-        return f"{settings.path.rstrip('/')}/{leaf}"
-    return str(Path(settings.path) / leaf)
 
 
 def create(ctx: BackendContext) -> NixlBackend | None:

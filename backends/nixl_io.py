@@ -1,14 +1,8 @@
-"""Blocking record I/O of the ``nixl`` tier: where records live and how their bytes move.
+"""Where the ``nixl`` tier's records live: the storage layouts.
 
-Everything here runs on the tier's worker threads, never on the event loop.
-
-A stored entry is one self-describing record (:mod:`lmcache_async.records`): header, then
-payload. Both travel through NIXL: the header from a small registered scratch area, the payload
-straight from/to the registered pool block (or through a registered bounce area when the block
-is not registered memory). Payloads move in pieces of ``chunk_bytes``; each piece is
-checksummed (xxh3-64) right before it is written or right after it was read, while it is still
-in the CPU cache. The header rides in the same request as the last piece written (its checksum
-is known only then) and the first piece read (so a wrong record is rejected early).
+Everything here runs on the tier's worker threads, never on the event loop. How one record's
+bytes move through NIXL (scratch area, piecewise checksummed transfer) is
+:mod:`.nixl_transfer`; its names are re-exported here.
 
 Layouts:
 
@@ -26,36 +20,30 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
 import hashlib
 import itertools
 import logging
 import os
-import queue
 import secrets
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import xxhash
-
-from lmcache_async.backends.nixl_agent import (
-    HEADER_SCRATCH_BYTES,
-    NixlAgent,
-    NixlStuckError,
-    NixlTransferError,
-    park,
+from lmcache_async.backend import BackendContext
+from lmcache_async.backends.nixl_agent import NixlAgent, NixlSettings, NixlStuckError, NixlTransferError, park
+from lmcache_async.backends.nixl_transfer import (
+    EntryMeta,
+    Loc,
+    Scratch,
+    ScratchSlot,
+    read_record,
+    write_record,
 )
-from lmcache_async.memory import MemoryFormat, MemoryObj, address_view, populate_pages
-from lmcache_async.records import (
-    PROBE_LEN,
-    RecordError,
-    RecordHeader,
-    decode_header,
-    encode_header,
-    peek_header_len,
-)
+from lmcache_async.errors import BackendUnavailableError
+from lmcache_async.record_files import read_header
+from lmcache_async.records import PROBE_LEN, RecordError, RecordHeader
 
 logger = logging.getLogger(__name__)
 
@@ -66,246 +54,6 @@ EMPTY_MAGIC = bytes(8)
 """What an unused or invalidated slot holds where a record's magic would be."""
 
 
-# ---- registered scratch ------------------------------------------------------------------------
-@dataclass
-class ScratchSlot:
-    """One worker's registered scratch: a header area and a bounce area."""
-
-    index: int
-    header_ptr: int
-    bounce: torch.Tensor
-    retired: bool = False
-
-    @property
-    def bounce_ptr(self) -> int:
-        return int(self.bounce.data_ptr())
-
-
-class Scratch:
-    """``slots`` scratch areas in one buffer registered with the agent once.
-
-    A slot used by a stuck request (:class:`NixlStuckError`) is retired with :meth:`retire`:
-    it never goes back to the queue, its memory stays allocated for the life of the process,
-    and a freshly registered area takes its place. Thread-safe.
-    """
-
-    def __init__(self, agent: NixlAgent, slots: int, bounce_bytes: int) -> None:
-        self.stride = HEADER_SCRATCH_BYTES + bounce_bytes
-        self.buffer = torch.zeros(slots * self.stride, dtype=torch.uint8)
-        populate_pages(self.buffer.data_ptr(), self.buffer.numel())
-        base = int(self.buffer.data_ptr())
-        self._agent = agent
-        self.handle = agent.register_dram(base, self.buffer.numel())
-        self._extra: list[tuple[torch.Tensor, object]] = []  # replacement areas and their handles
-        self.retired: list[ScratchSlot] = []
-        self._lock = threading.Lock()
-        self._live = slots
-        self._next_index = slots
-        self._free: queue.SimpleQueue[ScratchSlot] = queue.SimpleQueue()
-        for i in range(slots):
-            off = i * self.stride
-            bounce = self.buffer[off + HEADER_SCRATCH_BYTES : off + self.stride]
-            self._free.put(ScratchSlot(i, base + off, bounce))
-
-    @property
-    def live(self) -> int:
-        """Slots that can still be handed out (retired ones excluded)."""
-        return self._live
-
-    @contextlib.contextmanager
-    def slot(self) -> Iterator[ScratchSlot]:
-        """A scratch area for the duration of one job (jobs never outnumber slots).
-
-        Raises :class:`NixlTransferError` when every area was retired and none could be
-        replaced. A slot retired while held is not given back.
-        """
-        if self._live <= 0:
-            raise NixlTransferError("no NIXL scratch area left (all were used by stuck requests)")
-        try:
-            s = self._free.get(timeout=60.0)
-        except queue.Empty:
-            raise NixlTransferError("no NIXL scratch area became free within 60 s") from None
-        try:
-            yield s
-        finally:
-            if not s.retired:
-                self._free.put(s)
-
-    def retire(self, s: ScratchSlot) -> None:
-        """Never reuse ``s`` (a stuck request may still write into it); register a fresh area
-        in its place. Registration errors are logged: the tier then has one slot less."""
-        with self._lock:
-            if s.retired:
-                return
-            s.retired = True
-            self.retired.append(s)
-            self._live -= 1
-            index = self._next_index
-            self._next_index += 1
-        try:
-            buf = torch.zeros(self.stride, dtype=torch.uint8)
-            handle = self._agent.register_dram(int(buf.data_ptr()), buf.numel())
-        except Exception as exc:
-            logger.error("nixl: no replacement for a retired scratch area: %s", exc)
-            return
-        with self._lock:
-            self._extra.append((buf, handle))
-            self._live += 1
-        self._free.put(ScratchSlot(index, int(buf.data_ptr()), buf[HEADER_SCRATCH_BYTES:]))
-
-    def close(self) -> None:
-        """Deregister the areas. With a retired slot, nothing is deregistered and the memory is
-        parked for the life of the process (the stuck request may still use it)."""
-        with self._lock:
-            extra, self._extra = self._extra, []
-            retired = list(self.retired)
-        if retired or self._agent.stuck:
-            park(self.buffer, *(b for b, _ in extra), *retired)
-            return
-        self._agent.deregister(self.handle)
-        for _, handle in extra:
-            self._agent.deregister(handle)
-
-
-# ---- where the record's bytes are ---------------------------------------------------------------
-@dataclass(frozen=True)
-class Loc:
-    """Registered targets of one record: header at ``(header_dev, header_off)``, payload at
-    ``(payload_dev, payload_off)``."""
-
-    header_dev: int
-    header_off: int
-    payload_dev: int
-    payload_off: int
-
-
-@dataclass(frozen=True)
-class EntryMeta:
-    """What the index knows of a record (enough to read it without a probe)."""
-
-    key: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    fmt: MemoryFormat
-    header_len: int
-    payload_len: int
-
-    @property
-    def total_len(self) -> int:
-        return self.header_len + self.payload_len
-
-    @classmethod
-    def from_header(cls, h: RecordHeader) -> EntryMeta:
-        return cls(h.key, h.shape, h.dtype, h.fmt, h.header_len, h.payload_len)
-
-
-def _pieces(n: int, chunk: int) -> list[tuple[int, int]]:
-    return [(off, min(chunk, n - off)) for off in range(0, n, chunk)]
-
-
-def _flat(obj: MemoryObj) -> torch.Tensor:
-    t = obj.tensor
-    if t.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return t.reshape(-1).view(torch.uint8)
-
-
-def write_record(
-    agent: NixlAgent,
-    slot: ScratchSlot,
-    loc: Loc,
-    meta: EntryMeta,
-    src: MemoryObj,
-    src_registered: bool,
-    chunk: int,
-    piecewise: bool = True,
-) -> None:
-    """Write ``src``'s bytes as a record at ``loc`` (blocking). ``piecewise=False`` writes the
-    payload in one request (object stores), which needs ``src_registered``."""
-    n = meta.payload_len
-    pieces = _pieces(n, chunk) if piecewise else ([(0, n)] if n else [])
-    if not src_registered and not piecewise:
-        raise ValueError("a one-piece write needs a registered source")
-    hasher = xxhash.xxh3_64()
-    flat = None if src_registered else _flat(src)
-    header_desc: tuple[int, int] | None = None
-    if not pieces:
-        pieces_iter: list[tuple[int, int] | None] = [None]
-    else:
-        pieces_iter = list(pieces)
-    last = len(pieces_iter) - 1
-    for i, piece in enumerate(pieces_iter):
-        local: list[tuple[int, int]] = []
-        remote: list[tuple[int, int, int]] = []
-        if piece is not None:
-            off, ln = piece
-            if flat is None:
-                ptr = src.data_ptr + off
-            else:
-                slot.bounce[:ln].copy_(flat[off : off + ln])
-                ptr = slot.bounce_ptr
-            hasher.update(address_view(ptr, ln))
-            local.append((ptr, ln))
-            remote.append((loc.payload_off + off, ln, loc.payload_dev))
-        if i == last:
-            header = encode_header(meta.key, meta.shape, meta.dtype, meta.fmt, hasher.intdigest())
-            if len(header) != meta.header_len or len(header) > HEADER_SCRATCH_BYTES:
-                raise RecordError("header length differs from the planned one")
-            address_view(slot.header_ptr, len(header))[:] = header
-            header_desc = (slot.header_ptr, len(header))
-            local.append(header_desc)
-            remote.append((loc.header_off, len(header), loc.header_dev))
-        agent.transfer("WRITE", local, remote)
-
-
-def read_record(
-    agent: NixlAgent,
-    slot: ScratchSlot,
-    loc: Loc,
-    meta: EntryMeta,
-    dst: MemoryObj,
-    dst_registered: bool,
-    chunk: int,
-) -> None:
-    """Read the record at ``loc`` into ``dst`` and verify it (blocking).
-
-    Raises :class:`RecordError` when the header does not match ``meta`` (another key, another
-    shape) or the payload checksum differs; :class:`NixlTransferError` when NIXL fails.
-    """
-    n = meta.payload_len
-    if meta.header_len > HEADER_SCRATCH_BYTES:
-        raise RecordError("header larger than the scratch area")
-    pieces: list[tuple[int, int] | None] = list(_pieces(n, chunk)) or [None]
-    flat = None if dst_registered else _flat(dst)
-    hasher = xxhash.xxh3_64()
-    header: RecordHeader | None = None
-    for i, piece in enumerate(pieces):
-        local: list[tuple[int, int]] = []
-        remote: list[tuple[int, int, int]] = []
-        if i == 0:
-            local.append((slot.header_ptr, meta.header_len))
-            remote.append((loc.header_off, meta.header_len, loc.header_dev))
-        ptr = 0
-        if piece is not None:
-            off, ln = piece
-            ptr = dst.data_ptr + off if flat is None else slot.bounce_ptr
-            local.append((ptr, ln))
-            remote.append((loc.payload_off + off, ln, loc.payload_dev))
-        agent.transfer("READ", local, remote)
-        if i == 0:
-            header = decode_header(address_view(slot.header_ptr, meta.header_len), expect_key=meta.key)
-            if EntryMeta.from_header(header) != meta:
-                raise RecordError("record header does not match the index")
-        if piece is not None:
-            off, ln = piece
-            hasher.update(address_view(ptr, ln))
-            if flat is not None:
-                flat[off : off + ln].copy_(slot.bounce[:ln])
-    assert header is not None
-    if hasher.intdigest() != header.checksum:
-        raise RecordError("payload checksum mismatch")
-
-
 def invalidate(fd: int) -> None:
     """Zero the magic of the record in file ``fd``: a restart finds it unreadable and drops it."""
     os.pwrite(fd, EMPTY_MAGIC, 0)
@@ -313,11 +61,7 @@ def invalidate(fd: int) -> None:
 
 def probe_file(fd: int) -> RecordHeader:
     """Decode the header of the record file ``fd`` with plain reads (index rebuild)."""
-    head = os.pread(fd, PROBE_LEN, 0)
-    hlen = peek_header_len(head)
-    if hlen > len(head):
-        head = os.pread(fd, hlen, 0)
-    return decode_header(head)
+    return read_header(fd, probe=PROBE_LEN)
 
 
 @dataclass
@@ -327,6 +71,44 @@ class Scanned:
     location: str | int
     meta: EntryMeta
     mtime: float
+
+
+class DirectoryInUseError(BackendUnavailableError):
+    """The storage directory is locked by another tier instance (this or another process)."""
+
+
+def lock_directory(root: Path) -> int:
+    """Take the exclusive ``flock`` of the storage directory ``root`` and write our pid into it;
+    returns the lock file's descriptor (closing it releases the lock). Raises
+    :class:`DirectoryInUseError` naming the holder's pid when another tier instance holds it."""
+    fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+        finally:
+            os.close(fd)
+        raise DirectoryInUseError(
+            f"NIXL storage directory {str(root)!r} is in use (lock held by pid {holder}); "
+            "give each process its own nixl_path"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+    return fd
+
+
+def storage_root(ctx: BackendContext, settings: NixlSettings) -> str:
+    """Where a manager's tier keeps its records: ``<nixl_path>/<cache>-<worker_id>`` (a
+    directory, or an object-name prefix for OBJ), so the KV, hidden-state and encoder caches
+    and the workers of one host never share one."""
+    leaf = f"{ctx.cache_name}-{ctx.metadata.worker_id}"
+    if settings.is_object_store:
+        return f"{settings.path.rstrip('/')}/{leaf}"
+    return str(Path(settings.path) / leaf)
 
 
 # ---- open record files ---------------------------------------------------------------------------
@@ -828,6 +610,10 @@ def _unlink(path: str) -> int:
 
 
 __all__ = [
+    "EMPTY_MAGIC",
+    "RECORD_SUFFIX",
+    "TMP_SUFFIX",
+    "DirectoryInUseError",
     "EntryMeta",
     "KeyFileLayout",
     "Layout",
@@ -839,7 +625,9 @@ __all__ = [
     "Scratch",
     "ScratchSlot",
     "SlotFileLayout",
+    "lock_directory",
     "probe_file",
     "read_record",
+    "storage_root",
     "write_record",
 ]

@@ -13,6 +13,9 @@ Figures and their baselines:
   shown beside it for information.
 * **kv store / retrieve** (bfloat16, 8 layers) vs the copy / ``torch.cat`` baselines, for
   information.
+* **coroutines** (:mod:`.kv_hs_async`): ``await kv.astore`` / ``await hs.aretrieve_hidden_states``
+  answered from the CPU tier vs the sync calls, below and above the off-loop copy threshold,
+  and the threshold's measurement. Target <= 1.2.
 
 Run ``python -m lmcache_async_bench.kv_hs [--quick] [--reps N] [--json]``. Measured and baseline
 calls alternate; on a shared, loaded host raise ``--reps`` for stable medians.
@@ -275,6 +278,9 @@ def run(opts: BenchOptions) -> list[Result]:
     results += _hs(opts, sizes)
     results += _lookup(opts, sizes)
     results += _kv(opts, sizes)
+    from . import kv_hs_async
+
+    results += kv_hs_async.run(opts, opts.quick)
     return results
 
 

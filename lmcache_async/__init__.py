@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lmcache_async.backend import Presence, StorageBackend, register_backend
+from lmcache_async.backend import LocalTier, PoolTier, Presence, StorageBackend, register_backend
 from lmcache_async.config import LMCacheEngineConfig, load_ec_engine_config, load_engine_config
 from lmcache_async.errors import (
     ConfigError,
@@ -18,6 +18,7 @@ from lmcache_async.errors import (
 from lmcache_async.keys import CacheEngineKey, stable_u64_from_str
 from lmcache_async.memory import MemoryFormat, MemoryObj
 from lmcache_async.metadata import LMCacheEngineMetadata
+from lmcache_async.metrics import serve_metrics
 from lmcache_async.storage_manager import StorageManager
 from lmcache_async.token_database import ChunkedTokenDatabase
 
@@ -57,12 +58,14 @@ __all__ = [
     "LMCacheEngine",
     "LMCacheEngineConfig",
     "LMCacheEngineMetadata",
+    "LocalTier",
     "LoopThreadCallError",
     "ManagerClosedError",
     "MemoryFormat",
     "MemoryObj",
     "MisuseError",
     "PoolSizeError",
+    "PoolTier",
     "Presence",
     "StorageBackend",
     "StorageManager",
@@ -70,5 +73,6 @@ __all__ = [
     "load_ec_engine_config",
     "load_engine_config",
     "register_backend",
+    "serve_metrics",
     "stable_u64_from_str",
 ]

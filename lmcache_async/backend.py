@@ -11,8 +11,27 @@ Contract every backend honours (the conformance suite in :mod:`lmcache_async.tes
   by default) so a full CPU tier never blocks them.
 * ``contains`` is True only for an entry a following ``get`` can return (barring eviction).
 * ``remove`` returns True when an entry was removed, False when absent.
+* ``clear()`` removes every entry this tier owns (a tier whose ``supports_delete`` is False is
+  never asked); entries other processes wrote to a shared location are theirs only when the tier
+  says so in its docstring. Readers holding a reference keep valid bytes until they release it.
 * Storage trouble is a miss/False plus a counter; backends may also raise, in which case the
   manager counts the error, treats the answer as "unknown" and feeds the tier's circuit breaker.
+* A tier's identity is its registry name: :attr:`StorageBackend.name` equals the name it was
+  registered (and listed in ``tier_order``) under; ``stats()`` and metrics label it so.
+
+Threads: the coroutines, ``start``, ``flush``, ``clear`` and ``close`` run on the manager's loop
+thread. ``contains_nowait`` runs on caller threads and ``stats()`` on any thread (the metrics
+exporter's included); both must be cheap, take only the tier's own short locks and never wait
+for I/O. :attr:`StorageBackend.max_entry_bytes` and the capability properties are read on any
+thread too.
+
+Two protocols declare the caller-thread surface the manager uses without a loop hop:
+
+* :class:`LocalTier` — the reading side (``lookup``, ``contains_nowait``, ``prefix_len``,
+  ``present_flags``, ``touch``) that any tier able to answer on the caller's thread implements:
+  the CPU tier, or a client of a node-local cache server answering over a blocking socket.
+* :class:`PoolTier` — a :class:`LocalTier` that also indexes blocks of the manager's CPU pool
+  (``allocate``, ``insert``, ``remove_nowait``, ...): the write front every put lands in first.
 
 Registry: built-ins by dotted path (imported on first use), third parties through the
 ``lmcache_async.backends`` entry-point group or :func:`register_backend`. The core never imports
@@ -31,7 +50,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
@@ -124,6 +143,18 @@ class StorageBackend(ABC):
         """
         return None
 
+    # ---- lifecycle hooks (optional) ------------------------------------------------------------
+    async def start(self) -> None:
+        """Connect, open files, spawn background tasks: called once on the loop thread before
+        the manager serves any call, bounded by the tier's timeout. A failure is counted and
+        logged, and the tier stays in the order (its circuit breaker decides when to retry),
+        so a backend that needs ``start`` must also cope with calls after a failed one (answer
+        misses, or connect lazily). The default does nothing."""
+
+    async def flush(self) -> None:
+        """Wait until writes this tier accepted (``put`` returned True) are durable in its
+        medium, for tiers that buffer them. Loop thread; the default does nothing."""
+
     # ---- core ----------------------------------------------------------------------------
     @abstractmethod
     async def put(self, key: CacheEngineKey, obj: MemoryObj) -> bool:
@@ -173,19 +204,120 @@ class StorageBackend(ABC):
         return list(await asyncio.gather(*(self.contains(k) for k in keys)))
 
     async def clear(self) -> None:
-        """Remove every entry this backend owns."""
+        """Remove every entry this backend owns; afterwards ``contains`` is False for each of
+        them. Readers holding a reference keep valid bytes. Only called when
+        :attr:`supports_delete` is True. The default does nothing (a tier that cannot delete)."""
 
     async def close(self) -> None:
-        """Release resources; the backend is not used afterwards."""
+        """Release resources; the backend is not used afterwards. Called once, on the loop
+        thread, bounded; it must not wait for a peer that may be gone. Default: nothing."""
 
     # ---- optional synchronous fast path ------------------------------------------------------
     def contains_nowait(self, key: CacheEngineKey) -> bool | None:
-        """Answer ``contains`` on the caller's thread without I/O waits, or None if it can't."""
+        """Answer ``contains`` on a caller thread (any thread but the loop's, concurrently with
+        the loop's coroutines) without waiting for I/O, or None when it cannot tell (the manager
+        then asks :meth:`contains` on the loop). A True must be as good as ``contains``'s."""
         return None
 
     def stats(self) -> dict[str, Any]:
-        """Backend-specific figures (entries, bytes, ...)."""
+        """Backend-specific figures (``entries``, ``bytes``, ``evictions``, ...), numbers only.
+        Any thread (the metrics exporter calls it); cheap, no I/O; may trail the loop slightly."""
         return {}
+
+
+@runtime_checkable
+class LocalTier(Protocol):
+    """The reading side of a tier that answers on the caller's thread (no loop hop).
+
+    Every method may be called from any thread except the manager's loop thread, concurrently
+    with each other and with the tier's coroutines; each is bounded (a short lock, or a blocking
+    socket with its own timeout) and never raises for storage trouble: trouble is a miss, counted
+    in the tier's ``stats()``. Answers are final for the manager: a miss here is not asked again
+    on the loop (the lower tiers below are).
+
+    The manager consults every tier implementing this protocol, in tier order, before it hops
+    to the loop for the tiers that do not.
+    """
+
+    #: The registry name (the tier's identity).
+    name: str
+
+    def lookup(self, key: CacheEngineKey) -> MemoryObj | None:
+        """The entry with one reference that the caller now owns (release it with
+        ``ref_count_down()``), touching it for the tier's policy; None: not held here (or the
+        tier could not tell). The buffer stays valid while the reference is held."""
+        ...
+
+    def contains_nowait(self, key: CacheEngineKey) -> bool | None:
+        """Presence without touching the entry; None: cannot tell on this thread."""
+        ...
+
+    def prefix_len(self, keys: Sequence[CacheEngineKey]) -> int:
+        """How many leading ``keys`` this tier holds (0 when it cannot tell)."""
+        ...
+
+    def present_flags(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
+        """Presence of each key, one flag per key (False when it cannot tell)."""
+        ...
+
+    def touch(self, keys: Sequence[CacheEngineKey]) -> None:
+        """Mark the ``keys`` it holds as recently used (no-op for other policies)."""
+        ...
+
+
+@runtime_checkable
+class PoolTier(LocalTier, Protocol):
+    """A :class:`LocalTier` indexing blocks of the manager's CPU pool: the write front.
+
+    Puts land here first (the manager copies into a block from :meth:`allocate`, then
+    :meth:`insert` indexes it); the index holds one reference per entry and never evicts an entry
+    somebody else holds a reference to. Same thread rules as :class:`LocalTier`.
+    """
+
+    #: The pool this tier's entries live in (the manager's CPU pool).
+    pool: PoolAllocator
+
+    def __contains__(self, key: object) -> bool:
+        """Presence in the index, lock-free (one dict lookup); may be stale by one racing
+        eviction or insert, like any answer without a lock."""
+        ...
+
+    def allocate(
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        fmt: MemoryFormat = MemoryFormat.UNDEFINED,
+        *,
+        evict: bool = True,
+        protect: frozenset[CacheEngineKey] | set[CacheEngineKey] | None = None,
+    ) -> MemoryObj | None:
+        """A pool block with one reference the caller owns, evicting (when ``evict``) entries
+        nobody holds, never those in ``protect``; None at once when it cannot fit. Never waits."""
+        ...
+
+    def insert(self, key: CacheEngineKey, obj: MemoryObj, extra_refs: int = 0) -> MemoryObj | None:
+        """Index ``obj`` (a block of :attr:`pool`): the caller's reference becomes the index's
+        and ``extra_refs`` more are taken atomically. None: inserted. An entry: ``key`` was
+        present (nothing changed, the caller keeps its reference; the returned entry carries no
+        reference for the caller). Raises :class:`~lmcache_async.errors.ManagerClosedError`
+        after :meth:`close_nowait` (the caller keeps its reference)."""
+        ...
+
+    def remove_nowait(self, key: CacheEngineKey) -> bool:
+        """Drop the entry (readers keep theirs); True when it was present."""
+        ...
+
+    def clear_nowait(self) -> None:
+        """Drop every entry (readers keep theirs)."""
+        ...
+
+    def close_nowait(self) -> None:
+        """Drop every entry and refuse inserts from now on. Idempotent."""
+        ...
+
+    def can_ever_hold(self, nbytes: int) -> bool:
+        """True when an entry of ``nbytes`` payload bytes fits into the empty pool."""
+        ...
 
 
 def _release_task_result(task: asyncio.Future[Any]) -> None:
@@ -201,6 +333,7 @@ _BUILTINS: dict[str, str] = {
     "disk": "lmcache_async.backends.disk:create",
     "remote": "lmcache_async.backends.remote:create",
     "nixl": "lmcache_async.backends.nixl:create",
+    "server": "lmcache_async.backends.server_tier:create",
 }
 # Built-ins are imported only when their configuration key is set (no redis/NIXL import otherwise).
 _BUILTIN_ENABLED: dict[str, Callable[[LMCacheEngineConfig], bool]] = {
@@ -208,6 +341,7 @@ _BUILTIN_ENABLED: dict[str, Callable[[LMCacheEngineConfig], bool]] = {
     "disk": lambda c: bool(c.local_disk),
     "remote": lambda c: bool(c.remote_url),
     "nixl": lambda c: bool(c.nixl_path),
+    "server": lambda c: bool(c.cache_server_socket),
 }
 _registry: dict[str, BackendFactory | str] = dict(_BUILTINS)
 _registry_lock = threading.Lock()

@@ -42,7 +42,8 @@ class CircuitBreaker:
         self.threshold = threshold
         self.max_backoff_s = float(max_backoff_s)
         self.base_backoff_s = min(float(base_backoff_s), self.max_backoff_s)
-        self._clock = clock
+        #: The time source (``time.monotonic`` by default); tests may replace it with a fake clock.
+        self.clock = clock
         self._lock = threading.Lock()
         self.state = self.CLOSED
         self.failures = 0
@@ -56,7 +57,7 @@ class CircuitBreaker:
         with self._lock:
             if self.state == self.CLOSED:
                 return True
-            now = self._clock()
+            now = self.clock()
             if self.state == self.OPEN:
                 if now < self._retry_at:
                     return False
@@ -82,20 +83,21 @@ class CircuitBreaker:
         with self._lock:
             if self.state == self.HALF_OPEN:
                 self.state = self.OPEN
-                self._retry_at = self._clock()
+                self._retry_at = self.clock()
 
-    def failure(self) -> None:
-        """Report a call that failed or timed out."""
+    def failure(self, *, open_now: bool = False) -> None:
+        """Report a call that failed or timed out. ``open_now`` opens the circuit whatever the
+        threshold (a timeout: each further call would cost the whole bound again)."""
         with self._lock:
             self.failures += 1
             if self.state == self.OPEN:
                 # A call admitted before the circuit opened: its back-off already runs, and
                 # doubling it once per call in flight would turn one outage into minutes.
                 return
-            if self.state == self.HALF_OPEN or self.failures >= self.threshold:
+            if open_now or self.state == self.HALF_OPEN or self.failures >= self.threshold:
                 self.opened += 1
                 self.state = self.OPEN
                 # Clamped here too: ``max_backoff_s`` may have been lowered since the doubling.
                 backoff = min(self._backoff, self.max_backoff_s)
-                self._retry_at = self._clock() + backoff
+                self._retry_at = self.clock() + backoff
                 self._backoff = min(backoff * 2, self.max_backoff_s)

@@ -35,6 +35,13 @@ BENCH_SUITES: dict[str, str] = {
     "nixl": f"{BENCH_PACKAGE}.nixl",
     "scaling": f"{BENCH_PACKAGE}.scaling",
     "sweep": f"{BENCH_PACKAGE}.sweep",
+    "server": f"{BENCH_PACKAGE}.server",
+    "io_style": f"{BENCH_PACKAGE}.io_style",
+}
+#: Suites run only when named with ``--suite`` (they need another environment or take minutes):
+#: ``vllm_kv`` starts real vLLM engines with the interpreter in ``$LMCACHE_VLLM_PYTHON``.
+OPT_IN_SUITES: dict[str, str] = {
+    "vllm_kv": f"{BENCH_PACKAGE}.vllm_kv",
 }
 
 PROG = "lmcache-async"
@@ -298,10 +305,11 @@ def _require_bench() -> None:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from lmcache_async.cli_progress import Progress
 
+    known = {**BENCH_SUITES, **OPT_IN_SUITES}
     names = args.suite or list(BENCH_SUITES)
-    unknown = [n for n in names if n not in BENCH_SUITES]
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise UsageError(f"unknown suite(s): {', '.join(unknown)}; known: {', '.join(BENCH_SUITES)}")
+        raise UsageError(f"unknown suite(s): {', '.join(unknown)}; known: {', '.join(known)}")
     _require_bench()
     json_path = check_output_file(args.json, "--json") if args.json else None
     plot_path = None
@@ -331,7 +339,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         for name in names:
             bar.status(name)
             try:
-                module = importlib.import_module(BENCH_SUITES[name])
+                module = importlib.import_module(known[name])
             except ImportError as exc:
                 skipped.append(f"{name}: {one_line(exc)}")
                 progress(f"suite {name} skipped: {one_line(exc)}")
@@ -398,10 +406,56 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(workdir=workdir, keep=args.keep)
 
 
+# ---- node cache server -------------------------------------------------------------------------
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from lmcache_async.config import load_engine_config
+    from lmcache_async.server import run_server
+
+    logging.getLogger().setLevel(getattr(logging, args.log_level))
+    config = load_engine_config(args.config)
+    try:
+        return run_server(config, args.socket)
+    except ValueError as exc:  # socket directory not private, a server already there, bad sizes
+        raise UsageError(str(exc), f"{PROG} serve") from None
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from lmcache_async.server import query_status
+
+    try:
+        st = query_status(args.socket, token=args.token, timeout_s=args.timeout)
+    except (OSError, ValueError) as exc:
+        print(f"{PROG} status: no cache server answers on {args.socket}: {one_line(exc)}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(st, indent=2, sort_keys=True))
+        return 0
+    print(f"server   pid {st.get('pid')} on {st.get('socket')}, up {st.get('uptime_s', 0):.0f} s")
+    print(f"tiers    {', '.join(st.get('tiers', []))}")
+    print(
+        f"clients  {st.get('clients')} connected ({st.get('connections_total')} since start, "
+        f"{st.get('rejected')} refused, {st.get('protocol_errors')} closed for bad messages)"
+    )
+    namespaces = st.get("namespaces", {})
+    if not namespaces:
+        print("namespaces  none yet")
+    for name, ns in sorted(namespaces.items()):
+        used, cap = ns.get("pool_used_bytes", 0), ns.get("pool_capacity_bytes", 0)
+        print(
+            f"namespace {name!r}: {ns.get('entries')} entries, {ns.get('bytes')} bytes, pool {used}/{cap} bytes, "
+            f"{ns.get('clients')} clients, {ns.get('leases')} leases, {ns.get('grants')} grants, "
+            f"hit rate {ns.get('hit_rate', 0.0):.1%} ({ns.get('hits')} hits, {ns.get('misses')} misses), "
+            f"{ns.get('evictions')} evictions, generation {ns.get('generation', 0):x}"
+        )
+    return 0
+
+
 # ---- the parser --------------------------------------------------------------------------------
 def _add_inspect(sub: Any) -> None:
     try:
-        from lmcache_async.disk_tools import add_inspect_parser
+        from lmcache_async.backends.disk_tools import add_inspect_parser
     except ImportError:  # pragma: no cover - disk tools always ship
         return
     add_inspect_parser(sub)
@@ -462,7 +516,10 @@ def build_parser() -> argparse.ArgumentParser:
         "higher is better. --json and --plot are checked before the run starts.",
     )
     b.add_argument(
-        "--suite", action="append", metavar="NAME", help=f"suite to run (repeatable): {', '.join(BENCH_SUITES)}"
+        "--suite",
+        action="append",
+        metavar="NAME",
+        help=f"suite to run (repeatable): {', '.join(BENCH_SUITES)}; only when named: {', '.join(OPT_IN_SUITES)}",
     )
     b.add_argument("--json", metavar="FILE", help="write results as JSON to this file")
     b.add_argument("--plot", metavar="FILE", help="write a plot to this file (.png, .svg, .pdf; needs matplotlib)")
@@ -472,6 +529,30 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--redis-url", help="use this server instead of starting redis-server")
     b.add_argument("--no-progress", action="store_true", help="no progress bar (none is drawn off a terminal)")
     b.set_defaults(func=_cmd_bench)
+
+    sv = sub.add_parser(
+        "serve",
+        help="run the node cache server (foreground)",
+        description="Serve one shared-memory cache pool per namespace (model) to every process on this "
+        "machine over a Unix socket (clients use tier 'server' with cache_server_socket). Runs in the "
+        "foreground and logs to stderr; SIGTERM stops accepting, closes clients and exits 0.",
+    )
+    sv.add_argument("--socket", required=True, help="Unix socket path (its directory must be 0700; created if absent)")
+    sv.add_argument("--config", help="YAML file (default: $LMCACHE_CONFIG_FILE); max_local_cpu_size sizes each pool")
+    sv.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sv.set_defaults(func=_cmd_serve)
+
+    st = sub.add_parser(
+        "status",
+        help="print a running cache server's tiers, clients, namespaces and leases",
+        description="Ask the cache server on --socket for its figures: tiers, clients, namespaces with "
+        "entries, bytes, hit rates, leases and grants. Exit status 1 when no server answers.",
+    )
+    st.add_argument("--socket", required=True, help="the server's Unix socket")
+    st.add_argument("--token", help="token, when the server requires one (cache_server_token)")
+    st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default 5)")
+    st.add_argument("--json", action="store_true", help="print JSON")
+    st.set_defaults(func=_cmd_status)
 
     _add_inspect(sub)
     return p

@@ -242,6 +242,27 @@ class LMCacheEngineConfig(BaseModel):
         0.0, ge=0, description="Memory this client contributes to the store (GiB); 0 = a pure client."
     )
     mooncake_replica_num: int = Field(1, ge=1, description="Replicas of each object in the Mooncake store.")
+    # --- node cache server (lmcache-async serve; client tier "server") ---------------------------
+    cache_server_socket: str | None = Field(
+        None, description="Unix socket of the node cache server; enables the client tier 'server'."
+    )
+    cache_server_namespace: str | None = Field(
+        None, description="Namespace on the cache server (default: the metadata's model name, else 'default')."
+    )
+    cache_server_token: str | None = Field(
+        None, description="Shared token a cache-server client must present (server and clients set the same)."
+    )
+    cache_server_lease_ttl_s: float = Field(
+        30.0, gt=0, le=86400, description="Cache server: lifetime of a read lease or uncommitted grant (seconds)."
+    )
+    cache_server_max_leases: int = Field(4096, gt=0, description="Cache server: most leases one client may hold.")
+    cache_server_max_grants: int = Field(
+        64, gt=0, description="Cache server: most uncommitted write grants one client may hold."
+    )
+    cache_server_max_namespaces: int = Field(8, gt=0, description="Cache server: most namespaces (one pool each).")
+    cache_server_pretouch: bool = Field(
+        True, description="Cache server: fault in each namespace pool in the background when it is created."
+    )
 
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)
 

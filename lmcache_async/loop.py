@@ -99,6 +99,15 @@ class LoopThread:
         """True when called from this loop's own thread."""
         return threading.get_ident() == self.thread_id
 
+    def usable_from_here(self) -> bool:
+        """True when this thread may wait on the loop: not the loop's own, not a forked child,
+        not stopped (one identity check and two flags: a fast path's guard)."""
+        return threading.get_ident() != self.thread_id and not self._forked and not self._stopped
+
+    def in_forked_child(self) -> bool:
+        """True in a process forked after this loop was created (the loop is not usable there)."""
+        return self._forked or os.getpid() != self._pid
+
     def check_usable(self) -> None:
         """Raise the named misuse error if the loop cannot take work from this process.
 

@@ -38,7 +38,10 @@ class LowerTiers:
     """The lower tiers of one manager in search order.
 
     Threads: the coroutines run on the manager's loop thread; :meth:`could_hold` is answered on
-    any thread. Reads land in buffers from ``read_alloc`` and every hit goes through
+    any thread. The read searches skip guards whose tier answers on the caller's thread
+    (:attr:`TierGuard.answers_locally`): the manager asked those before the hop.
+
+    Reads land in buffers from ``read_alloc`` and every hit goes through
     ``promote``; a buffer returned to the caller carries one reference the caller owns.
 
     :attr:`guards` is the list the manager and its write-through iterate; :meth:`detach` lets go
@@ -57,12 +60,16 @@ class LowerTiers:
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Run each backend's optional ``start()`` through its guard (a failure is counted)."""
+        """Run each backend's :meth:`~lmcache_async.backend.StorageBackend.start` through its
+        guard (a failure is counted and logged; the tier stays in the order)."""
         for tier in self.guards:
-            start = getattr(tier.backend, "start", None)
-            if start is None:
-                continue
-            await tier.call("start", start)
+            await tier.call("start", tier.backend.start)
+
+    async def flush(self) -> None:
+        """Run each backend's :meth:`~lmcache_async.backend.StorageBackend.flush` through its
+        guard (after the write-through queue drained)."""
+        for tier in self.guards:
+            await tier.call("flush", tier.backend.flush)
 
     async def close(self) -> None:
         """Close every backend, each bounded by its timeout (at least 5 s); failures are logged."""
@@ -77,6 +84,8 @@ class LowerTiers:
     async def get(self, key: CacheEngineKey) -> MemoryObj | None:
         """The first tier's hit (promoted; the caller owns one reference) or None."""
         for i, tier in enumerate(self.guards):
+            if tier.answers_locally:  # asked on the caller's thread already; that answer is final
+                continue
             res = await tier.call("get", tier.backend.get, key, self._read_alloc)
             if res is NO_ANSWER:
                 continue
@@ -97,6 +106,8 @@ class LowerTiers:
             for ti, tier in enumerate(self.guards):
                 if not todo:
                     break
+                if tier.answers_locally:
+                    continue
                 res = await tier.call(
                     "get", tier.backend.batched_get, [keys[i] for i in todo], self._read_alloc, n=len(todo)
                 )

@@ -308,8 +308,12 @@ class HeapAllocator(_AllocatorBase):
         """A fresh buffer of ``shape``/``dtype`` (pinned when CUDA is available)."""
         shp = validate_shape(shape)
         n = _nbytes(shp, dtype)
-        buf = torch.empty(max(n, 1), dtype=torch.uint8, pin_memory=self._pin)
-        view = buf[:n].view(dtype).view(shp) if n else torch.empty(shp, dtype=dtype)
+        # Buffers and views are made outside inference mode even when the caller is in it (a
+        # vLLM worker): an inference tensor cannot be written in place outside inference mode,
+        # and a block outlives the call that allocated it.
+        with torch.inference_mode(False):
+            buf = torch.empty(max(n, 1), dtype=torch.uint8, pin_memory=self._pin)
+            view = buf[:n].view(dtype).view(shp) if n else torch.empty(shp, dtype=dtype)
         with self.lock:
             self._next += 1
             ident = self._next
@@ -466,7 +470,8 @@ class PoolAllocator(_AllocatorBase):
         if typed is None:
             if not isinstance(dtype, torch.dtype):
                 raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
-            typed = self._typed[dtype] = self.buffer.view(dtype)
+            with torch.inference_mode(False):  # see the view below
+                typed = self._typed[dtype] = self.buffer.view(dtype)
         itemsize = dtype.itemsize
         numel = 1
         for d in shp:
@@ -492,7 +497,11 @@ class PoolAllocator(_AllocatorBase):
             view = cached[0]
         else:
             strides = (1,) if len(shp) == 1 else _contiguous_strides(shp)
-            view = typed.as_strided(shp, strides, off // itemsize)
+            # Outside inference mode even when the caller is in it (a vLLM worker): the view is
+            # cached and reused by later callers, and an inference-mode view of the pool could
+            # not be written in place by a caller outside inference mode.
+            with torch.inference_mode(False):
+                view = typed.as_strided(shp, strides, off // itemsize)
             with self.lock:
                 self._cache_view_locked(vkey, view, strides)
         return MemoryObj(self, off, size, view, shp, dtype, fmt, n)

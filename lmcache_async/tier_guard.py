@@ -18,7 +18,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Final, Literal, TypeVar, TypeVarTuple
 
-from lmcache_async.backend import StorageBackend
+from lmcache_async.backend import LocalTier, StorageBackend
 from lmcache_async.circuit import CircuitBreaker
 from lmcache_async.ratelog import RateLimitedLog
 
@@ -84,6 +84,9 @@ class TierGuard:
         self.skipped = 0
         self.writes = 0
         self.write_failures = 0
+        #: The backend as a :class:`~lmcache_async.backend.LocalTier` when it is one (the
+        #: manager asks it for reads on the caller's thread; the loop-path read searches skip it).
+        self.local: LocalTier | None = backend if isinstance(backend, LocalTier) else None
         self._log = RateLimitedLog(log, LOG_BURST_S)
 
     async def call(
@@ -104,7 +107,9 @@ class TierGuard:
                 result = await fn(*args)
         except TimeoutError:
             self.timeouts += 1
-            self._failed(op, f"timed out after {timeout}s")
+            # The first timeout opens the circuit: a hung tier would cost every later call
+            # (a write-through batch after another, each read) the whole bound again.
+            self._failed(op, f"timed out after {timeout}s", open_now=True)
             return NO_ANSWER
         except asyncio.CancelledError:
             self.breaker.abandon()  # a cancelled probe must not keep the circuit half-open
@@ -115,9 +120,14 @@ class TierGuard:
         self.breaker.success()
         return result
 
-    def _failed(self, op: str, why: str) -> None:
+    @property
+    def answers_locally(self) -> bool:
+        """True when the tier answers reads on the caller's thread (:attr:`local` is set)."""
+        return self.local is not None
+
+    def _failed(self, op: str, why: str, open_now: bool = False) -> None:
         self.errors += 1
-        self.breaker.failure()
+        self.breaker.failure(open_now=open_now)
         self._log.warning("tier %s: %s failed: %s", self.name, op, why)
 
     def stats(self) -> dict[str, Any]:

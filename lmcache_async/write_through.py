@@ -141,7 +141,8 @@ class WriteThrough:
 
     async def flush(self) -> None:
         """Wait until everything queued so far has reached (or failed on) every target tier,
-        including what is queued while waiting. Loop thread."""
+        including what is queued while waiting. Loop thread. Cancelling the wait (a caller's
+        timeout) leaves the writes running."""
         while True:
             self._drain()
             tasks = list(self._tasks)
@@ -150,7 +151,8 @@ class WriteThrough:
                     if not self._queue:
                         return
                 continue
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # wait, not gather: a flush given up on (timeout, cancel) must not cancel the writes
+            await asyncio.wait(tasks)
 
     async def shutdown(self, flush_timeout: float) -> bool:
         """Flush for at most ``flush_timeout`` seconds, cancel the writes still running, then

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +12,16 @@ import torch
 
 from lmcache_async import LMCacheEngineConfig, LMCacheEngineMetadata, StorageManager
 from lmcache_async.token_database import ChunkedTokenDatabase
+
+_CHAOS_DIR = Path(__file__).resolve().parent / "chaos"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Everything under ``tests/chaos`` is a chaos test (``-m "not chaos"`` leaves it out)."""
+    chaos = pytest.mark.chaos
+    for item in items:
+        if _CHAOS_DIR in Path(str(item.path)).resolve().parents and item.get_closest_marker("chaos") is None:
+            item.add_marker(chaos)
 
 
 @pytest.fixture(autouse=True)

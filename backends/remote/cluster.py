@@ -19,7 +19,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from .connector import ConnectorSettings
-from .redis_conn import ConnectionPool, Redirect, RedisConnector, _check, connection_factory, pack
+from .redis_conn import ConnectionPool, Redirect, RedisConnector, _check, connection_factory
+from .redis_wire import pack
 from .url import RemoteURL, parse_remote_url, redact
 
 __all__ = ["ClusterConnector", "create"]

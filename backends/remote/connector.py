@@ -130,6 +130,9 @@ _registry: dict[str, ConnectorFactory | str] = {
     "valkeys+cluster": f"{_BUILTIN}.cluster:create",
     "fs": f"{_BUILTIN}.fs:create",
 }
+_TIER_SCHEMES = frozenset({"mooncake"})
+"""Schemes served by a tier of their own rather than a connector: ``mooncake://`` is the Mooncake
+Store tier (:mod:`.mooncake`), which the remote tier's factory builds instead of a connector."""
 _lock = threading.Lock()
 
 
@@ -147,14 +150,17 @@ def register_connector(scheme: str, factory: ConnectorFactory | str, *, replace:
 
 
 def known_schemes() -> list[str]:
-    """Schemes a ``remote_url`` may use."""
+    """Schemes a ``remote_url`` may use: every registered connector's, and those served by a
+    tier of their own (``mooncake``)."""
     with _lock:
-        return sorted(_registry)
+        return sorted(set(_registry) | _TIER_SCHEMES)
 
 
 def _resolve(scheme: str) -> ConnectorFactory:
     with _lock:
         entry = _registry.get(scheme)
+    if entry is None and scheme in _TIER_SCHEMES:
+        raise ValueError(f"{scheme}:// URLs are served by their own tier, not by a connector")
     if entry is None:
         raise ValueError(f"remote_url scheme {scheme!r} is not supported (known: {', '.join(known_schemes())})")
     if isinstance(entry, str):

@@ -4,9 +4,11 @@ mounts that many machines see.
 * Layout: ``<root>/<prefix>/<model>/<digest[:2]>/<digest>.rec`` (:mod:`.naming`); the file is
   a single-part record (header then payload), verified on every read.
 * Publish: the record is written to a hidden temporary name in the same directory
-  (``.<digest>.rec.<host>.<pid>.<random>.tmp``) and then hard-linked to its final name, which
-  fails if the entry exists: a reader never sees a partial file, and the first valid writer of a
-  key wins. Where hard links are not supported the temporary file is renamed instead. A record
+  (``.<digest>.rec.<host>.<pid>.<random>.tmp``) and then published under its final name without
+  replacing one that exists: a hard link, which fails if the entry exists and is atomic on
+  network filesystems too (:func:`lmcache_async.record_files.publish_noreplace`): a reader never
+  sees a partial file, and the first valid writer of a key wins. Where hard links are not
+  supported the temporary file is renamed instead (over a missing name only). A record
   already at the name is checked like a read (header, key, sizes, payload checksum): a valid one
   is kept, a damaged or foreign one is deleted (counted) and replaced, so a ``put`` leaves a
   readable record.
@@ -41,13 +43,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-import xxhash
-
 from lmcache_async.backend import Allocate
 from lmcache_async.backends.disk_layout import make_private_dirs
 from lmcache_async.memory import MemoryObj
 from lmcache_async.ratelog import RateLimitedLog
-from lmcache_async.records import PROBE_LEN, RecordError, RecordHeader, decode_header, peek_header_len
+from lmcache_async.record_files import payload_problem, publish_noreplace, read_header, write_all
+from lmcache_async.records import PROBE_LEN, RecordError, RecordHeader
 
 from .codec import AllocationFailed, ForeignRecord, allocate, prepare
 from .connector import Connector, ConnectorSettings
@@ -338,7 +339,7 @@ class FSConnector(Connector):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
         try:
             try:
-                _write_all(fd, [memoryview(head), payload])
+                write_all(fd, [memoryview(head), payload])
                 if self._fsync == "data":
                     os.fdatasync(fd)
                 elif self._fsync == "full":
@@ -346,17 +347,8 @@ class FSConnector(Connector):
             finally:
                 os.close(fd)
             for _ in range(_PUBLISH_TRIES):
-                try:
-                    os.link(tmp, path)
+                if publish_noreplace(tmp, path, link_first=True, rename_without_links=True):
                     break
-                except FileExistsError:
-                    pass
-                except OSError as exc:
-                    if exc.errno not in _NO_LINK_ERRNOS:
-                        raise
-                    if not path.exists():
-                        os.replace(tmp, path)
-                        break
                 # Another writer published first: first valid writer wins, a damaged one goes.
                 if self._keep_existing(path, key):
                     return False
@@ -490,11 +482,7 @@ def _check_head(fd: int, size: int, key: str) -> RecordHeader:
     """The header of the single-part record in ``fd`` (a file of ``size`` bytes) when it is a
     well-formed record of ``key`` exactly as long as its header says. Raises
     :class:`ForeignRecord` for a record of another key, RecordError for anything else wrong."""
-    head = os.pread(fd, PROBE_LEN, 0)
-    hlen = peek_header_len(head)
-    if hlen > len(head):
-        head = os.pread(fd, hlen, 0)
-    hdr = decode_header(head)
+    hdr = read_header(fd, probe=PROBE_LEN)
     if hdr.key != key:
         raise ForeignRecord("record holds another key")
     if hdr.num_parts != 1 or size != hdr.header_len + hdr.payload_len:
@@ -505,9 +493,9 @@ def _check_head(fd: int, size: int, key: str) -> RecordHeader:
 def _check_payload(fd: int, hdr: RecordHeader, dst: memoryview) -> None:
     """Read the payload of ``fd``'s record (header ``hdr``) into ``dst``; RecordError unless it
     is whole and its checksum matches."""
-    _read_all(fd, dst, hdr.header_len)
-    if xxhash.xxh3_64_intdigest(dst) != hdr.checksum:
-        raise RecordError("payload checksum mismatch")
+    problem = payload_problem(fd, hdr, dst)
+    if problem is not None:
+        raise RecordError(problem)
 
 
 def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
@@ -521,30 +509,6 @@ def _unlink(path: Path) -> bool:
     except FileNotFoundError:
         return False
     return True
-
-
-def _write_all(fd: int, bufs: list[memoryview]) -> None:
-    bufs = [b.cast("B") if b.format != "B" else b for b in bufs if b.nbytes]
-    while bufs:
-        n = os.writev(fd, bufs)
-        while n and bufs:
-            first = bufs[0]
-            if n >= first.nbytes:
-                n -= first.nbytes
-                bufs.pop(0)
-            else:
-                bufs[0] = first[n:]
-                n = 0
-
-
-def _read_all(fd: int, dst: memoryview, offset: int) -> None:
-    done = 0
-    total = dst.nbytes
-    while done < total:
-        n = os.preadv(fd, [dst[done:]], offset + done)
-        if n <= 0:
-            raise RecordError("file is shorter than its header says")
-        done += n
 
 
 def create(url: str, settings: ConnectorSettings) -> FSConnector:

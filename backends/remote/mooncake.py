@@ -47,7 +47,7 @@ import xxhash
 
 from lmcache_async.backend import Allocate, BackendContext, StorageBackend
 from lmcache_async.keys import CacheEngineKey
-from lmcache_async.memory import HeapAllocator, MemoryObj, PoolAllocator, gib_to_bytes
+from lmcache_async.memory import HeapAllocator, MemoryObj, PoolAllocator
 from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.records import MAX_RANK, RecordError, decode_header, encode_header, header_length
 
@@ -59,12 +59,11 @@ from .mooncake_store import (
     RPC_FAIL,
     MooncakeClient,
     MooncakeError,
-    MooncakeSettings,
     MooncakeUnavailable,
     check,
+    mooncake_settings,
 )
 from .naming import EntryName, check_prefix, entry_name
-from .url import parse_remote_url
 
 __all__ = [
     "MooncakeBackend",
@@ -81,8 +80,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-DEFAULT_METADATA_PORT = 8080
-"""Port of the master's embedded HTTP metadata server (``--enable_http_metadata_server``)."""
 PROBE_KEY = "lmcache-async:probe"
 """The key the recovery probe asks about (it never exists)."""
 PROBE_INTERVAL_S = 0.25
@@ -113,35 +110,6 @@ def padded_header(obj: MemoryObj, key: str, checksum: int) -> bytes:
         hb[56:64] = bytes(8)
         struct.pack_into("<Q", hb, 56, xxhash.xxh3_64_intdigest(bytes(hb)))
     return bytes(hb)
-
-
-def mooncake_settings(ctx: BackendContext, url: str) -> MooncakeSettings:
-    """The client settings from ``url`` and the ``mooncake_*`` keys (``ValueError`` naming a bad one)."""
-    parsed = parse_remote_url(url)
-    if parsed.kind != "mooncake":
-        raise ValueError(f"remote_url {url!r} is not a mooncake:// URL")
-    host, port = parsed.hosts[0]
-    cfg = ctx.config
-    metadata = cfg.mooncake_metadata_server or f"http://{_host_text(host)}:{DEFAULT_METADATA_PORT}/metadata"
-    protocol = cfg.mooncake_protocol.strip().lower()
-    if protocol not in ("tcp", "rdma"):
-        raise ValueError(f"mooncake_protocol must be tcp or rdma, got {cfg.mooncake_protocol!r}")
-    if not cfg.mooncake_local_hostname.strip():
-        raise ValueError("mooncake_local_hostname must not be empty")
-    return MooncakeSettings(
-        master=f"{_host_text(host)}:{port}",
-        metadata_server=metadata,
-        protocol=protocol,
-        device_name=cfg.mooncake_device_name,
-        local_hostname=cfg.mooncake_local_hostname.strip(),
-        local_buffer_size=gib_to_bytes(cfg.mooncake_local_buffer_size),
-        global_segment_size=gib_to_bytes(cfg.mooncake_global_segment_size),
-        replica_num=cfg.mooncake_replica_num,
-    )
-
-
-def _host_text(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
 
 
 class _Generation:

@@ -19,7 +19,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lmcache_async.backend import BackendContext
 from lmcache_async.errors import BackendUnavailableError
+from lmcache_async.memory import gib_to_bytes
+
+from .url import parse_remote_url
 
 __all__ = [
     "ALREADY_EXISTS",
@@ -32,7 +36,11 @@ __all__ = [
     "MooncakeSettings",
     "MooncakeUnavailable",
     "check",
+    "mooncake_settings",
 ]
+
+DEFAULT_METADATA_PORT = 8080
+"""Port of the master's embedded HTTP metadata server (``--enable_http_metadata_server``)."""
 
 # Status codes of the Mooncake Store client (negative; 0 is success).
 INTERNAL_ERROR = -1
@@ -244,3 +252,32 @@ class MooncakeClient:
             self._closed = True
         with contextlib.suppress(Exception):
             self._store.close()
+
+
+def mooncake_settings(ctx: BackendContext, url: str) -> MooncakeSettings:
+    """The client settings from ``url`` and the ``mooncake_*`` keys (``ValueError`` naming a bad one)."""
+    parsed = parse_remote_url(url)
+    if parsed.kind != "mooncake":
+        raise ValueError(f"remote_url {url!r} is not a mooncake:// URL")
+    host, port = parsed.hosts[0]
+    cfg = ctx.config
+    metadata = cfg.mooncake_metadata_server or f"http://{_host_text(host)}:{DEFAULT_METADATA_PORT}/metadata"
+    protocol = cfg.mooncake_protocol.strip().lower()
+    if protocol not in ("tcp", "rdma"):
+        raise ValueError(f"mooncake_protocol must be tcp or rdma, got {cfg.mooncake_protocol!r}")
+    if not cfg.mooncake_local_hostname.strip():
+        raise ValueError("mooncake_local_hostname must not be empty")
+    return MooncakeSettings(
+        master=f"{_host_text(host)}:{port}",
+        metadata_server=metadata,
+        protocol=protocol,
+        device_name=cfg.mooncake_device_name,
+        local_hostname=cfg.mooncake_local_hostname.strip(),
+        local_buffer_size=gib_to_bytes(cfg.mooncake_local_buffer_size),
+        global_segment_size=gib_to_bytes(cfg.mooncake_global_segment_size),
+        replica_num=cfg.mooncake_replica_num,
+    )
+
+
+def _host_text(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -80,6 +78,8 @@ from .codec import (
 )
 from .connector import Connector, ConnectorSettings
 from .naming import EntryName
+from .redis_internals import drop_connection, stream_transport
+from .redis_wire import Arg, pack, send, tune
 from .url import RemoteURL, parse_remote_url, redact
 
 logger = logging.getLogger(__name__)
@@ -87,13 +87,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["RedisConnector", "create"]
 
 DEFAULT_MAX_CONNECTIONS = 8
-_SMALL = 16 * 1024  # buffers up to this size are framed into the command bytes
-SEND_SLICE = 64 * 1024  # largest piece handed to the transport at once (stays a small allocation)
-_IOV_MAX = 512
 _LOG_EVERY_S = 5.0
 
-Arg = bytes | memoryview | tuple[bytes | memoryview, ...]
-"""A command argument: one buffer, or several buffers that form one value."""
 
 # Delete a multi-part entry only if its record still is the one we read (a newer write of the
 # same key must survive). KEYS = record, then its parts.
@@ -105,125 +100,6 @@ _UNLINK_UNLESS_OURS = (
     b"if redis.call('GET', KEYS[1]) == ARGV[1] then return -1 end "
     b"return redis.call('UNLINK', unpack(KEYS, 2))"
 )
-
-
-def _blen(b: bytes | memoryview) -> int:
-    return b.nbytes if isinstance(b, memoryview) else len(b)
-
-
-def pack(cmds: Sequence[Sequence[Arg]]) -> list[bytes | memoryview]:
-    """RESP framing of ``cmds``; large buffers are passed through uncopied."""
-    out: list[bytes | memoryview] = []
-    buf = bytearray()
-    for cmd in cmds:
-        buf += b"*%d\r\n" % len(cmd)
-        for arg in cmd:
-            pieces = arg if isinstance(arg, tuple) else (arg,)
-            buf += b"$%d\r\n" % sum(_blen(p) for p in pieces)
-            for p in pieces:
-                if _blen(p) <= _SMALL:
-                    buf += p
-                else:
-                    out.append(bytes(buf))
-                    buf.clear()
-                    out.append(p)
-            buf += b"\r\n"
-    if buf:
-        out.append(bytes(buf))
-    return out
-
-
-def _drop(conn: AbstractConnection) -> None:
-    """Close ``conn`` at once, discarding unsent and unread bytes (it reconnects on next use)."""
-    writer = getattr(conn, "_writer", None)
-    if writer is not None:
-        try:
-            writer.transport.abort()
-        except Exception:  # pragma: no cover - already closed
-            pass
-    try:
-        conn._parser.on_disconnect()
-    except Exception:  # pragma: no cover
-        pass
-    conn._close()
-
-
-def _plain_fd(transport: asyncio.BaseTransport) -> int | None:
-    """The socket descriptor of an unencrypted stream transport (None for TLS or others)."""
-    if transport.get_extra_info("sslcontext") is not None:
-        return None
-    sock = transport.get_extra_info("socket")
-    if sock is None or sock.type != socket.SOCK_STREAM:
-        return None
-    try:
-        return int(sock.fileno())
-    except (OSError, ValueError):  # pragma: no cover - closed meanwhile
-        return None
-
-
-def _advance(views: list[memoryview], n: int) -> None:
-    """Drop the first ``n`` bytes of ``views`` (in place)."""
-    while n and views:
-        first = views[0]
-        if n >= first.nbytes:
-            n -= first.nbytes
-            views.pop(0)
-        else:
-            views[0] = first[n:]
-            n = 0
-
-
-def _writev(fd: int, views: list[memoryview]) -> None:
-    """Write from ``views`` (consumed in place) until the socket buffer is full."""
-    while views:
-        batch = views[:_IOV_MAX]
-        try:
-            n = os.writev(fd, batch)
-        except (BlockingIOError, InterruptedError):
-            return
-        full = n < sum(v.nbytes for v in batch)
-        _advance(views, n)
-        if full:
-            return
-
-
-async def _send(conn: AbstractConnection, chunks: list[bytes | memoryview], limit_s: float) -> None:
-    """Write ``chunks`` without copying them where the socket allows.
-
-    On a plain socket whose transport has nothing buffered, the pieces go out with one
-    scatter-gather ``writev`` (header and payload straight from the pool block, one system
-    call); when the socket is full, one slice of at most :data:`SEND_SLICE` bytes goes to the
-    transport, which sends it when the socket drains, and the rest follows once the transport
-    is empty again. TLS goes through the transport in slices. (``writelines`` would join
-    everything into one new ``bytes`` that the selector transport then trims from the front
-    after every ``send``: quadratic for multi-MiB values.) Every reply is read before the
-    caller returns, so nothing here outlives the block it points into.
-    """
-    writer = conn._writer
-    if writer is None:
-        raise RedisConnectionError("connection is closed")
-    transport = writer.transport
-    fd = _plain_fd(transport)
-    views = [(c if isinstance(c, memoryview) else memoryview(c)).cast("B") for c in chunks]
-    async with asyncio.timeout(limit_s):
-        while views:
-            if fd is not None and not transport.get_write_buffer_size():
-                _writev(fd, views)
-                if not views:
-                    break
-            piece: list[memoryview] = []
-            size = 0
-            while views and size < SEND_SLICE:
-                v = views[0]
-                take = min(v.nbytes, SEND_SLICE - size)
-                piece.append(v[:take])
-                size += take
-                _advance(views, take)
-            for p in piece:
-                writer.write(p)
-            # Plain sockets: with the limits set by _tune this returns once the transport's
-            # buffer is empty. TLS: once it is below asyncio's low-water mark.
-            await writer.drain()
 
 
 class Redirect(RedisError):
@@ -246,22 +122,6 @@ def _check(reply: Any) -> Any:
     if isinstance(reply, Exception):
         raise reply
     return reply
-
-
-def _tune(conn: AbstractConnection) -> None:
-    """Prepare a new connection for :func:`_send`: on a plain socket the transport pauses its
-    writer as soon as it buffers anything, so ``drain`` returns only once its buffer is empty
-    and it never holds more than one slice of a payload. (TLS keeps asyncio's limits: its flow
-    control does not promise to resume at exactly zero.)
-
-    Reading keeps redis-py's and asyncio's defaults (64 KiB steps): larger steps save system
-    calls but allocate multi-MiB temporaries per read, which measured faster on some runs and
-    much slower on others (allocator page faults); the defaults were steady.
-    """
-    writer = getattr(conn, "_writer", None)
-    transport = getattr(writer, "transport", None)
-    if transport is not None and _plain_fd(transport) is not None:
-        transport.set_write_buffer_limits(high=0)
 
 
 class ConnectionPool:
@@ -301,17 +161,17 @@ class ConnectionPool:
             if conn.is_connected and await conn.can_read():
                 # Unread bytes or EOF on an idle connection: the peer went away (or a reply
                 # was left behind); never hand it out.
-                _drop(conn)
+                drop_connection(conn)
                 self.dropped += 1
             fresh = not conn.is_connected
             if fresh:
                 await conn.connect()
                 self.connects += 1
-                _tune(conn)
+                tune(conn)
             return conn, fresh
         except BaseException:
             if conn is not None:
-                _drop(conn)
+                drop_connection(conn)
                 self._free.append(conn)
             self._sem.release()
             raise
@@ -321,7 +181,7 @@ class ConnectionPool:
         if not healthy:
             self.dropped += 1
         if (not healthy or self.closed) and conn.is_connected:
-            _drop(conn)
+            drop_connection(conn)
         self._free.append(conn)
         assert self._sem is not None
         self._sem.release()
@@ -334,10 +194,10 @@ class ConnectionPool:
                 try:
                     await conn.disconnect()
                 except Exception:
-                    _drop(conn)
+                    drop_connection(conn)
         except BaseException:
             for conn in self._all:
-                _drop(conn)
+                drop_connection(conn)
             raise
         finally:
             self._free.clear()
@@ -450,12 +310,12 @@ class RedisConnector(Connector):
             conn, fresh = await pool.acquire()
             # Kept aside: redis-py forgets its writer when it closes a connection itself, and
             # a closing transport would go on sending buffered slices of the caller's block.
-            transport = conn._writer.transport if conn._writer is not None else None
+            transport = stream_transport(conn)
             healthy = False
             read = 0
             try:
                 self.round_trips += 1
-                await _send(conn, chunks, self._settings.timeout_s)
+                await send(conn, chunks, self._settings.timeout_s)
                 replies: list[Any] = []
                 for i in range(count):
                     try:

@@ -1,7 +1,9 @@
 """Side-by-side benchmarks of this project against LMCache 0.5.6 (``nox -s compare``).
 
 * ``_harness.py`` — the workloads, written once against an adapter (stdlib + torch only), and
-  the physical-baseline adapter (SPEC §6);
+  the physical-baseline adapter (SPEC §6), with the worker command line; its parts live in
+  ``_harness_data.py`` (sizes, outcome, tensors), ``_harness_baseline.py`` (the baseline adapter)
+  and ``_harness_workloads.py`` (the workloads and their table);
 * ``ours_side.py`` — the adapter over this project's engines;
 * ``lmcache_side.py`` — the adapter over LMCache, a standalone file run by path with the LMCache
   venv's python (``scripts/lmcache_env.sh`` builds that venv);

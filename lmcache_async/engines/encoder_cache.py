@@ -12,7 +12,9 @@ and shape of the tensor that was put.
 
 Threads: the sync methods may be called from any thread except the manager's loop thread;
 CPU-tier hits and puts that fit are answered on the caller's thread without a hop. The ``a``
-twins are awaitable from any event loop.
+twins are awaitable from any event loop and take the same paths (a hop only for lower-tier
+work); a copy of at least :data:`~lmcache_async.engines._offload.OFF_LOOP_COPY_BYTES` runs on
+the engine copy executor so it does not freeze the caller's loop.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.dtypes import dtype_name, parse_dtype
 from lmcache_async.engines._devices import check_device
+from lmcache_async.engines._offload import copy_maybe_off_loop, run_off_loop, should_offload
 from lmcache_async.keys import CacheEngineKey, stable_u64_from_str
 from lmcache_async.memory import MemoryFormat, MemoryObj
 from lmcache_async.metadata import NEUTRAL_METADATA, LMCacheEngineMetadata
@@ -215,15 +218,25 @@ class ECCacheEngine:
         return ok
 
     async def aput(self, mm_hash: str, tensor: torch.Tensor) -> bool:
-        """Async twin of :meth:`put`, awaitable from any event loop (the copy runs on the
-        caller's thread)."""
+        """Async twin of :meth:`put`, awaitable from any event loop. The copy runs on the
+        caller's thread, or on the engine copy executor from
+        :data:`~lmcache_async.engines._offload.OFF_LOOP_COPY_BYTES` on (a caller cancelled
+        meanwhile leaves the put to finish)."""
         key, src = self._put_prologue(mm_hash, tensor)
         if self._sm.holds_locally(key):
             self._count_put(True, True)
             return True
-        ok = await self._sm.put(key, src, MemoryFormat.EC_TD)
+        sm = self._sm
+        if should_offload(src.numel() * src.element_size()):
+            ok = await run_off_loop(lambda: self._put_blocking(key, src))
+        else:
+            ok = await sm.put(key, src, MemoryFormat.EC_TD)
         self._count_put(ok, False)
         return ok
+
+    def _put_blocking(self, key: CacheEngineKey, src: torch.Tensor) -> bool:
+        # On the copy executor: the manager's put answers there (it never waits for lower tiers).
+        return self._sm.put_sync(key, src, MemoryFormat.EC_TD)
 
     def _present_sync(self, key: CacheEngineKey) -> bool:
         try:
@@ -291,7 +304,11 @@ class ECCacheEngine:
         except TimeoutError:
             self._count_timeout()
             obj = None
-        return self._copy_out(obj, dev)
+        if obj is None:
+            return self._copy_out(None, dev)
+        # _copy_out releases obj on every path, also when this caller is cancelled meanwhile.
+        nbytes = obj.tensor.numel() * obj.tensor.element_size()
+        return await copy_maybe_off_loop(lambda: self._copy_out(obj, dev), nbytes)
 
     # ---- contains / delete ----
     def contains(self, mm_hash: str) -> bool:

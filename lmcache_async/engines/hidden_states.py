@@ -17,7 +17,11 @@ cannot rebuild them from KV. This store keeps them, chunked exactly like the KV 
   the prefix stops there and nothing is dropped.
 
 Thread-safe: worker threads may store while others retrieve. Every blocking method has an
-``a``-prefixed coroutine twin that runs it on a worker thread of the caller's loop.
+``a``-prefixed coroutine twin, awaitable from any loop and written over the managers'
+coroutines: the HS manager has no lower tiers, so its answers never leave the caller's thread;
+only a KV presence question a lower tier must answer crosses to the KV manager's loop (one batch).
+A copy of at least :data:`~lmcache_async.engines._offload.OFF_LOOP_COPY_BYTES` runs on the
+engine copy executor, so the caller's loop is not frozen by it.
 """
 
 from __future__ import annotations
@@ -25,23 +29,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Coroutine, Iterable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
 from lmcache_async.backend import Presence
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.engines._chunks import ChunkPlan, copy_in, copy_out, release_all, wait_copies
+from lmcache_async.engines._offload import copy_maybe_off_loop
 from lmcache_async.errors import LoopThreadCallError, ManagerClosedError
 from lmcache_async.keys import TAG_PREFIX, CacheEngineKey
 from lmcache_async.memory import MemoryFormat, MemoryObj
 from lmcache_async.metadata import LMCacheEngineMetadata
+from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.storage_manager import StorageManager
 from lmcache_async.tensor_checks import check_storable_tensor
 from lmcache_async.token_database import ChunkedTokenDatabase
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 HS_LAYER_TAG = TAG_PREFIX + "hs_layer"
 """``request_configs`` key of the tag that turns a KV chunk key into an HS entry key."""
@@ -60,6 +69,24 @@ def hs_entry_key(kv_key: CacheEngineKey, layer_idx: int) -> CacheEngineKey:
     return CacheEngineKey(
         kv_key.model_name, kv_key.world_size, kv_key.worker_id, kv_key.chunk_hash, kv_key.dtype, rc
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _StoreJob:
+    """A checked HS store: the prompt's plan, the layer, the source rows and their entry keys."""
+
+    plan: ChunkPlan
+    layer_idx: int
+    src: torch.Tensor
+    token_offset: int
+    first: int  # the first chunk that starts at or after token_offset
+    hkeys: list[CacheEngineKey]  # the entry key of every chunk of the plan
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a store of every chunk from ``first`` on would copy."""
+        rows = self.plan.n_tokens - self.plan.start(self.first)
+        return max(rows, 0) * self.src.shape[1] * self.src.element_size()
 
 
 def _check_layer(layer_idx: object, what: str = "layer_idx") -> int:
@@ -141,6 +168,7 @@ class HiddenStateStore:
             lower_tiers=False,
         )
         self._lock = threading.Lock()
+        self._timeout_log = RateLimitedLog(logger)
         self._known_layers: set[int] = set()
         self._closed = False
         self._counts: dict[str, int] = dict.fromkeys(
@@ -180,9 +208,7 @@ class HiddenStateStore:
         try:
             n = kv.batched_contains_sync(keys[:m])
         except TimeoutError:
-            self._count(kv_unknown=1)
-            logger.warning("hidden-state store: the KV manager did not answer in time; no prefix")
-            return 0
+            return self._kv_timed_out()
         if n < m:
             try:
                 presence = kv.presence_sync(keys[n])
@@ -196,7 +222,145 @@ class HiddenStateStore:
                 self._count(kv_unknown=1)
         return n
 
+    async def _akv_prefix(self, plan: ChunkPlan, m: int) -> int:
+        """Coroutine twin of :meth:`_kv_prefix`: a CPU-tier answer stays on the caller's thread;
+        a lower-tier question is one hop, bounded by the KV manager's ``blocking_timeout_secs``."""
+        kv = self.kv_storage_manager
+        if kv is None or m == 0:
+            return m
+        keys = plan.keys
+        try:
+            n = await self._kv_bounded(kv, kv.batched_contains(keys[:m]))
+        except TimeoutError:
+            return self._kv_timed_out()
+        if n < m:
+            try:
+                presence = await self._kv_bounded(kv, kv.presence(keys[n]))
+            except TimeoutError:
+                presence = Presence.UNKNOWN
+            if presence is Presence.ABSENT:
+                if await self.adrop_key(keys[n]):
+                    self._count(orphans_dropped=1)
+            elif presence is Presence.UNKNOWN:
+                self._count(kv_unknown=1)
+        return n
+
+    @staticmethod
+    async def _kv_bounded(kv: StorageManager, coro: Coroutine[Any, Any, _T]) -> _T:
+        if not kv.has_lower_tiers:  # answered on this thread: nothing to bound
+            return await coro
+        async with asyncio.timeout(float(kv.config.blocking_timeout_secs)):
+            return await coro
+
+    def _kv_timed_out(self) -> int:
+        self._count(kv_unknown=1)
+        self._timeout_log.warning("hidden-state store: the KV manager did not answer in time; no prefix")
+        return 0
+
     # ---- store --------------------------------------------------------------------------------
+    def _plan_store(
+        self, token_ids: Any, hidden_states: torch.Tensor, layer_idx: int, token_offset: int
+    ) -> _StoreJob | None:
+        """Checks and plans a store on the caller's thread; None when the layer is filtered."""
+        self._check_open()
+        layer_idx = _check_layer(layer_idx)
+        hidden_states = check_storable_tensor(hidden_states, "hidden_states")
+        if hidden_states.dim() != 2:
+            raise ValueError(
+                "hidden_states must be 2-D [num_tokens, hidden_dim], got shape "
+                f"{tuple(hidden_states.shape)}"
+            )
+        if not hidden_states.dtype.is_floating_point:
+            raise TypeError(f"hidden_states must be a floating-point tensor, got {hidden_states.dtype}")
+        if not isinstance(token_offset, int) or isinstance(token_offset, bool):
+            raise TypeError(f"token_offset must be an int, got {type(token_offset).__name__}")
+        plan = ChunkPlan(self.token_database, token_ids)
+        n_tokens = plan.n_tokens
+        if not 0 <= token_offset <= n_tokens:
+            raise ValueError(f"token_offset must be in [0, len(token_ids)={n_tokens}], got {token_offset}")
+        rows = hidden_states.shape[0]
+        if rows != n_tokens - token_offset:
+            raise ValueError(
+                f"hidden_states has {rows} rows; expected len(token_ids) - token_offset = "
+                f"{n_tokens} - {token_offset} = {n_tokens - token_offset}"
+            )
+        if self.layer_allowlist is not None and layer_idx not in self.layer_allowlist:
+            self._count(filtered_by_allowlist=1)
+            return None
+        with self._lock:
+            self._known_layers.add(layer_idx)
+        first = -(-token_offset // plan.chunk_size)
+        hkeys = [hs_entry_key(k, layer_idx) for k in plan.keys]
+        return _StoreJob(plan, layer_idx, hidden_states.detach(), token_offset, first, hkeys)
+
+    def _write(self, job: _StoreJob, found: list[MemoryObj | None]) -> int:
+        """Copy the chunks of ``job`` that ``found`` (this store's manager's answer for every
+        entry key, each a reference or None) lacks into the pool and index them; returns the
+        chunks written.
+
+        Blocking; any thread but the HS manager's loop thread. Releases every reference in
+        ``found`` and every one it takes, on every path (an abandoned off-loop job leaks nothing).
+        """
+        sm = self.storage_manager
+        plan, src, first, hkeys = job.plan, job.src, job.first, job.hkeys
+        hidden = src.shape[1]
+        held: list[MemoryObj] = []  # references keeping this call's chunks unevictable
+        new: list[MemoryObj] = []
+        new_keys: list[CacheEngineKey] = []
+        order: list[CacheEngineKey] = list(hkeys[:first])
+        in_flight = False
+        truncated = False
+        existing_count = 0
+        stored = 0
+        try:
+            # This prompt's chunks before the offset stay held too: this call's allocations must
+            # not evict them (that would leave a hole in front of the chunks it stores).
+            for i in range(first, len(plan)):
+                old = found[i]
+                if old is not None:
+                    held.append(old)
+                    found[i] = None
+                    order.append(hkeys[i])
+                    existing_count += 1
+                    continue
+                start, end = plan.start(i), plan.end(i)
+                obj = sm.allocate((end - start, hidden), self.storage_dtype, MemoryFormat.HS_TD)
+                if obj is None:
+                    truncated = True
+                    break
+                held.append(obj)
+                off = job.token_offset
+                in_flight |= copy_in(obj.tensor, src[start - off : end - off])
+                new.append(obj)
+                new_keys.append(hkeys[i])
+                order.append(hkeys[i])
+            if in_flight:
+                wait_copies(src)
+            if new:
+                sm.batched_put_sync(new_keys, new)
+                # The manager took its own reference when it indexed a block.
+                stored = sum(1 for obj in new if obj.get_ref_count() > 1)
+            # Newest-first touches make the prefix (also the part before token_offset) the most
+            # recently used: under pressure a prompt loses its suffix before its prefix.
+            sm.touch(order[::-1])
+        finally:
+            release_all(held)
+            release_all(found)
+        self._count(
+            stores=1,
+            chunks_stored=stored,
+            chunks_already_present=existing_count,
+            stores_truncated=int(truncated),
+        )
+        if truncated:
+            logger.debug(
+                "hidden-state pool full: stored %d of %d chunks of layer %d",
+                stored + existing_count,
+                len(plan) - first,
+                job.layer_idx,
+            )
+        return stored
+
     def store_hidden_states(
         self,
         token_ids: Any,
@@ -218,127 +382,90 @@ class HiddenStateStore:
         chunks this call stores or already found for this prompt) and the longest prefix of the
         chunks that fits is stored. Raises ``TypeError``/``ValueError`` for bad arguments
         (``TypeError`` naming ``hidden_states`` for a non-tensor and for a quantized, sparse,
-        nested or meta tensor).
+        nested or meta tensor). Runs on the caller's thread (the HS pool has no lower tiers).
         """
-        self._check_open()
-        layer_idx = _check_layer(layer_idx)
-        hidden_states = check_storable_tensor(hidden_states, "hidden_states")
-        if hidden_states.dim() != 2:
-            raise ValueError(
-                "hidden_states must be 2-D [num_tokens, hidden_dim], got shape "
-                f"{tuple(hidden_states.shape)}"
-            )
-        if not hidden_states.dtype.is_floating_point:
-            raise TypeError(f"hidden_states must be a floating-point tensor, got {hidden_states.dtype}")
-        if not isinstance(token_offset, int) or isinstance(token_offset, bool):
-            raise TypeError(f"token_offset must be an int, got {type(token_offset).__name__}")
-        plan = ChunkPlan(self.token_database, token_ids)
-        n_tokens = plan.n_tokens
-        if not 0 <= token_offset <= n_tokens:
-            raise ValueError(f"token_offset must be in [0, len(token_ids)={n_tokens}], got {token_offset}")
-        rows, hidden = hidden_states.shape
-        if rows != n_tokens - token_offset:
-            raise ValueError(
-                f"hidden_states has {rows} rows; expected len(token_ids) - token_offset = "
-                f"{n_tokens} - {token_offset} = {n_tokens - token_offset}"
-            )
-        if self.layer_allowlist is not None and layer_idx not in self.layer_allowlist:
-            self._count(filtered_by_allowlist=1)
+        job = self._plan_store(token_ids, hidden_states, layer_idx, token_offset)
+        if job is None:
             return 0
-        with self._lock:
-            self._known_layers.add(layer_idx)
-        src = hidden_states.detach()
+        return self._write(job, self.storage_manager.batched_get_sync(job.hkeys))
+
+    async def astore_hidden_states(
+        self, token_ids: Any, hidden_states: torch.Tensor, layer_idx: int = 0, token_offset: int = 0
+    ) -> int:
+        """Coroutine twin of :meth:`store_hidden_states`, awaitable from any loop.
+
+        Answered on the caller's thread (no hop); a copy of at least
+        :data:`~lmcache_async.engines._offload.OFF_LOOP_COPY_BYTES` runs on the engine copy
+        executor. A caller cancelled meanwhile leaves the store to finish, holding nothing."""
+        job = self._plan_store(token_ids, hidden_states, layer_idx, token_offset)
+        if job is None:
+            return 0
         sm = self.storage_manager
-        cs = plan.chunk_size
-        first = -(-token_offset // cs)
-        held: list[MemoryObj] = []  # references keeping this call's chunks unevictable
-        new: list[tuple[CacheEngineKey, MemoryObj]] = []
-        order: list[CacheEngineKey] = []
-        in_flight = False
-        truncated = False
-        existing_count = 0
-        try:
-            # Hold this prompt's chunks before the offset too: this call's allocations must not
-            # evict them (that would leave a hole in front of the chunks it stores).
-            for i in range(first):
-                prior = sm.get_sync(hs_entry_key(plan.keys[i], layer_idx))
-                if prior is None:
-                    break
-                held.append(prior)
-            for i in range(first, len(plan)):
-                start, end = plan.start(i), plan.end(i)
-                key = hs_entry_key(plan.keys[i], layer_idx)
-                old = sm.get_sync(key)
-                if old is not None:
-                    held.append(old)
-                    order.append(key)
-                    existing_count += 1
-                    continue
-                obj = sm.allocate((end - start, hidden), self.storage_dtype, MemoryFormat.HS_TD)
-                if obj is None:
-                    truncated = True
-                    break
-                held.append(obj)
-                in_flight |= copy_in(obj.tensor, src[start - token_offset : end - token_offset])
-                new.append((key, obj))
-                order.append(key)
-            if in_flight:
-                wait_copies(src)
-            stored = 0
-            for key, obj in new:
-                sm.put_sync(key, obj)
-                if obj.get_ref_count() > 1:  # the manager took its own reference: indexed
-                    stored += 1
-            # Newest-first touches make the prefix (also the part before token_offset) the most
-            # recently used: under pressure a prompt loses its suffix before its prefix.
-            order[:0] = [hs_entry_key(k, layer_idx) for k in plan.keys[:first]]
-            sm.touch(order[::-1])
-        finally:
-            release_all(held)
-        self._count(
-            stores=1,
-            chunks_stored=stored,
-            chunks_already_present=existing_count,
-            stores_truncated=int(truncated),
+        found = await sm.batched_get(job.hkeys)
+        return await copy_maybe_off_loop(
+            lambda: self._write(job, found), job.nbytes, force=sm.loop_thread.in_loop_thread()
         )
-        if truncated:
-            logger.debug(
-                "hidden-state pool full: stored %d of %d chunks of layer %d",
-                stored + existing_count,
-                len(plan) - first,
-                layer_idx,
-            )
-        return stored
 
     # ---- retrieve -------------------------------------------------------------------------------
-    def _hit_prefix(self, plan: ChunkPlan, layer_idx: int) -> tuple[list[MemoryObj], list[CacheEngineKey]]:
-        """References to the HS entries of the longest prefix with both KV and HS, and their keys."""
-        sm = self.storage_manager
+    def _check_out(self, out: torch.Tensor | None) -> None:
+        if out is not None:
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+            if out.dtype != torch.float32 or out.dim() != 2:
+                raise ValueError(
+                    f"out must be a 2-D float32 tensor, got {out.dtype} of shape {tuple(out.shape)}"
+                )
+
+    @staticmethod
+    def _well_shaped(plan: ChunkPlan, objs: list[MemoryObj | None]) -> list[MemoryObj]:
+        """The prefix of ``objs`` whose shapes fit the plan (one hidden size); the rest released."""
         hits: list[MemoryObj] = []
-        hkeys: list[CacheEngineKey] = []
         hidden = -1
+        for i, obj in enumerate(objs):
+            if obj is None:
+                break
+            shape = obj.shape
+            if hidden < 0:
+                hidden = shape[1]
+            if shape != (plan.end(i) - plan.start(i), hidden):
+                break
+            hits.append(obj)
+        release_all(objs[len(hits) :])
+        return hits
+
+    def _cut(self, hits: list[MemoryObj], n: int) -> list[MemoryObj]:
+        release_all(hits[n:])
+        return hits[:n]
+
+    def _fill(
+        self, plan: ChunkPlan, hits: list[MemoryObj], hkeys: list[CacheEngineKey], out: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Copy the ``hits`` (a non-empty prefix) into a fresh tensor or ``out``; touch them.
+
+        Blocking; any thread. Releases every reference in ``hits`` on every path."""
         try:
-            for i, kv_key in enumerate(plan.keys):
-                hkey = hs_entry_key(kv_key, layer_idx)
-                obj = sm.get_sync(hkey)
-                if obj is None:
-                    break
-                shape = obj.shape
-                if hidden < 0:
-                    hidden = shape[1]
-                if shape != (plan.end(i) - plan.start(i), hidden):
-                    obj.ref_count_down()
-                    break
-                hits.append(obj)
-                hkeys.append(hkey)
-            n = self._kv_prefix(plan, len(hits))
-        except BaseException:
+            n = len(hits)
+            total = plan.tokens_in(n)
+            hidden = hits[0].shape[1]
+            if out is None:
+                dest = torch.empty((total, hidden), dtype=torch.float32)
+            else:
+                if out.shape[0] < total or out.shape[1] != hidden:
+                    raise ValueError(
+                        f"out has shape {tuple(out.shape)}; expected at least {total} rows and "
+                        f"{hidden} columns for this prefix"
+                    )
+                dest = out[:total]
+            in_flight = False
+            for i, obj in enumerate(hits):
+                in_flight |= copy_out(dest[plan.start(i) : plan.end(i)], obj.tensor)
+            if in_flight:
+                wait_copies(dest)
+            self.storage_manager.touch(hkeys[:n][::-1])
+        finally:
             release_all(hits)
-            raise
-        if n < len(hits):
-            release_all(hits[n:])
-            del hits[n:], hkeys[n:]
-        return hits, hkeys
+        self._count(retrieves=1, retrieve_hits=1, hit_tokens=total)
+        return dest
 
     def retrieve_hidden_states(
         self,
@@ -358,58 +485,82 @@ class HiddenStateStore:
         """
         self._check_open()
         layer_idx = _check_layer(layer_idx)
-        if out is not None:
-            if not isinstance(out, torch.Tensor):
-                raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
-            if out.dtype != torch.float32 or out.dim() != 2:
-                raise ValueError(
-                    f"out must be a 2-D float32 tensor, got {out.dtype} of shape {tuple(out.shape)}"
-                )
+        self._check_out(out)
         plan = ChunkPlan(self.token_database, token_ids)
-        hits, hkeys = self._hit_prefix(plan, layer_idx)
+        sm = self.storage_manager
+        hkeys = [hs_entry_key(k, layer_idx) for k in plan.keys]
+        m = sm.batched_contains_sync(hkeys)
+        hits = self._well_shaped(plan, sm.batched_get_sync(hkeys[:m]) if m else [])
+        try:
+            n = self._kv_prefix(plan, len(hits))
+        except BaseException:
+            release_all(hits)
+            raise
+        hits = self._cut(hits, n)
         if not hits:
             self._count(retrieves=1)
             return None
+        return self._fill(plan, hits, hkeys, out)
+
+    async def aretrieve_hidden_states(
+        self, token_ids: Any, layer_idx: int = 0, out: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Coroutine twin of :meth:`retrieve_hidden_states`, awaitable from any loop.
+
+        Answered on the caller's thread when the KV manager's CPU tier decides KV presence (no
+        hop); otherwise one batched hop to the KV manager's loop. A copy of at least
+        :data:`~lmcache_async.engines._offload.OFF_LOOP_COPY_BYTES` runs on the engine copy
+        executor; a caller cancelled at any point leaves no pool reference held (with ``out``,
+        a copy already running still fills it)."""
+        self._check_open()
+        layer_idx = _check_layer(layer_idx)
+        self._check_out(out)
+        plan = ChunkPlan(self.token_database, token_ids)
+        sm = self.storage_manager
+        hkeys = [hs_entry_key(k, layer_idx) for k in plan.keys]
+        m = await sm.batched_contains(hkeys)
+        hits = self._well_shaped(plan, await sm.batched_get(hkeys[:m]) if m else [])
         try:
-            n = len(hits)
-            total = plan.tokens_in(n)
-            hidden = hits[0].shape[1]
-            if out is None:
-                dest = torch.empty((total, hidden), dtype=torch.float32)
-            else:
-                if out.shape[0] < total or out.shape[1] != hidden:
-                    raise ValueError(
-                        f"out has shape {tuple(out.shape)}; expected at least {total} rows and "
-                        f"{hidden} columns for this prefix"
-                    )
-                dest = out[:total]
-            in_flight = False
-            for i, obj in enumerate(hits):
-                in_flight |= copy_out(dest[plan.start(i) : plan.end(i)], obj.tensor)
-            if in_flight:
-                wait_copies(dest)
-            self.storage_manager.touch(hkeys[::-1])
-        finally:
+            n = await self._akv_prefix(plan, len(hits))
+        except BaseException:  # cancelled while the KV manager answered: nothing stays held
             release_all(hits)
-        self._count(retrieves=1, retrieve_hits=1, hit_tokens=total)
-        return dest
+            raise
+        hits = self._cut(hits, n)
+        if not hits:
+            self._count(retrieves=1)
+            return None
+        nbytes = plan.tokens_in(len(hits)) * hits[0].shape[1] * 4
+        return await copy_maybe_off_loop(lambda: self._fill(plan, hits, hkeys, out), nbytes)
 
     def coverage(self, token_ids: Any, layer_idxs: Iterable[int] = (0,)) -> int:
         """Tokens of the longest prefix of ``token_ids`` whose chunks have KV and HS for every
         layer in ``layer_idxs`` (same rules as retrieve, orphans dropped the same way; nothing
         is copied or touched). For schedulers that must know how far hidden states reach."""
-        self._check_open()
-        layers = [_check_layer(li, "layer_idxs entries") for li in layer_idxs]
-        if not layers:
-            raise ValueError("layer_idxs must name at least one layer")
-        plan = ChunkPlan(self.token_database, token_ids)
+        plan, layers = self._coverage_args(token_ids, layer_idxs)
+        return plan.tokens_in(self._kv_prefix(plan, self._hs_prefix(plan, layers)))
+
+    async def acoverage(self, token_ids: Any, layer_idxs: Iterable[int] = (0,)) -> int:
+        """Coroutine twin of :meth:`coverage` (HS presence is answered on the caller's thread;
+        KV presence as in :meth:`aretrieve_hidden_states`)."""
+        plan, layers = self._coverage_args(token_ids, layer_idxs)
+        # The HS manager has no lower tiers: contains_sync answers on this thread, no hop.
+        return plan.tokens_in(await self._akv_prefix(plan, self._hs_prefix(plan, layers)))
+
+    def _hs_prefix(self, plan: ChunkPlan, layers: list[int]) -> int:
         sm = self.storage_manager
         m = 0
         for kv_key in plan.keys:
             if not all(sm.contains_sync(hs_entry_key(kv_key, li)) for li in layers):
                 break
             m += 1
-        return plan.tokens_in(self._kv_prefix(plan, m))
+        return m
+
+    def _coverage_args(self, token_ids: Any, layer_idxs: Iterable[int]) -> tuple[ChunkPlan, list[int]]:
+        self._check_open()
+        layers = [_check_layer(li, "layer_idxs entries") for li in layer_idxs]
+        if not layers:
+            raise ValueError("layer_idxs must name at least one layer")
+        return ChunkPlan(self.token_database, token_ids), layers
 
     # ---- per-key -------------------------------------------------------------------------------
     def has_chunk(self, key: CacheEngineKey, layer_idx: int = 0) -> bool:
@@ -422,16 +573,19 @@ class HiddenStateStore:
 
     def drop_key(self, key: CacheEngineKey) -> bool:
         """Drop every layer stored for the KV chunk key ``key``; True when something was dropped."""
+        sm = self.storage_manager
+        removed = False
+        for hkey in self._layer_keys(key):
+            removed = sm.remove_sync(hkey) or removed
+        return removed
+
+    def _layer_keys(self, key: CacheEngineKey) -> list[CacheEngineKey]:
         self._check_open()
         if type(key) is not CacheEngineKey:
             raise TypeError(f"key must be a CacheEngineKey, got {type(key).__name__}")
         with self._lock:
             layers = sorted(self._known_layers)
-        sm = self.storage_manager
-        removed = False
-        for li in layers:
-            removed = sm.remove_sync(hs_entry_key(key, li)) or removed
-        return removed
+        return [hs_entry_key(key, li) for li in layers]
 
     # ---- lifecycle / stats ---------------------------------------------------------------------
     def clear(self) -> None:
@@ -484,34 +638,26 @@ class HiddenStateStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- async twins (the blocking body runs on a worker thread of the caller's loop) ----------
-    async def astore_hidden_states(
-        self, token_ids: Any, hidden_states: torch.Tensor, layer_idx: int = 0, token_offset: int = 0
-    ) -> int:
-        """Coroutine twin of :meth:`store_hidden_states`."""
-        return await asyncio.to_thread(self.store_hidden_states, token_ids, hidden_states, layer_idx, token_offset)
-
-    async def aretrieve_hidden_states(
-        self, token_ids: Any, layer_idx: int = 0, out: torch.Tensor | None = None
-    ) -> torch.Tensor | None:
-        """Coroutine twin of :meth:`retrieve_hidden_states`."""
-        return await asyncio.to_thread(self.retrieve_hidden_states, token_ids, layer_idx, out)
-
-    async def acoverage(self, token_ids: Any, layer_idxs: Sequence[int] = (0,)) -> int:
-        """Coroutine twin of :meth:`coverage`."""
-        return await asyncio.to_thread(self.coverage, token_ids, tuple(layer_idxs))
-
+    # ---- async twins of the per-key calls and of close -------------------------------------------
     async def ahas_chunk(self, key: CacheEngineKey, layer_idx: int = 0) -> bool:
         """Coroutine twin of :meth:`has_chunk` (answered on the caller's thread: no I/O)."""
         return self.has_chunk(key, layer_idx)
 
     async def adrop_key(self, key: CacheEngineKey) -> bool:
-        """Coroutine twin of :meth:`drop_key` (answered on the caller's thread: no I/O)."""
-        return self.drop_key(key)
+        """Coroutine twin of :meth:`drop_key` (the HS manager has no lower tiers: no hop)."""
+        sm = self.storage_manager
+        removed = False
+        for hkey in self._layer_keys(key):
+            removed = await sm.remove(hkey) or removed
+        return removed
 
     async def aclose(self) -> None:
-        """Coroutine twin of :meth:`close`."""
-        await asyncio.to_thread(self.close)
+        """Coroutine twin of :meth:`close` over the manager's async close (awaitable from any
+        loop, also the manager's own loop thread). Idempotent; the KV manager is not closed."""
+        if self._closed:
+            return
+        self._closed = True
+        await self.storage_manager.close()
 
     def __repr__(self) -> str:
         return (

@@ -11,15 +11,19 @@ When ``enable_hidden_state_cache`` is set, ``engine.hidden_state_store`` is a
 :class:`~lmcache_async.engines.hidden_states.HiddenStateStore` sharing this engine's token
 database and asking this engine's manager whether KV is still present.
 
-Thread-safe. Every blocking method has an ``a``-prefixed coroutine twin (awaitable from any
-loop) that runs it on a worker thread of the caller's loop.
+Thread-safe. Every blocking method has an ``a``-prefixed coroutine twin, awaitable from any
+loop and written over the manager's coroutines: what the CPU tier answers is answered on the
+caller's thread (no hop); only lower-tier work crosses to the manager's loop, one batch per
+call; a copy of at least :data:`~lmcache_async.engines._offload.OFF_LOOP_COPY_BYTES` runs on
+the engine copy executor so the caller's loop is not frozen by it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -27,11 +31,12 @@ import torch
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.engines._chunks import ChunkPlan, copy_in, copy_out, release_all, wait_copies
 from lmcache_async.engines._devices import CPU, check_device
+from lmcache_async.engines._offload import copy_maybe_off_loop
 from lmcache_async.engines.hidden_states import HiddenStateStore
 from lmcache_async.errors import LoopThreadCallError, ManagerClosedError
-from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryFormat, MemoryObj
 from lmcache_async.metadata import NEUTRAL_METADATA, LMCacheEngineMetadata
+from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.storage_manager import StorageManager
 from lmcache_async.tensor_checks import check_storable_tensor
 from lmcache_async.token_database import ChunkedTokenDatabase, num_masked_prefix
@@ -39,6 +44,17 @@ from lmcache_async.token_database import ChunkedTokenDatabase, num_masked_prefix
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class _StoreJob:
+    """A checked store: the prompt's chunks, the source, the first chunk to write, its bytes."""
+
+    plan: ChunkPlan
+    src: torch.Tensor
+    base: int  # the token of row 0 of ``src``
+    cached: int  # chunks already held locally (skipped)
+    nbytes: int  # bytes the chunks from ``cached`` on copy
 
 
 class LMCacheEngine:
@@ -65,6 +81,8 @@ class LMCacheEngine:
         self.token_database = ChunkedTokenDatabase(config.chunk_size, config.save_unfull_chunk, self.metadata)
         self._closed = False
         self.timeouts = 0
+        self._timeout = float(config.blocking_timeout_secs)
+        self._timeout_log = RateLimitedLog(logger)
         self.storage_manager = StorageManager(config, self.metadata, name="kv")
         self.hidden_state_store: HiddenStateStore | None = None
         if config.enable_hidden_state_cache:
@@ -94,24 +112,11 @@ class LMCacheEngine:
         return kv
 
     # ---- store --------------------------------------------------------------------------------
-    def store(self, token_ids: Any, kv: torch.Tensor, *, mask: Any = None) -> int:
-        """Store the KV of ``token_ids``; returns the number of chunks this call wrote.
+    def _plan_store(self, token_ids: Any, kv: torch.Tensor, mask: Any) -> _StoreJob | None:
+        """Checks and plans a store on the caller's thread; None when there is nothing to write.
 
-        ``kv`` is ``[2, num_layers, num_tokens, hidden]`` on any device and of any dtype, its
-        token axis covering either all of ``token_ids`` or only the tokens after the masked
-        prefix. ``mask`` (optional, one bool per token) marks with leading False the tokens that
-        are already cached: their chunks are skipped. The masked prefix must be a multiple of
-        ``chunk_size`` and the rest all True (``ValueError`` otherwise). With
-        ``save_unfull_chunk`` false a trailing partial chunk is not stored. ``TypeError`` naming
-        ``kv`` for anything the cache cannot store (a non-tensor; a quantized, sparse, nested or
-        meta tensor).
-
-        The prefix the CPU tier already holds (or is still writing down) is skipped and not
-        counted; a chunk only a lower tier claims is stored again, and that tier keeps its record
-        when it is intact (entries are content-addressed). When the CPU pool cannot take a
-        chunk even after evicting what nobody holds, the chunks before it are kept and the rest
-        is skipped (never evicting a chunk this call wrote).
-        """
+        Looks up (without a hop: the CPU tier and the queued write-through only) the prefix
+        already held and touches it, so this call's own allocations never evict it."""
         self._check_open()
         kv = self._check_kv(kv)
         plan = ChunkPlan(self.token_database, token_ids)
@@ -130,75 +135,100 @@ class LMCacheEngine:
         first = skip // plan.chunk_size
         keys = plan.keys[first:]
         if not keys:
-            return 0
+            return None
         sm = self.storage_manager
         # Only what a local tier holds is skipped: a lower tier's "present" is unverified until
         # read, and trusting it would drop a chunk whose record there is damaged.
         cached = first + sm.local_prefix_len(keys)
         # Keep the already cached prefix (masked or found) from this call's own evictions.
         sm.touch(plan.keys[:cached][::-1])
+        if cached >= len(plan):
+            return None
         src = kv.detach()
+        per_token = src[:, :, :1].numel() * src.element_size()
+        return _StoreJob(plan, src, base, cached, per_token * (plan.n_tokens - plan.start(cached)))
+
+    def _write(self, job: _StoreJob) -> int:
+        """Copy the job's chunks into the pool and index them; returns the chunks written.
+
+        Blocking; any thread but the KV manager's loop thread. Every pool reference taken here
+        is released here, on every path (so an abandoned off-loop job leaks nothing)."""
+        sm = self.storage_manager
+        plan, src, base = job.plan, job.src, job.base
         if "cpu" not in sm.tier_names:  # no CPU pool: the manager stages and writes through
-            stored = 0
-            for i in range(cached, len(plan)):
-                a, b = plan.start(i) - base, plan.end(i) - base
-                if sm.put_sync(plan.keys[i], src[:, :, a:b], MemoryFormat.KV_2LTD):
-                    stored += 1
-            return stored
-        layers, hidden = kv.shape[1], kv.shape[3]
+            keys = plan.keys[job.cached :]
+            views = [src[:, :, plan.start(i) - base : plan.end(i) - base] for i in range(job.cached, len(plan))]
+            return sum(sm.batched_put_sync(keys, views, MemoryFormat.KV_2LTD))
+        layers, hidden = src.shape[1], src.shape[3]
         held: list[MemoryObj] = []
-        pending: list[tuple[CacheEngineKey, MemoryObj]] = []
         in_flight = False
         stored = 0
         try:
-            for i in range(cached, len(plan)):
+            for i in range(job.cached, len(plan)):
                 start, end = plan.start(i), plan.end(i)
-                obj = sm.allocate((2, layers, end - start, hidden), kv.dtype, MemoryFormat.KV_2LTD)
+                obj = sm.allocate((2, layers, end - start, hidden), src.dtype, MemoryFormat.KV_2LTD)
                 if obj is None:
-                    logger.debug("KV pool full: stored chunks up to token %d of %d", start, n_tokens)
+                    logger.debug("KV pool full: stored chunks up to token %d of %d", start, plan.n_tokens)
                     break
                 held.append(obj)
                 in_flight |= copy_in(obj.tensor, src[:, :, start - base : end - base])
-                pending.append((plan.keys[i], obj))
             if in_flight:
                 wait_copies(src)
-            for key, obj in pending:
-                sm.put_sync(key, obj)
-                if obj.get_ref_count() > 1:  # the manager took its own reference: indexed
-                    stored += 1
+            if held:
+                sm.batched_put_sync(plan.keys[job.cached : job.cached + len(held)], held)
+                # The manager took its own reference when it indexed a block.
+                stored = sum(1 for obj in held if obj.get_ref_count() > 1)
             # Newest-first touches keep a prompt's prefix the most recently used: under
             # pressure a prompt loses its suffix before its prefix.
-            sm.touch(plan.keys[: cached + len(pending)][::-1])
+            sm.touch(plan.keys[: job.cached + len(held)][::-1])
         finally:
             release_all(held)
         return stored
 
-    # ---- retrieve / lookup ---------------------------------------------------------------------
-    def retrieve(
-        self, token_ids: Any, *, device: str | torch.device | None = None
-    ) -> tuple[int, torch.Tensor | None]:
-        """``(num_hit_tokens, kv_prefix)``: the KV of the longest cached prefix of ``token_ids``
-        as one tensor ``[2, num_layers, num_hit_tokens, hidden]`` (the stored dtype; on ``device``,
-        CPU by default), or ``(0, None)`` when the first chunk misses.
+    def store(self, token_ids: Any, kv: torch.Tensor, *, mask: Any = None) -> int:
+        """Store the KV of ``token_ids``; returns the number of chunks this call wrote.
 
-        Chunks are searched in every tier (lower-tier hits are promoted into the CPU tier) and
-        touched so the prefix outlives its suffix under pressure. The result never aliases pool
-        memory. ``device`` is checked before anything is looked up: one this machine cannot hold
-        a tensor on raises ``ValueError`` naming ``device`` on a hit and on a miss alike.
+        ``kv`` is ``[2, num_layers, num_tokens, hidden]`` on any device and of any dtype, its
+        token axis covering either all of ``token_ids`` or only the tokens after the masked
+        prefix. ``mask`` (optional, one bool per token) marks with leading False the tokens that
+        are already cached: their chunks are skipped. The masked prefix must be a multiple of
+        ``chunk_size`` and the rest all True (``ValueError`` otherwise). With
+        ``save_unfull_chunk`` false a trailing partial chunk is not stored. ``TypeError`` naming
+        ``kv`` for anything the cache cannot store (a non-tensor; a quantized, sparse, nested or
+        meta tensor).
+
+        The prefix the CPU tier already holds (or is still writing down) is skipped and not
+        counted; a chunk only a lower tier claims is stored again, and that tier keeps its record
+        when it is intact (entries are content-addressed). When the CPU pool cannot take a
+        chunk even after evicting what nobody holds, the chunks before it are kept and the rest
+        is skipped (never evicting a chunk this call wrote). Runs on the caller's thread; lower
+        tiers are written through in the background (never waited for).
         """
-        self._check_open()
-        dev = CPU if device is None else check_device(device)
-        plan = ChunkPlan(self.token_database, token_ids)
-        sm = self.storage_manager
-        n = self._bounded(lambda: sm.batched_contains_sync(plan.keys), 0, "retrieve") if len(plan) else 0
-        if n == 0:
-            return 0, None
-        got = self._bounded(lambda: sm.batched_get_sync(plan.keys[:n]), None, "retrieve")
-        if got is None:
-            return 0, None
-        objs = got
+        job = self._plan_store(token_ids, kv, mask)
+        return 0 if job is None else self._write(job)
+
+    async def astore(self, token_ids: Any, kv: torch.Tensor, *, mask: Any = None) -> int:
+        """Coroutine twin of :meth:`store`, awaitable from any loop.
+
+        Answered on the caller's thread (a store never waits for lower tiers): no hop. A copy of
+        at least :data:`~lmcache_async.engines._offload.OFF_LOOP_COPY_BYTES` runs on the engine
+        copy executor instead, so the caller's loop keeps serving; a caller cancelled meanwhile
+        leaves the store to finish (it holds no pool reference afterwards)."""
+        job = self._plan_store(token_ids, kv, mask)
+        if job is None:
+            return 0
+        on_manager_loop = self.storage_manager.loop_thread.in_loop_thread()
+        return await copy_maybe_off_loop(lambda: self._write(job), job.nbytes, force=on_manager_loop)
+
+    # ---- retrieve / lookup ---------------------------------------------------------------------
+    def _assemble(
+        self, plan: ChunkPlan, objs: list[MemoryObj | None], dev: torch.device
+    ) -> tuple[int, torch.Tensor | None]:
+        """The prefix of well-shaped chunks of ``objs`` copied into one fresh tensor on ``dev``.
+
+        Blocking; any thread. Releases every reference in ``objs`` on every path."""
         try:
-            first = objs[0]
+            first = objs[0] if objs else None
             if first is None or len(first.shape) != 4:
                 return 0, None
             _, layers, _, hidden = first.shape
@@ -219,10 +249,62 @@ class LMCacheEngine:
                 in_flight |= copy_out(out[:, :, plan.start(i) : plan.end(i)], obj.tensor)
             if in_flight:
                 wait_copies(out)
-            sm.touch(plan.keys[:hit][::-1])
+            self.storage_manager.touch(plan.keys[:hit][::-1])
         finally:
             release_all(objs)
         return total, out
+
+    def retrieve(
+        self, token_ids: Any, *, device: str | torch.device | None = None
+    ) -> tuple[int, torch.Tensor | None]:
+        """``(num_hit_tokens, kv_prefix)``: the KV of the longest cached prefix of ``token_ids``
+        as one tensor ``[2, num_layers, num_hit_tokens, hidden]`` (the stored dtype; on ``device``,
+        CPU by default), or ``(0, None)`` when the first chunk misses.
+
+        Chunks are searched in every tier (lower-tier hits are promoted into the CPU tier) and
+        touched so the prefix outlives its suffix under pressure. The result never aliases pool
+        memory. ``device`` is checked before anything is looked up: one this machine cannot hold
+        a tensor on raises ``ValueError`` naming ``device`` on a hit and on a miss alike.
+        Storage trouble and ``blocking_timeout_secs`` passing are misses (counted in ``timeouts``).
+        """
+        self._check_open()
+        dev = CPU if device is None else check_device(device)
+        plan = ChunkPlan(self.token_database, token_ids)
+        if not len(plan):
+            return 0, None
+        sm = self.storage_manager
+        n = self._bounded(lambda: sm.batched_contains_sync(plan.keys), 0, "retrieve")
+        if n == 0:
+            return 0, None
+        objs = self._bounded(lambda: sm.batched_get_sync(plan.keys[:n]), None, "retrieve")
+        if objs is None:
+            return 0, None
+        return self._assemble(plan, objs, dev)
+
+    async def aretrieve(
+        self, token_ids: Any, *, device: str | torch.device | None = None
+    ) -> tuple[int, torch.Tensor | None]:
+        """Coroutine twin of :meth:`retrieve`, awaitable from any loop.
+
+        A prefix the CPU tier holds is answered on the caller's thread (no hop); only chunks a
+        lower tier must be asked about cross to the manager's loop, in one batch (bounded by
+        ``blocking_timeout_secs``, a miss when it passes). A result of at least
+        :data:`~lmcache_async.engines._offload.OFF_LOOP_COPY_BYTES` is assembled on the engine
+        copy executor; a caller cancelled at any point leaves no pool reference held."""
+        self._check_open()
+        dev = CPU if device is None else check_device(device)
+        plan = ChunkPlan(self.token_database, token_ids)
+        if not len(plan):
+            return 0, None
+        sm = self.storage_manager
+        n = await self._abounded(sm.batched_contains(plan.keys), 0, "retrieve")
+        if n == 0:
+            return 0, None
+        objs = await self._abounded(sm.batched_get(plan.keys[:n]), None, "retrieve")
+        if objs is None:
+            return 0, None
+        nbytes = sum(o.tensor.numel() * o.tensor.element_size() for o in objs if o is not None)
+        return await copy_maybe_off_loop(lambda: self._assemble(plan, objs, dev), nbytes)
 
     def lookup(self, token_ids: Any) -> int:
         """Length in tokens of the longest prefix of ``token_ids`` whose chunks are present in
@@ -234,14 +316,41 @@ class LMCacheEngine:
         sm = self.storage_manager
         return plan.tokens_in(self._bounded(lambda: sm.batched_contains_sync(plan.keys), 0, "lookup"))
 
+    async def alookup(self, token_ids: Any) -> int:
+        """Coroutine twin of :meth:`lookup`: answered on the caller's thread when the CPU tier
+        (or the lower tiers' non-blocking answers) decide it, else one batched hop."""
+        self._check_open()
+        plan = ChunkPlan(self.token_database, token_ids)
+        if not len(plan):
+            return 0
+        return plan.tokens_in(await self._abounded(self.storage_manager.batched_contains(plan.keys), 0, "lookup"))
+
+    def _timed_out(self, what: str) -> None:
+        self.timeouts += 1
+        self._timeout_log.warning(
+            "KV %s: storage did not answer within blocking_timeout_secs; treated as a miss", what
+        )
+
     def _bounded(self, call: Callable[[], _T], default: _T, what: str) -> _T:
         """Run a blocking manager call; a ``TimeoutError`` (``blocking_timeout_secs`` passed while
         lower tiers answered) is counted, logged and answered with ``default`` (a miss)."""
         try:
             return call()
         except TimeoutError:
-            self.timeouts += 1
-            logger.warning("KV %s: storage did not answer within blocking_timeout_secs; treated as a miss", what)
+            self._timed_out(what)
+            return default
+
+    async def _abounded(self, coro: Coroutine[Any, Any, _T], default: _T, what: str) -> _T:
+        """Await a manager coroutine, bounded by ``blocking_timeout_secs`` like the sync calls
+        when lower tiers may be asked (a CPU-only manager never waits); a timeout is counted,
+        logged and answered with ``default``. The manager releases what a cancelled call got."""
+        try:
+            if not self.storage_manager.has_lower_tiers:
+                return await coro
+            async with asyncio.timeout(self._timeout):
+                return await coro
+        except TimeoutError:
+            self._timed_out(what)
             return default
 
     # ---- lifecycle / stats ---------------------------------------------------------------------
@@ -293,24 +402,17 @@ class LMCacheEngine:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    # ---- async twins ------------------------------------------------------------------------------
-    async def astore(self, token_ids: Any, kv: torch.Tensor, *, mask: Any = None) -> int:
-        """Coroutine twin of :meth:`store`."""
-        return await asyncio.to_thread(self.store, token_ids, kv, mask=mask)
-
-    async def aretrieve(
-        self, token_ids: Any, *, device: str | torch.device | None = None
-    ) -> tuple[int, torch.Tensor | None]:
-        """Coroutine twin of :meth:`retrieve`."""
-        return await asyncio.to_thread(self.retrieve, token_ids, device=device)
-
-    async def alookup(self, token_ids: Any) -> int:
-        """Coroutine twin of :meth:`lookup`."""
-        return await asyncio.to_thread(self.lookup, token_ids)
-
     async def aclose(self) -> None:
-        """Coroutine twin of :meth:`close`."""
-        await asyncio.to_thread(self.close)
+        """Coroutine twin of :meth:`close` over the managers' own async close (awaitable from
+        any loop, also a manager's own loop thread). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.hidden_state_store is not None:
+                await self.hidden_state_store.aclose()
+        finally:
+            await self.storage_manager.close()
 
     def __repr__(self) -> str:
         return (

@@ -24,89 +24,19 @@ from typing import Any
 import pytest
 import torch
 
-from lmcache_async.backend import BackendContext, StorageBackend
-from lmcache_async.keys import CacheEngineKey
-from lmcache_async.memory import MemoryFormat, MemoryObj, PoolAllocator
+from lmcache_async.backend import StorageBackend
+from lmcache_async.memory import MemoryFormat, PoolAllocator
+from lmcache_async.testing.hooks import flush_backend
+from lmcache_async.testing.medium_conformance import MediumConformanceTests
+from lmcache_async.testing.objects import make_key, make_obj, same_entry
 
 __all__ = ["BackendConformanceTests", "PersistentBackendConformanceTests", "make_key", "make_obj"]
 
 
-def make_key(i: int, model: str = "conformance/model", **kw: Any) -> CacheEngineKey:
-    """A distinct key per ``i``."""
-    return CacheEngineKey(
-        model,
-        kw.get("world_size", 1),
-        kw.get("worker_id", 0),
-        (i * 0x9E3779B97F4A7C15 + 1) & ((1 << 64) - 1),
-        kw.get("dtype", torch.bfloat16),
-        kw.get("request_configs"),
-    )
-
-
-def make_obj(
-    pool: PoolAllocator,
-    shape: tuple[int, ...] = (64, 128),
-    dtype: torch.dtype = torch.float32,
-    fmt: MemoryFormat = MemoryFormat.KV_2LTD,
-    seed: int = 0,
-) -> MemoryObj:
-    """A pool block filled with deterministic data for ``seed``."""
-    obj = pool.allocate(shape, dtype, fmt)
-    assert obj is not None, "test pool exhausted"
-    g = torch.Generator().manual_seed(seed)
-    if dtype.is_floating_point:
-        obj.tensor.copy_(torch.randn(shape, generator=g).to(dtype))
-    elif dtype == torch.bool:
-        obj.tensor.copy_(torch.randint(0, 2, shape, generator=g).bool())
-    else:
-        info = torch.iinfo(dtype)
-        lo, hi = max(info.min, -1000), min(info.max, 1000)
-        obj.tensor.copy_(torch.randint(lo, hi, shape, generator=g).to(dtype))
-    return obj
-
-
-def _same(a: MemoryObj, b: MemoryObj) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and a.fmt == b.fmt and bytes(a.byte_view()) == bytes(b.byte_view())
-
-
-class BackendConformanceTests:
-    """Generic tests every backend must pass. Subclass and implement :meth:`make_backend`."""
-
-    #: Bytes of the test pool the suite allocates source objects from.
-    pool_bytes: int = 64 << 20
-
-    # ---- hooks ---------------------------------------------------------------------------------
-    async def make_backend(self, ctx: BackendContext, location: Path) -> StorageBackend:
-        """Build the backend under test. ``location`` is a fresh directory per test."""
-        raise NotImplementedError("subclasses implement make_backend")
-
-    # ---- fixtures ------------------------------------------------------------------------------
-    @pytest.fixture
-    def location(self, tmp_path: Path) -> Path:
-        d = tmp_path / "store"
-        d.mkdir()
-        return d
-
-    @pytest.fixture
-    async def src_pool(self) -> Any:
-        return PoolAllocator(self.pool_bytes, name="conformance-src", pretouch=False)
-
-    @pytest.fixture
-    async def backend(self, backend_context: Any, location: Path) -> Any:
-        be = await self.make_backend(backend_context(), location)
-        start = getattr(be, "start", None)
-        if start is not None:
-            await start()
-        yield be
-        await be.close()
-
-    async def reopen(self, backend: StorageBackend, ctx: BackendContext, location: Path) -> StorageBackend:
-        await backend.close()
-        be = await self.make_backend(ctx, location)
-        start = getattr(be, "start", None)
-        if start is not None:
-            await start()
-        return be
+class BackendConformanceTests(MediumConformanceTests):
+    """Generic tests every backend must pass. Subclass and implement :meth:`make_backend`
+    (and the medium hooks where the medium can be read directly). Includes the medium checks
+    and the Hypothesis state machine of :class:`MediumConformanceTests`."""
 
     # ---- capabilities --------------------------------------------------------------------------
     async def test_capabilities_are_bools(self, backend: StorageBackend) -> None:
@@ -141,7 +71,7 @@ class BackendConformanceTests:
         got = await backend.get(key)
         assert got is not None
         try:
-            assert _same(got, src)
+            assert same_entry(got, src)
         finally:
             got.ref_count_down()
             src.ref_count_down()
@@ -172,7 +102,7 @@ class BackendConformanceTests:
         assert await backend.put(key, b) is True
         got = await backend.get(key)
         assert got is not None
-        assert _same(got, a)
+        assert same_entry(got, a)
         for o in (got, a, b):
             o.ref_count_down()
 
@@ -198,7 +128,7 @@ class BackendConformanceTests:
         got = await backend.get(key)
         assert got is not None
         await backend.remove(key)
-        assert _same(got, src)
+        assert same_entry(got, src)
         got.ref_count_down()
         src.ref_count_down()
 
@@ -220,7 +150,7 @@ class BackendConformanceTests:
         for k, o in zip(variants, objs, strict=True):
             got = await backend.get(k)
             assert got is not None, k
-            assert _same(got, o), k
+            assert same_entry(got, o), k
             got.ref_count_down()
         for o in objs:
             o.ref_count_down()
@@ -237,7 +167,7 @@ class BackendConformanceTests:
         assert await backend.put(key, src)
         got = await backend.get(key)
         assert got is not None
-        assert _same(got, src)
+        assert same_entry(got, src)
         got.ref_count_down()
         src.ref_count_down()
 
@@ -247,7 +177,7 @@ class BackendConformanceTests:
         assert await backend.put(key, src)
         got = await backend.get(key)
         assert got is not None
-        assert _same(got, src)
+        assert same_entry(got, src)
         got.ref_count_down()
         src.ref_count_down()
 
@@ -268,7 +198,7 @@ class BackendConformanceTests:
             if i % 2:
                 assert g is None
             else:
-                assert g is not None and _same(g, objs[i])
+                assert g is not None and same_entry(g, objs[i])
                 g.ref_count_down()
         for o in objs:
             o.ref_count_down()
@@ -287,7 +217,7 @@ class BackendConformanceTests:
         res = await asyncio.gather(*(backend.put(key, src) for _ in range(16)))
         assert all(res)
         got = await backend.get(key)
-        assert got is not None and _same(got, src)
+        assert got is not None and same_entry(got, src)
         got.ref_count_down()
         src.ref_count_down()
 
@@ -302,7 +232,7 @@ class BackendConformanceTests:
             assert await backend.put(k, o)
             for _ in range(3):
                 g = await backend.get(k)
-                assert g is not None and _same(g, o)
+                assert g is not None and same_entry(g, o)
                 g.ref_count_down()
             assert await backend.contains(k)
 
@@ -333,14 +263,12 @@ class PersistentBackendConformanceTests(BackendConformanceTests):
         keys = [make_key(400 + i) for i in range(6)]
         objs = [make_obj(src_pool, (8, 32), seed=i) for i in range(6)]
         assert all(await backend.batched_put(list(zip(keys, objs, strict=True))))
-        flush = getattr(backend, "flush", None)
-        if flush is not None:
-            await flush()
+        await flush_backend(backend)
         reopened = await self.reopen(backend, backend_context(), location)
         try:
             for k, o in zip(keys, objs, strict=True):
                 g = await reopened.get(k)
-                assert g is not None and _same(g, o)
+                assert g is not None and same_entry(g, o)
                 g.ref_count_down()
         finally:
             await reopened.close()

@@ -33,9 +33,9 @@ from lmcache_async.dtypes import CODE_TO_DTYPE
 from lmcache_async.errors import ConfigError
 from lmcache_async.memory import MemoryFormat
 from lmcache_async.records import RecordError, decode_header, encode_header, verify_payload
-from lmcache_async.testing.fuzz_records import check_record_bytes, repair, seed_records
 
 from .chaos_support import record_figures, scaled
+from .fuzz_records import check_record_bytes, repair, seed_records
 
 FIELDS = sorted(LMCacheEngineConfig.model_fields)
 EXAMPLES = scaled(300)
@@ -259,6 +259,7 @@ def test_seed_records_are_valid() -> None:
 ATHERIS_RUNS = scaled(100_000)
 
 
+@pytest.mark.timeout(900)  # the atheris child alone may take up to 600 s
 def test_atheris_record_parser_run(tmp_path, figures):
     pytest.importorskip("atheris", reason="atheris is not installed (pip install atheris)")
     t0 = time.monotonic()
@@ -269,8 +270,7 @@ def test_atheris_record_parser_run(tmp_path, figures):
     res = subprocess.run(
         [
             sys.executable,
-            "-m",
-            "lmcache_async.testing.fuzz_records",
+            str(Path(__file__).with_name("fuzz_records.py")),
             f"-atheris_runs={ATHERIS_RUNS}",
             f"-rss_limit_mb={inherited_mb + 2048}",
             "-malloc_limit_mb=2048",

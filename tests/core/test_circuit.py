@@ -180,3 +180,16 @@ def test_threshold_below_one_is_refused():
 def test_the_configuration_refuses_a_cap_the_breaker_cannot_honour(value):
     with pytest.raises(ConfigError, match="remote_breaker_max_backoff_s"):
         LMCacheEngineConfig.from_defaults(remote_breaker_max_backoff_s=value)
+
+
+def test_failure_with_open_now_opens_below_the_threshold() -> None:
+    from lmcache_async.circuit import CircuitBreaker
+
+    now = [0.0]
+    b = CircuitBreaker(threshold=3, base_backoff_s=0.5, clock=lambda: now[0])
+    b.failure(open_now=True)
+    assert b.state == CircuitBreaker.OPEN and not b.allow()
+    now[0] += 0.5
+    assert b.allow() and b.state == CircuitBreaker.HALF_OPEN
+    b.success()
+    assert b.state == CircuitBreaker.CLOSED

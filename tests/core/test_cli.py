@@ -83,6 +83,7 @@ def test_bad_option_value_is_one_usage_line(capsys: pytest.CaptureFixture[str]) 
     assert "--reps" in _one_error_line(proc)
 
 
+@pytest.mark.slow  # several CLI subprocesses
 def test_unexpected_error_is_one_line_naming_the_traceback_file(tmp_path: Path) -> None:
     code = (
         "import sys, lmcache_async.cli as cli\n"
@@ -117,13 +118,14 @@ def test_every_subcommand_has_a_description_and_a_help_line() -> None:
     assert parser.description
     (sub,) = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
     helps = {a.dest: a.help for a in sub._choices_actions}
-    assert set(sub.choices) == {"demo", "config", "bench", "inspect"}
+    assert set(sub.choices) == {"demo", "config", "bench", "inspect", "serve", "status"}
     for name, p in sub.choices.items():
         assert p.description and len(p.description) > 40, name
         assert helps[name], name
 
 
 # ---- output paths are checked before long work -------------------------------------------------
+@pytest.mark.slow  # several CLI subprocesses
 def test_bench_json_in_a_missing_directory_fails_before_any_suite_runs(tmp_path: Path) -> None:
     target = tmp_path / "missing" / "out.json"
     proc = _run("bench", "--suite", "cpu", "--json", str(target), tmp=tmp_path)
@@ -184,6 +186,7 @@ def work_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.mark.slow  # several CLI subprocesses
 def test_inspect_of_a_work_dir_reports_every_tier_below_it(work_dir: Path, tmp_path: Path) -> None:
     proc = _run("inspect", str(work_dir), tmp=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -208,6 +211,7 @@ def test_inspect_of_a_tier_dir_prints_its_report_alone(work_dir: Path, capsys: p
     assert json.loads(proc.stdout)["entries"] == 3
 
 
+@pytest.mark.slow  # several CLI subprocesses
 def test_inspect_says_where_it_looked_when_it_finds_nothing(tmp_path: Path) -> None:
     (tmp_path / "empty" / "a" / "b").mkdir(parents=True)
     proc = _run("inspect", str(tmp_path / "empty"), tmp=tmp_path)
@@ -230,6 +234,7 @@ def test_inspect_of_a_missing_directory_is_one_line(tmp_path: Path, capsys: pyte
 
 
 # ---- config --explain --------------------------------------------------------------------------
+@pytest.mark.slow  # several CLI subprocesses
 def test_config_explain_prints_meaning_default_value_and_source(tmp_path: Path) -> None:
     proc = _run("config", "--explain", "chunk_size", env={"LMCACHE_CHUNK_SIZE": "512"}, tmp=tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -248,6 +253,7 @@ def test_config_explain_accepts_the_environment_variable_name_and_prints_json(
     assert out["bounds"] == ">= 0, <= 65535"
 
 
+@pytest.mark.slow  # several CLI subprocesses
 def test_config_explain_of_an_unknown_key_names_close_matches(tmp_path: Path) -> None:
     proc = _run("config", "--explain", "chunk_sise", tmp=tmp_path)
     assert proc.returncode == 2

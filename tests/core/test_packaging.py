@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCH = "lmcache_async_bench"
 
 
+@pytest.mark.slow  # a fresh interpreter per check
 def test_editable_install_imports_backends_cpu():
     out = subprocess.run(
         [sys.executable, "-c", "import lmcache_async.backends.cpu as m; print(m.__name__)"],
@@ -28,6 +29,7 @@ def test_editable_install_imports_backends_cpu():
     assert out.stdout.strip() == "lmcache_async.backends.cpu"
 
 
+@pytest.mark.slow  # a fresh interpreter per check
 def test_editable_install_imports_the_bench_suite_from_bench_dir():
     out = subprocess.run(
         [sys.executable, "-c", f"import {BENCH}.compare.driver as m; print(m.__file__)"],
@@ -49,6 +51,7 @@ def _imported_modules(path: Path) -> set[str]:
     return names
 
 
+@pytest.mark.slow  # a fresh interpreter per check
 def test_the_core_does_not_import_the_bench_suite_outside_the_bench_command():
     assert not list((ROOT / "lmcache_async").glob("bench/**/*.py"))
     offenders = []

@@ -38,11 +38,15 @@ class _Base(RuleBasedStateMachine):
 
     @rule(k=st.integers(0, len(KEYS) - 1), seed=st.integers(0, 1000), size=st.sampled_from(SIZES))
     def put(self, k: int, seed: int, size: int) -> None:
-        # A put of a present key is a no-op (the first bytes stay); of an absent one (never put,
-        # removed, or evicted from a CPU-only cache) it stores these bytes.
+        # A key names its bytes (keys are content hashes), so a put of a key the model holds
+        # carries that key's bytes again: the put must keep them readable (whichever tier holds
+        # them). A put of an absent key (never put, removed, or evicted from a CPU-only cache)
+        # stores these bytes.
         present = self.sm.contains_sync(KEYS[k])
         if self.lossless:
             assert present == (k in self.model)
+        if present and k in self.model:
+            seed, size = self.model[k]
         ok = self.sm.put_sync(KEYS[k], value(seed, size))
         if ok and not present:
             self.model[k] = (seed, size)

@@ -324,6 +324,8 @@ def test_tier_recovers_after_failures(make_manager):
     sm = make_manager(tier_order=["cpu", "testremote"], remote_timeout_s=0.3)
     lower = membackend.last()
     tier = sm._lower[0]
+    now = [0.0]
+    tier.breaker.clock = lambda: now[0]  # an injected clock instead of a sleep past the back-off
     tier.breaker.base_backoff_s = tier.breaker._backoff = 0.05
     lower.mode = "fail"
     for _ in range(4):
@@ -331,7 +333,8 @@ def test_tier_recovers_after_failures(make_manager):
     assert tier.breaker.state == "open"
     lower.mode = "ok"
     lower.data[make_key(1)] = ((2,), torch.float32, MemoryFormat.UNDEFINED, torch.ones(2).numpy().tobytes())
-    time.sleep(0.1)
+    assert sm.get_sync(make_key(1)) is None  # still inside the back-off: the tier is skipped
+    now[0] += 0.1
     with sm.get_sync(make_key(1)) as obj:
         assert torch.all(obj.tensor == 1)
     assert tier.breaker.state == "closed"
@@ -547,7 +550,8 @@ def test_batched_get_cancelled_in_a_later_tier_releases_earlier_hits(make_manage
     with pytest.raises(TimeoutError):
         sm.batched_get_sync(keys)
     time.sleep(0.2)
-    sm.clear_sync()
+    with pytest.raises(TimeoutError):  # the hung tier's clear outlasts blocking_timeout_secs
+        sm.clear_sync()  # the CPU tier is cleared before the hop
     assert pool.used_bytes == 0 and sm.staging_pool.used_bytes == 0
 
 

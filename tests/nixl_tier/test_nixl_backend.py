@@ -20,7 +20,7 @@ import torch
 
 from lmcache_async import LMCacheEngineConfig
 from lmcache_async.backend import BackendContext
-from lmcache_async.backends import nixl as nixl_mod
+from lmcache_async.backends import nixl_work
 from lmcache_async.backends.nixl import DirectoryInUseError, NixlBackend, NixlSettings, create
 from lmcache_async.backends.nixl_io import EMPTY_MAGIC, RECORD_SUFFIX, TMP_SUFFIX
 from lmcache_async.memory import HeapAllocator, MemoryFormat, MemoryObj
@@ -329,13 +329,13 @@ async def test_an_in_place_write_zeroes_the_evicted_magic_first(big_context, tmp
     assert await be.put(a, oa)
     a_file = _record_of(be, a)
     magic_when_written: list[bytes] = []
-    real_write = nixl_mod.write_record
+    real_write = nixl_work.write_record
 
     def write(agent, slot, loc, *args, **kwargs) -> None:
         magic_when_written.append(a_file.read_bytes()[:8])
         real_write(agent, slot, loc, *args, **kwargs)
 
-    monkeypatch.setattr(nixl_mod, "write_record", write)
+    monkeypatch.setattr(nixl_work, "write_record", write)
     assert await be.put(b, ob)
     assert magic_when_written == [EMPTY_MAGIC]
     assert _record_of(be, b) == a_file  # written in place, under the evicted entry's name
@@ -587,7 +587,7 @@ async def test_failed_write_into_an_evicted_slot_invalidates_and_frees_it(
     a, b, c = make_key(530), make_key(531), make_key(532)
     objs = [_obj(ctx, fill, MiB, 530 + i) for i in range(3)]
     assert await be.put(a, objs[0]) and await be.put(b, objs[1])
-    monkeypatch.setattr("lmcache_async.backends.nixl.write_record", _fail_write)
+    monkeypatch.setattr("lmcache_async.backends.nixl_work.write_record", _fail_write)
     assert await be.put(c, objs[2]) is False  # evicted `a`, then the write failed
     monkeypatch.undo()
     await _settle(be)

@@ -348,7 +348,7 @@ async def test_write_failing_inside_a_reused_evicted_file_deletes_it(
         agent.transfer("WRITE", [(src.data_ptr, n)], [(loc.payload_off, n, loc.payload_dev)])
         raise NixlTransferError("injected: the header request failed")
 
-    monkeypatch.setattr("lmcache_async.backends.nixl.write_record", half_write)
+    monkeypatch.setattr("lmcache_async.backends.nixl_work.write_record", half_write)
     assert await be.put(c, objs[2]) is False  # evicted `a`, wrote into its file, then failed
     monkeypatch.undo()
     await _settle(be)

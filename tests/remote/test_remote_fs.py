@@ -198,7 +198,7 @@ async def test_a_record_published_between_the_read_and_the_removal_is_kept(
 ) -> None:
     """A reader finds a damaged record; before it deletes it, another process deletes it too and
     a writer publishes a fresh, valid record at the same name: that record must stay."""
-    from lmcache_async.backends.remote import fs
+    from lmcache_async import record_files
 
     be = await open_fs()
     src = make_obj(src_pool, seed=25)
@@ -206,11 +206,11 @@ async def test_a_record_published_between_the_read_and_the_removal_is_kept(
     path = record_path(be, 25)
     fresh = path.read_bytes()
     _flip_last_byte(path)
-    real_read_all = fs._read_all
+    real_read = record_files.read_exact_into
     raced: list[bool] = []
 
-    def read_then_race(fd: int, dst: memoryview, offset: int) -> None:
-        real_read_all(fd, dst, offset)
+    def read_then_race(fd: int, dst: memoryview, offset: int) -> int:
+        got = real_read(fd, dst, offset)
         if not raced:
             raced.append(True)
             path.unlink()  # another reader removed the damaged record ...
@@ -218,8 +218,9 @@ async def test_a_record_published_between_the_read_and_the_removal_is_kept(
             tmp.write_bytes(fresh)
             os.link(tmp, path)  # ... and another writer published a valid one
             tmp.unlink()
+        return got
 
-    monkeypatch.setattr(fs, "_read_all", read_then_race)
+    monkeypatch.setattr(record_files, "read_exact_into", read_then_race)
     assert await be.get(make_key(25)) is None  # what this reader read was damaged
     monkeypatch.undo()
     assert raced and path.exists()

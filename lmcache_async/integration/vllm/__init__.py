@@ -1,10 +1,13 @@
-"""vLLM integration: the encoder-cache connector.
+"""vLLM integration: the encoder-cache connector and the KV connector.
 
 * :class:`LMCacheECConnectorImpl` — framework-free connector logic (no vLLM import);
 * ``LMCacheECConnector`` — the ``ECConnectorBase`` subclass vLLM loads with
   ``ec_connector_module_path="lmcache_async.integration.vllm"``; it (and
   ``LMCacheECConnectorMetadata``) is imported lazily, so importing this package does not
   import vLLM. See ``docs/vllm.md``.
+* ``LMCacheKVConnector`` — the ``KVConnectorBase_V1`` subclass vLLM loads with
+  ``kv_connector_module_path="lmcache_async.integration.vllm"`` (and
+  ``LMCacheKVConnectorMetadata``); also imported lazily.
 """
 
 from __future__ import annotations
@@ -22,10 +25,16 @@ if TYPE_CHECKING:
         LMCacheECConnector,
         LMCacheECConnectorMetadata,
     )
+    from lmcache_async.integration.vllm.kv_connector import (
+        LMCacheKVConnector,
+        LMCacheKVConnectorMetadata,
+    )
 
 _LAZY = {
     "LMCacheECConnector": "lmcache_async.integration.vllm.connector",
     "LMCacheECConnectorMetadata": "lmcache_async.integration.vllm.connector",
+    "LMCacheKVConnector": "lmcache_async.integration.vllm.kv_connector",
+    "LMCacheKVConnectorMetadata": "lmcache_async.integration.vllm.kv_connector",
 }
 
 
@@ -45,5 +54,7 @@ __all__ = [
     "LMCacheECConnector",
     "LMCacheECConnectorImpl",
     "LMCacheECConnectorMetadata",
+    "LMCacheKVConnector",
+    "LMCacheKVConnectorMetadata",
     "load_connector_config",
 ]

@@ -1,7 +1,7 @@
 """A coverage-guided fuzz target for the record parser (:mod:`lmcache_async.records`) and the
 remote tier's record-head parser, run with atheris::
 
-    python -m lmcache_async.testing.fuzz_records -atheris_runs=20000 [CORPUS_DIR ...]
+    python tests/chaos/fuzz_records.py -atheris_runs=20000 [CORPUS_DIR ...]
 
 Without a corpus directory it starts from a few valid records written to a temporary one.
 The module imports without atheris (``pip install atheris``): :func:`check_record_bytes` is the

@@ -1,0 +1,190 @@
+"""The client tier ``server``: entries live in the node cache server's shared pool.
+
+Enabled by ``cache_server_socket: PATH`` and placed in ``tier_order`` like any tier (alone, or
+after a small private ``cpu`` tier). The namespace is ``cache_server_namespace``, else the
+metadata's model name, else ``"default"``; ``cache_server_token`` is presented at admission.
+
+Two surfaces:
+
+* the :class:`~lmcache_async.backend.LocalTier` calls (``lookup``, ``contains_nowait``,
+  ``prefix_len``, ``present_flags``, ``touch``) answer on the caller's thread over a blocking
+  socket, one round trip per batch, each bounded by ``remote_timeout_s``;
+* the backend coroutines (loop thread) run the same blocking calls in the manager's executor,
+  so the loop never waits on the socket.
+
+A read copies the entry out of the shared pool into a buffer from the read allocator (the
+manager's staging area unless the caller passes one) and ends its lease at once; the caller
+owns that buffer. Trouble (server down, restarted, slow, malformed answer) is a miss/False,
+counted in ``stats()``; the client's circuit breaker skips the server while it is down and the
+first call after the back-off reconnects and maps the new pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from lmcache_async.backend import Allocate, BackendContext, StorageBackend
+from lmcache_async.keys import CacheEngineKey
+from lmcache_async.memory import MemoryObj
+from lmcache_async.server.client import ServerClient
+
+__all__ = ["ServerTier", "create"]
+
+
+def _kb(key: CacheEngineKey) -> bytes:
+    return key.to_string().encode("utf-8")
+
+
+class ServerTier(StorageBackend):
+    """A client of one namespace on a node cache server; see the module docstring."""
+
+    name = "server"
+
+    def __init__(self, client: ServerClient, ctx: BackendContext) -> None:
+        self.client = client
+        self._staging: Allocate = ctx.staging
+        self._loop = ctx.loop
+        self._executor = ctx.executor
+
+    # ---- capabilities ----------------------------------------------------------------------------
+    @property
+    def persistent(self) -> bool:
+        """Entries live in the server process: they outlive this client, not the server."""
+        return True
+
+    @property
+    def shared(self) -> bool:
+        return True
+
+    @property
+    def is_remote(self) -> bool:
+        return True
+
+    # ---- caller-thread surface (LocalTier) --------------------------------------------------------
+    def lookup(self, key: CacheEngineKey) -> MemoryObj | None:
+        """The entry copied into a staging buffer the caller owns, or None (miss or trouble)."""
+        got = self.client.get([_kb(key)], self._staging)
+        return None if not got else got[0]
+
+    def lookup_many(self, keys: Sequence[CacheEngineKey], alloc: Allocate | None = None) -> list[MemoryObj | None]:
+        """One result per key (one round trip); buffers from ``alloc`` (default: staging)."""
+        got = self.client.get([_kb(k) for k in keys], alloc or self._staging)
+        return [None] * len(keys) if got is None else got
+
+    def contains_nowait(self, key: CacheEngineKey) -> bool | None:
+        """Presence asked over the socket; None when the server could not be asked."""
+        got = self.client.contains([_kb(key)])
+        return None if got is None else got[0]
+
+    def prefix_len(self, keys: Sequence[CacheEngineKey]) -> int:
+        """How many leading keys the server holds (0 when it could not be asked)."""
+        flags = self.client.contains([_kb(k) for k in keys])
+        if not flags:
+            return 0
+        n = 0
+        for f in flags:
+            if not f:
+                break
+            n += 1
+        return n
+
+    def present_flags(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
+        """Presence of each key (all False when the server could not be asked)."""
+        flags = self.client.contains([_kb(k) for k in keys])
+        return [False] * len(keys) if flags is None else flags
+
+    def touch(self, keys: Sequence[CacheEngineKey]) -> None:
+        """Mark the keys the server holds as recently used."""
+        if keys:
+            self.client.contains([_kb(k) for k in keys], touch=True)
+
+    def put_many(self, items: Sequence[tuple[CacheEngineKey, MemoryObj]]) -> list[bool]:
+        """Store each payload on the caller's thread; False per item not stored (or trouble)."""
+        got = self.client.put([(_kb(k), o) for k, o in items])
+        return [False] * len(items) if got is None else got
+
+    # ---- backend coroutines (loop thread; blocking work in the executor) -------------------------
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        return await self._loop.run_in_executor(self._executor, fn, *args)
+
+    async def put(self, key: CacheEngineKey, obj: MemoryObj) -> bool:
+        res: list[bool] = await self._run(self.put_many, [(key, obj)])
+        return res[0]
+
+    async def batched_put(self, items: Sequence[tuple[CacheEngineKey, MemoryObj]]) -> list[bool]:
+        if not items:
+            return []
+        res: list[bool] = await self._run(self.put_many, list(items))
+        return res
+
+    async def get(self, key: CacheEngineKey, alloc: Allocate | None = None) -> MemoryObj | None:
+        return (await self.batched_get([key], alloc))[0]
+
+    async def batched_get(
+        self, keys: Sequence[CacheEngineKey], alloc: Allocate | None = None
+    ) -> list[MemoryObj | None]:
+        if not keys:
+            return []
+        fut = self._loop.run_in_executor(self._executor, self.lookup_many, list(keys), alloc)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(_release_all)  # buffers the executor still fills are released
+            raise
+
+    async def contains(self, key: CacheEngineKey) -> bool:
+        got = await self._run(self.client.contains, [_kb(key)])
+        return bool(got and got[0])
+
+    async def batched_contains(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
+        if not keys:
+            return []
+        res: list[bool] = await self._run(self.present_flags, list(keys))
+        return res
+
+    async def remove(self, key: CacheEngineKey) -> bool:
+        got = await self._run(self.client.remove, [_kb(key)])
+        return bool(got and got[0])
+
+    async def clear(self) -> None:
+        await self._run(self.client.clear)
+
+    async def close(self) -> None:
+        self.client.close()
+
+    def stats(self) -> dict[str, Any]:
+        st = self.client.stats()
+        return {
+            "errors": st["errors"],
+            "skipped": st["skipped"],
+            "connects": st["connects"],
+            "connected": int(st["connected"]),
+            "circuit_open": int(st["circuit"] != "closed"),
+            "generation": self.client.generation,
+        }
+
+
+def _release_all(fut: asyncio.Future[list[MemoryObj | None]]) -> None:
+    if fut.cancelled() or fut.exception() is not None:
+        return
+    for obj in fut.result():
+        if obj is not None:
+            obj.ref_count_down()
+
+
+def create(ctx: BackendContext) -> ServerTier | None:
+    """The tier when ``cache_server_socket`` is set, else None."""
+    cfg = ctx.config
+    if not cfg.cache_server_socket:
+        return None
+    namespace = cfg.cache_server_namespace or getattr(ctx.metadata, "model_name", None) or "default"
+    client = ServerClient(
+        cfg.cache_server_socket,
+        str(namespace),
+        token=cfg.cache_server_token,
+        timeout_s=cfg.remote_timeout_s,
+        max_backoff_s=cfg.remote_breaker_max_backoff_s,
+    )
+    return ServerTier(client, ctx)

@@ -1,0 +1,364 @@
+"""Node cache server figures, measured from a client process against same-run baselines.
+
+The suite starts ``lmcache-async serve`` and a bare Unix-socket echo server (same event loop
+kind: uvloop when installed, else asyncio) as child processes; this process is the client.
+
+* **contains** of one key vs one echo round trip of a same-sized message; target <= 1.5x;
+* **1 MiB get, copied out** (lease, copy from the mapped pool into a pre-touched staging block,
+  release) vs an echo round trip plus the SPEC §6 copy baseline of 1 MiB; target <= 1.5x;
+* **1 MiB get vs an in-process EC get** (``ECCacheEngine.get``, which also copies into a fresh
+  tensor): throughput ratio; target >= 0.7;
+* **1 MiB put and get vs the Redis tier** on loopback (``RemoteBackend`` on a ``redis-server``
+  started for the run, one at a time): throughput ratios; target >= 3 (skipped without a
+  redis/valkey binary).
+
+Rounds alternate figure and baseline so background noise hits both; each figure is the median of
+``reps`` rounds. Run ``python -m lmcache_async_bench.server [--quick]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from lmcache_async.keys import CacheEngineKey
+from lmcache_async.memory import MemoryFormat, PoolAllocator
+from lmcache_async.server.client import ServerClient, query_status
+
+from .common import BenchOptions, CopyBaseline, MiB, Result, alternate, with_redis
+
+SUITE = "server"
+
+_ECHO = r"""
+import asyncio, os, sys
+async def handle(r, w):
+    try:
+        while True:
+            data = await r.read(1 << 20)
+            if not data:
+                break
+            w.write(data)
+            await w.drain()
+    except ConnectionError:
+        pass
+    finally:
+        w.close()
+async def main(path):
+    srv = await asyncio.start_unix_server(handle, path)
+    async with srv:
+        await srv.serve_forever()
+try:
+    import uvloop
+    uvloop.run(main(sys.argv[1]))
+except ImportError:
+    asyncio.run(main(sys.argv[1]))
+"""
+
+
+def _key(i: int) -> CacheEngineKey:
+    return CacheEngineKey("bench/server", 1, 0, (i * 0x9E3779B97F4A7C15 + 11) & ((1 << 64) - 1), torch.bfloat16)
+
+
+def _kb(i: int) -> bytes:
+    return _key(i).to_string().encode()
+
+
+def _wait_socket(path: str, proc: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"child exited with {proc.returncode}")
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(path)
+            return
+        except OSError:
+            time.sleep(0.05)
+        finally:
+            s.close()
+    raise RuntimeError(f"nothing listens on {path}")
+
+
+class _Echo:
+    """A blocking client of the echo server: one round trip of ``nbytes``."""
+
+    def __init__(self, path: str, nbytes: int) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(path)
+        self.msg = os.urandom(nbytes)
+        self.buf = bytearray(nbytes)
+
+    def round_trip(self) -> None:
+        self.sock.sendall(self.msg)
+        view = memoryview(self.buf)
+        got = 0
+        while got < len(self.buf):
+            got += self.sock.recv_into(view[got:])
+
+
+def _per_op(fn: Callable[[], object], inner: int) -> Callable[[], float]:
+    def one() -> float:
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        return (time.perf_counter() - t0) / inner
+
+    return one
+
+
+def _local_figures(opts: BenchOptions, client: ServerClient, echo_path: str) -> list[Result]:
+    reps = opts.reps
+    inner = 50 if opts.quick else 400
+    staging = PoolAllocator(64 * MiB, name="bench-staging")
+    staging.wait_ready(30)
+    src_pool = PoolAllocator(8 * MiB, name="bench-src", pretouch=False)
+    src = src_pool.allocate((256, 1024), torch.float32, MemoryFormat.EC_TD)  # 1 MiB
+    assert src is not None
+    src.tensor.copy_(torch.randn(256, 1024))
+    assert client.put([(_kb(0), src)]) == [True]
+    key = [_kb(0)]
+    contains_msg = 9 + 3 + len(key[0])
+    echo_small = _Echo(echo_path, contains_msg)
+    copy = CopyBaseline(MiB, span=(64 if opts.quick else 256) * MiB)
+
+    def contains() -> None:
+        client.contains(key)
+
+    def get() -> None:
+        got = client.get(key, staging.allocate)
+        assert got is not None and got[0] is not None
+        got[0].ref_count_down()
+
+    def echo_plus_copy() -> None:
+        echo_small.round_trip()
+        copy.step()
+
+    t_contains, t_echo = alternate([_per_op(contains, inner), _per_op(echo_small.round_trip, inner)], reps=reps)
+    t_get, t_base = alternate([_per_op(get, inner // 4), _per_op(echo_plus_copy, inner // 4)], reps=reps)
+    out = [
+        Result(
+            SUITE,
+            "contains (1 key)",
+            t_contains * 1e6,
+            "us",
+            "unix-socket echo round trip",
+            t_echo * 1e6,
+            target=1.5,
+            note="blocking client; server " + _loop_kind(),
+        ),
+        Result(
+            SUITE, "get 1 MiB, copied out", t_get * 1e6, "us", "echo round trip + 1 MiB copy", t_base * 1e6, target=1.5
+        ),
+    ]
+    out.append(_ec_figure(opts, get, inner // 4))
+    echo_small.sock.close()
+    src.ref_count_down()
+    return out
+
+
+def _ec_figure(opts: BenchOptions, server_get: Callable[[], None], inner: int) -> Result:
+    from lmcache_async.config import LMCacheEngineConfig
+    from lmcache_async.engines.encoder_cache import ECCacheEngine
+    from lmcache_async.metadata import LMCacheEngineMetadata
+
+    cfg = LMCacheEngineConfig.from_defaults(max_local_cpu_size=0.125, staging_size=0)
+    with ECCacheEngine(cfg, LMCacheEngineMetadata("bench/server"), torch.float32) as ec:
+        feats = torch.randn(256, 1024)
+        assert ec.put("a" * 16, feats)
+
+        def ec_get() -> None:
+            t = ec.get("a" * 16)
+            assert t is not None
+
+        t_srv, t_ec = alternate([_per_op(server_get, inner), _per_op(ec_get, inner)], reps=opts.reps)
+    return Result(
+        SUITE,
+        "get 1 MiB (server, copy) vs in-process EC get",
+        MiB / t_srv / 1e9,
+        "GB/s",
+        "in-process EC get",
+        MiB / t_ec / 1e9,
+        higher_is_better=True,
+        target=0.7,
+        target_kind="min",
+    )
+
+
+def _redis_figures(opts: BenchOptions, client: ServerClient, url: str) -> list[Result]:
+    from lmcache_async.backend import BackendContext
+    from lmcache_async.backends.remote import RemoteBackend
+    from lmcache_async.config import LMCacheEngineConfig
+    from lmcache_async.memory import HeapAllocator
+    from lmcache_async.metadata import LMCacheEngineMetadata
+
+    count = 16 if opts.quick else 64
+    staging = PoolAllocator(64 * MiB, name="bench-staging-r")
+    staging.wait_ready(30)
+    heap = HeapAllocator("bench-heap")
+    srcs_pool = PoolAllocator(8 * MiB, name="bench-src-r", pretouch=False)
+    src = srcs_pool.allocate((256, 1024), torch.float32, MemoryFormat.EC_TD)
+    assert src is not None
+    src.tensor.copy_(torch.randn(256, 1024))
+    ids = itertools.count(1000)
+
+    async def run() -> list[Result]:
+        loop = asyncio.get_running_loop()
+        executor = concurrent.futures.ThreadPoolExecutor(4)
+
+        def alloc(shape, dtype, fmt):  # type: ignore[no-untyped-def]
+            return staging.allocate(shape, dtype, fmt) or heap.allocate(shape, dtype, fmt)
+
+        ctx = BackendContext(
+            config=LMCacheEngineConfig.from_defaults(remote_url=url, remote_key_prefix="benchsrv"),
+            metadata=LMCacheEngineMetadata("bench/server"),
+            cache_name="bench",
+            loop=loop,
+            executor=executor,
+            staging=alloc,
+            staging_pool=staging,
+            pool=None,
+        )
+        be = RemoteBackend(ctx, timeout_s=60.0)
+        await be.start()
+        try:
+
+            async def redis_round(op: str) -> float:
+                keys = [_key(next(ids)) for _ in range(count)]
+                if op == "get":
+                    for k in keys:
+                        await be.put(k, src)
+                t0 = time.perf_counter()
+                for k in keys:
+                    if op == "put":
+                        await be.put(k, src)
+                    else:
+                        got = await be.get(k)
+                        assert got is not None
+                        got.ref_count_down()
+                dt = (time.perf_counter() - t0) / count
+                for k in keys:
+                    await be.remove(k)
+                return dt
+
+            def server_round(op: str) -> float:
+                keys = [_kb(next(ids)) for _ in range(count)]
+                if op == "get":
+                    assert client.put([(k, src) for k in keys]) == [True] * count
+                t0 = time.perf_counter()
+                for k in keys:
+                    if op == "put":
+                        assert client.put([(k, src)]) == [True]
+                    else:
+                        got = client.get([k], alloc)
+                        assert got is not None and got[0] is not None
+                        got[0].ref_count_down()
+                dt = (time.perf_counter() - t0) / count
+                client.remove(keys)
+                return dt
+
+            out = []
+            for op in ("put", "get"):
+                srv_s, red_s = [], []
+                for r in range(opts.reps + 1):
+                    a = server_round(op)
+                    b = await redis_round(op)
+                    if r:  # the first round warms both
+                        srv_s.append(a)
+                        red_s.append(b)
+                srv_s.sort()
+                red_s.sort()
+                t_srv, t_red = srv_s[len(srv_s) // 2], red_s[len(red_s) // 2]
+                out.append(
+                    Result(
+                        SUITE,
+                        f"{op} 1 MiB vs Redis tier",
+                        MiB / t_srv / 1e9,
+                        "GB/s",
+                        f"Redis tier {op} (loopback)",
+                        MiB / t_red / 1e9,
+                        higher_is_better=True,
+                        target=3.0,
+                        target_kind="min",
+                    )
+                )
+            return out
+        finally:
+            await be.close()
+            executor.shutdown(wait=False)
+
+    try:
+        return asyncio.run(run())
+    finally:
+        src.ref_count_down()
+
+
+def _loop_kind() -> str:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
+
+
+def run(opts: BenchOptions) -> list[Result]:
+    """Every server figure (see the module docstring)."""
+    # A Unix socket path is limited to 107 bytes: the sockets live in a short directory under
+    # the system temp dir, whatever the work dir is.
+    with tempfile.TemporaryDirectory(prefix="lmc-bench-srv-") as tmp:
+        work = Path(tmp)
+        os.chmod(work, 0o700)
+        sock = str(work / "s" / "cache.sock")
+        echo_path = str(work / "echo.sock")
+        cfg = work / "server.yaml"
+        cfg.write_text(f"max_local_cpu_size: {0.125 if opts.quick else 0.5}\n")
+        server = subprocess.Popen(
+            [sys.executable, "-m", "lmcache_async.cli", "serve", "--socket", sock, "--config", str(cfg)],
+            stderr=subprocess.DEVNULL,
+        )
+        echo = subprocess.Popen([sys.executable, "-c", _ECHO, echo_path], stderr=subprocess.DEVNULL)
+        client: ServerClient | None = None
+        try:
+            _wait_socket(echo_path, echo)
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    query_status(sock, timeout_s=2.0)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline or server.poll() is not None:
+                        raise RuntimeError("the cache server did not start") from None
+                    time.sleep(0.1)
+            opts.say("server: measuring contains and 1 MiB get")
+            client = ServerClient(sock, "bench", timeout_s=30.0)
+            results = _local_figures(opts, client, echo_path)
+            opts.say("server: put/get vs the Redis tier")
+            results += with_redis(opts, "server vs redis", lambda url: _redis_figures(opts, client, url))
+            return results
+        finally:
+            if client is not None:
+                client.close()
+            for p in (server, echo):
+                p.terminate()
+            for p in (server, echo):
+                try:
+                    p.wait(20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+
+
+if __name__ == "__main__":
+    from .common import format_table
+
+    quick = "--quick" in sys.argv
+    print(format_table(run(BenchOptions(progress=print, quick=quick))))

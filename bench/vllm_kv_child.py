@@ -1,0 +1,242 @@
+"""One vLLM engine of the KV-connector benchmark, in its own process.
+
+``python -m lmcache_async_bench.vllm_kv_child SPEC.json RESULT.json`` (run by
+:mod:`lmcache_async_bench.vllm_kv`, with the engine environment it sets). SPEC keys:
+
+* ``model`` (directory), ``tokens`` (prompt length), ``runs`` (prompts measured), ``seed``
+  (prompt ``i`` is seeded ``seed + i``, so every process sees the same prompts), ``vocab``;
+* ``mode``: ``"reference"`` (no connector: each prompt uncached, then again as a hit of vLLM's
+  own prefix cache), ``"store"`` (run 1 through a connector) or ``"load"`` (run 2, a new process
+  reading what ``store`` saved); in both connector modes each prompt is followed at once by the
+  bare gather/scatter of the blocks it saved or loaded (same count, in the same process);
+* ``kv_transfer_config`` (a dict for ``vllm.config.KVTransferConfig``; absent for reference),
+  ``flush`` (call the worker connector's ``flush()`` after each prompt, outside the timing).
+
+RESULT: per prompt the TTFT (wall time of a one-token greedy ``generate``), the first token,
+``num_cached_tokens`` and the seconds the worker spent inside the connector's save calls
+(``save_kv_layer`` + ``wait_for_save``) and load calls (``start_load_kv`` +
+``wait_for_layer_load``) and, for the connector modes, the bare gather and scatter times beside
+it (``bare``); ``error`` is None
+when the run went through.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SAVE_METHODS = ("save_kv_layer", "wait_for_save")
+LOAD_METHODS = ("start_load_kv", "wait_for_layer_load")
+WARMUP_TOKENS = 256
+"""Length of the warm-up prompt each engine generates before anything is timed."""
+BARE_REPS = 3
+"""Repetitions of the bare gather/scatter after each prompt (their median is recorded): on a
+loaded host one 20 ms copy can be preempted for hundreds of milliseconds."""
+
+
+def prompt_ids(seed: int, tokens: int, vocab: int) -> list[int]:
+    """The benchmark's prompt ``seed``: ``tokens`` pseudo-random ids in ``[4, vocab)``
+    (the ids below 4 are the tokenizer's special tokens)."""
+    rng = random.Random(seed)
+    return [rng.randrange(4, vocab) for _ in range(tokens)]
+
+
+def _worker(obj: Any) -> Any:
+    return getattr(obj, "worker", None) or obj
+
+
+def install_connector_timers(obj: Any) -> bool:
+    """Wrap the worker connector's save and load methods (on the instance) so the seconds spent
+    inside them accumulate; runs in the worker (through ``LLM.collective_rpc``). False when the
+    worker has no KV connector."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return False
+    conn = get_kv_transfer_group()
+    if getattr(conn, "_bench_seconds", None) is not None:
+        return True
+    seconds = {"save": 0.0, "load": 0.0}
+
+    def timed(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[kind] += time.perf_counter() - t0
+
+        return call
+
+    for name in SAVE_METHODS:
+        setattr(conn, name, timed("save", getattr(conn, name)))
+    for name in LOAD_METHODS:
+        setattr(conn, name, timed("load", getattr(conn, name)))
+    conn._bench_seconds = seconds
+    return True
+
+
+def take_connector_seconds(obj: Any) -> dict[str, float]:
+    """The accumulated save/load seconds since the last call (then reset to zero)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    seconds: dict[str, float] = get_kv_transfer_group()._bench_seconds
+    out = dict(seconds)
+    for k in seconds:
+        seconds[k] = 0.0
+    return out
+
+
+def flush_connector(obj: Any) -> float:
+    """Seconds the worker connector's ``flush()`` took (0 when it has none)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    flush = getattr(get_kv_transfer_group(), "flush", None)
+    if flush is None:
+        return 0.0
+    t0 = time.perf_counter()
+    flush()
+    return time.perf_counter() - t0
+
+
+def bare_gather_scatter(obj: Any, num_blocks: int, reps: int, seed: int) -> dict[str, Any]:
+    """Median seconds of a bare block gather and scatter over the worker's paged caches.
+
+    Per repetition a different seeded set of ``num_blocks`` block ids (so the blocks are not
+    cache-hot from the previous repetition) is gathered from every layer with
+    ``torch.index_select(out=)`` into pre-touched staging tensors, then scattered back with
+    ``index_copy_`` (the same bytes go back, so the engine's cache is unchanged).
+    """
+    caches = [c for c in _worker(obj).model_runner.kv_caches if isinstance(c, torch.Tensor)]
+    if not caches or num_blocks <= 0:
+        return {"gather_s": None, "scatter_s": None, "layers": len(caches), "bytes": 0}
+    total = caches[0].shape[0]
+    num_blocks = min(num_blocks, total)
+    staging = [torch.empty((num_blocks, *c.shape[1:]), dtype=c.dtype).fill_(0) for c in caches]
+    rng = random.Random(seed)
+    gathers, scatters = [], []
+    for _ in range(reps + 1):  # the first repetition warms up and is not recorded
+        ids = torch.tensor(sorted(rng.sample(range(total), num_blocks)), dtype=torch.long)
+        t0 = time.perf_counter()
+        for c, s in zip(caches, staging, strict=True):
+            torch.index_select(c, 0, ids, out=s)
+        t1 = time.perf_counter()
+        for c, s in zip(caches, staging, strict=True):
+            c.index_copy_(0, ids, s)
+        t2 = time.perf_counter()
+        gathers.append(t1 - t0)
+        scatters.append(t2 - t1)
+    nbytes = sum(s.numel() * s.element_size() for s in staging)
+    return {
+        "gather_s": statistics.median(gathers[1:]),
+        "scatter_s": statistics.median(scatters[1:]),
+        "layers": len(caches),
+        "blocks": num_blocks,
+        "layout": list(caches[0].shape),
+        "bytes": nbytes,
+    }
+
+
+def _engine(spec: dict[str, Any]) -> Any:
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = dict(
+        model=spec["model"],
+        dtype="float32",
+        max_model_len=max(spec["tokens"] + 64, 1024),
+        max_num_seqs=4,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        disable_log_stats=False,
+        seed=0,
+    )
+    ktc = spec.get("kv_transfer_config")
+    if ktc:
+        from vllm.config import KVTransferConfig
+
+        kwargs["kv_transfer_config"] = KVTransferConfig(**ktc)
+    return LLM(**kwargs)
+
+
+def _one(llm: Any, ids: list[int]) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    t0 = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+    ttft = time.perf_counter() - t0
+    return {
+        "ttft_s": ttft,
+        "token": out.outputs[0].token_ids[0] if out.outputs and out.outputs[0].token_ids else None,
+        "cached": int(out.num_cached_tokens or 0),
+    }
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    """Start the engine ``spec`` describes, measure, return the result (see the module doc)."""
+    from vllm.config import VllmConfig  # noqa: F401  (fail here when vLLM is missing)
+
+    result: dict[str, Any] = {"prompts": [], "error": None}
+    t0 = time.monotonic()
+    llm = _engine(spec)
+    result["start_s"] = time.monotonic() - t0
+    timed = bool(llm.collective_rpc(install_connector_timers)[0])
+    vocab, tokens = int(spec["vocab"]), int(spec["tokens"])
+    # Warm-up: a short prompt of its own (seeded apart from the measured ones).
+    _one(llm, prompt_ids(10_000_019 + int(spec["seed"]), WARMUP_TOKENS, vocab))
+    if timed:
+        llm.collective_rpc(take_connector_seconds)
+        if spec.get("flush"):
+            llm.collective_rpc(flush_connector)
+    mode = spec["mode"]
+    block_size = int(llm.llm_engine.vllm_config.cache_config.block_size)
+    result["block_size"] = block_size
+    for i in range(int(spec["runs"])):
+        ids = prompt_ids(int(spec["seed"]) + i, tokens, vocab)
+        entry = _one(llm, ids)
+        if timed:
+            entry.update(llm.collective_rpc(take_connector_seconds)[0])
+            if spec.get("flush"):
+                entry["flush_s"] = llm.collective_rpc(flush_connector)[0]
+        if mode == "reference":
+            hit = _one(llm, ids)
+            entry.update(hit_ttft_s=hit["ttft_s"], hit_token=hit["token"], hit_cached=hit["cached"])
+        else:
+            # The bare baseline right after the measured call, so both see the same machine load:
+            # the blocks a save of this prompt covers (whole blocks of all but the last token),
+            # or the blocks the load restored.
+            tokens_moved = entry["cached"] if mode == "load" else (tokens - 1) // block_size * block_size
+            entry["bare"] = llm.collective_rpc(
+                bare_gather_scatter, args=(tokens_moved // block_size, BARE_REPS, int(spec["seed"]) + i)
+            )[0]
+        result["prompts"].append(entry)
+    result["total_s"] = time.monotonic() - t0
+    return result
+
+
+def main(spec_path: str, result_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    try:
+        result = run(spec)
+    except Exception as exc:
+        result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(), "prompts": []}
+    Path(result_path).write_text(json.dumps(result))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the engine's shutdown (~5 s) is not measured; the process group is ended anyway
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit("usage: python -m lmcache_async_bench.vllm_kv_child SPEC.json RESULT.json")
+    sys.exit(main(sys.argv[1], sys.argv[2]))

@@ -1,0 +1,298 @@
+"""The class vLLM loads: ``LMCacheKVConnector``, a subclass of vLLM's ``KVConnectorBase_V1``.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "LMCacheKVConnector",
+                           "kv_connector_module_path": "lmcache_async.integration.vllm",
+                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}'
+
+Settings come from the normal engine config: ``kv_connector_extra_config`` may name a YAML
+file (``config_file``) and give keys inline; ``LMCACHE_CONFIG_FILE`` and ``LMCACHE_<KEY>`` work
+as everywhere (:func:`~.kv_engine.load_kv_connector_config`).
+
+The scheduler-role instance answers lookups and plans loads and saves
+(:mod:`.kv_scheduler`); the worker-role instance copies whole blocks between vLLM's paged caches
+and the records (:mod:`.kv_worker`, :mod:`.kv_layout`). Both share one store per process
+(:mod:`.kv_engine`). With ``enable_hidden_state_cache`` the worker's connector also owns a
+:class:`~lmcache_async.engines.hidden_states.HiddenStateStore` over its KV manager,
+``connector.hidden_state_store``; :meth:`LMCacheKVConnector.save_hidden_states` and
+:meth:`LMCacheKVConnector.load_hidden_states` share hidden states across processes through the
+KV tiers (:mod:`.kv_hidden`).
+
+A cache fault never ends the engine or a request: lookups that fail are misses, loads that fail
+are reported through ``get_block_ids_with_load_errors`` (vLLM recomputes those blocks when
+``kv_load_failure_policy`` is ``"recompute"``; the connector warns at start-up otherwise).
+Importing this module imports vLLM; ``import lmcache_async.integration.vllm`` does not.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from lmcache_async.engines.hidden_states import HiddenStateStore
+from lmcache_async.integration.vllm.kv_engine import (
+    KVStore,
+    acquire_store,
+    find_worker_store,
+    kv_dtype_of,
+    load_kv_connector_config,
+    release_store,
+)
+from lmcache_async.integration.vllm.kv_hidden import publish_hidden_states, restore_hidden_states
+from lmcache_async.integration.vllm.kv_layout import check_chunk_alignment
+from lmcache_async.integration.vllm.kv_metadata import KVStepMetadata
+from lmcache_async.integration.vllm.kv_scheduler import KVSchedulerSide
+from lmcache_async.integration.vllm.kv_worker import KVWorkerSide
+from lmcache_async.metadata import LMCacheEngineMetadata
+from lmcache_async.storage_manager import StorageManager
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LMCacheKVConnector", "LMCacheKVConnectorMetadata"]
+
+
+@dataclass
+class LMCacheKVConnectorMetadata(KVConnectorMetadata, KVStepMetadata):
+    """Scheduler → worker for one step: the load and save runs (:class:`KVStepMetadata`)."""
+
+
+def _worker_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_world_group
+
+        return int(get_world_group().rank_in_group)
+    except Exception:  # not initialised (a unit test building the worker role by hand)
+        return 0
+
+
+class LMCacheKVConnector(KVConnectorBase_V1):
+    """vLLM KV connector over this project's tiered storage; see the module docstring.
+
+    Raises ``ValueError`` naming ``chunk_size`` at construction when it is not a multiple of
+    vLLM's block size.
+    """
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = self._kv_transfer_config
+        policy = getattr(ktc, "kv_load_failure_policy", None)
+        if policy != "recompute":
+            logger.warning(
+                "LMCacheKVConnector: kv_load_failure_policy is %r; set it to 'recompute' so that a "
+                "failed cache load recomputes its blocks instead of failing the request",
+                policy,
+            )
+        config = load_kv_connector_config(getattr(ktc, "kv_connector_extra_config", None) or {})
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.blocks_per_chunk = check_chunk_alignment(config.chunk_size, self.block_size)
+        model = vllm_config.model_config
+        served = getattr(model, "served_model_name", None)
+        if isinstance(served, (list, tuple)):
+            served = served[0] if served else None
+        model_name = str(served or model.model)
+        kv_dtype = kv_dtype_of(getattr(vllm_config.cache_config, "cache_dtype", "auto"), model.dtype)
+        world = int(vllm_config.parallel_config.world_size)
+        is_worker = role == KVConnectorRole.WORKER
+        rank = _worker_rank() if is_worker else 0
+        self.metadata = LMCacheEngineMetadata(
+            model_name=model_name,
+            world_size=world,
+            worker_id=rank,
+            kv_dtype=kv_dtype,
+            role="worker" if is_worker else "scheduler",
+        )
+        # Stores are shared by identity; the role is not part of it.
+        ident = LMCacheEngineMetadata(model_name=model_name, world_size=world, worker_id=rank, kv_dtype=kv_dtype)
+        self._ident = ident
+        self._config = config
+        lease, self.store = acquire_store(config, ident, role="worker" if is_worker else "scheduler")
+        self._lease: tuple[Any, ...] | None = lease
+        self.scheduler_side: KVSchedulerSide | None = None
+        self.worker_side: KVWorkerSide | None = None
+        if is_worker:
+            self.worker_side = KVWorkerSide(
+                self.store.storage_manager, self.store.token_database, self.block_size, self.blocks_per_chunk
+            )
+        else:
+            self.scheduler_side = KVSchedulerSide(
+                self._lookup_manager, self.store.token_database, self.block_size, self.blocks_per_chunk
+            )
+
+    def _lookup_manager(self) -> StorageManager:
+        """A worker's manager of this process when there is one (it sees the CPU tier too)."""
+        store: KVStore = self.store
+        if store.lookup_only:
+            worker = find_worker_store(self._config, self._ident)
+            if worker is not None:
+                store = worker
+        return store.storage_manager
+
+    # ---- hidden states ----
+    @property
+    def hidden_state_store(self) -> HiddenStateStore | None:
+        """The hidden-state store over this connector's KV manager (worker role, with
+        ``enable_hidden_state_cache``); None otherwise. Same keys as the KV records."""
+        return self.store.hidden_state_store
+
+    def save_hidden_states(
+        self, token_ids: Any, hidden_states: torch.Tensor, layer_idx: int = 0, token_offset: int = 0
+    ) -> int:
+        """Store hidden states (:meth:`HiddenStateStore.store_hidden_states` arguments) and
+        publish them to the shared KV tiers; returns the chunks published. ``RuntimeError`` when
+        the connector has no hidden-state store (enable ``enable_hidden_state_cache``)."""
+        hs = self._require_hs()
+        return publish_hidden_states(hs, self.store.storage_manager, token_ids, hidden_states, layer_idx, token_offset)
+
+    def load_hidden_states(
+        self, token_ids: Any, layer_idx: int = 0, max_tokens: int | None = None
+    ) -> torch.Tensor | None:
+        """Hidden states of the longest prefix of ``token_ids`` whose KV and hidden states are
+        both stored, capped at ``max_tokens`` (pass the KV prefix vLLM restored); a fresh CPU
+        float32 tensor the caller owns, or None. See :func:`.kv_hidden.restore_hidden_states`."""
+        hs = self._require_hs()
+        return restore_hidden_states(hs, self.store.storage_manager, token_ids, layer_idx, max_tokens)
+
+    def _require_hs(self) -> HiddenStateStore:
+        hs = self.store.hidden_state_store
+        if hs is None:
+            raise RuntimeError(
+                "this KV connector has no hidden-state store: set enable_hidden_state_cache "
+                "(worker-role connectors only)"
+            )
+        return hs
+
+    # ---- scheduler side ----
+    def _sched(self) -> KVSchedulerSide:
+        if self.scheduler_side is None:
+            raise RuntimeError("a scheduler-side method was called on the worker-role KV connector")
+        return self.scheduler_side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        prompt = list(getattr(request, "prompt_token_ids", None) or ())
+        return self._sched().num_new_matched_tokens(request.request_id, prompt, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        block_ids = blocks.get_block_ids() if num_external_tokens > 0 else None
+        self._sched().after_alloc(request.request_id, block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        step = self._sched().build_meta(scheduler_output)
+        return LMCacheKVConnectorMetadata(loads=step.loads, saves=step.saves, async_loads=step.async_loads)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._sched().finished(request.request_id)
+        return False, None
+
+    # ---- worker side ----
+    def _worker(self) -> KVWorkerSide:
+        if self.worker_side is None:
+            raise RuntimeError("a worker-side method was called on the scheduler-role KV connector")
+        return self.worker_side
+
+    def _step_meta(self) -> KVStepMetadata | None:
+        meta = self._connector_metadata
+        if meta is None:
+            return None
+        if not isinstance(meta, KVStepMetadata):
+            raise TypeError(f"KV connector metadata must be LMCacheKVConnectorMetadata, got {type(meta).__name__}")
+        return meta
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        caches = self._worker().register(self._attention_layers_only(kv_caches))
+        logger.info(
+            "LMCacheKVConnector: %d layers, layout %s, record %s %s (%d bytes per chunk of %d tokens)",
+            caches.num_layers,
+            caches.layout.name,
+            caches.record_shape,
+            caches.dtype,
+            caches.record_bytes,
+            self.block_size * self.blocks_per_chunk,
+        )
+
+    def _attention_layers_only(self, kv_caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``kv_caches`` without the hidden-state layers of vLLM's ``extract_hidden_states`` path
+        (``CacheOnlyAttentionLayer``: ``[blocks, aux layers, block_size, hidden]``, not K/V).
+        Those are not part of a KV record: a model runner stores hidden states through
+        :attr:`hidden_state_store`. Unchanged when this vLLM has no such layers."""
+        try:
+            from vllm.config import get_layers_from_vllm_config
+            from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
+        except ImportError:
+            return kv_caches
+        try:
+            skip = set(get_layers_from_vllm_config(self._vllm_config, CacheOnlyAttentionLayer, list(kv_caches)))
+        except Exception:  # an unexpected config shape: keep every layer (register() checks them)
+            return kv_caches
+        if skip:
+            logger.info("LMCacheKVConnector: %s hold hidden states, not KV; left out of KV records", sorted(skip))
+        return {name: t for name, t in kv_caches.items() if name not in skip}
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._step_meta()
+        if meta is not None and (meta.loads or meta.async_loads):
+            self._worker().load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: :meth:`start_load_kv` completes every synchronous load before
+        the forward (asynchronous ones fill blocks this step does not read)."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        """Nothing per layer: records hold every layer of a chunk, saved in :meth:`wait_for_save`."""
+
+    def wait_for_save(self) -> None:
+        meta = self._step_meta()
+        if meta is not None and meta.saves:
+            self._worker().save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """No saves outlive their step; the requests whose asynchronous load ended."""
+        if self.worker_side is None:
+            return None, None
+        return None, self.worker_side.finished_loads() or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self.worker_side is None:
+            return set()
+        return self.worker_side.take_load_errors()
+
+    # ---- introspection and teardown ----
+    def stats(self) -> dict[str, Any]:
+        """Counters of this connector's side and its manager's per-tier stats."""
+        if self.worker_side is not None:
+            return self.worker_side.stats()
+        out: dict[str, Any] = dict(self._sched().counters)
+        out["manager"] = self._lookup_manager().stats()
+        return out
+
+    def flush(self) -> None:
+        """Wait until every pending lower-tier write of this process's store is done."""
+        self.store.storage_manager.flush_sync()
+
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.close()
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            release_store(lease)

@@ -1,0 +1,235 @@
+"""Paged KV-cache layouts and the whole-block gather/scatter between vLLM's caches and records.
+
+vLLM keeps one paged cache tensor per attention layer. Two layouts are handled:
+
+* ``cpu`` (vLLM's CPU attention backend): ``[num_blocks, kv_heads, block_size, 2 * head_size]``.
+  The kernel reads a block as ``[kv_heads, 2 * block_size, head_size]`` (the block's K rows,
+  then its V rows), so row ``t`` of a block is **not** token ``t``: only whole blocks can be
+  copied without knowing the kernel's internal order. The block axis is 0.
+* ``flash_attn`` (CUDA flash-attention): ``[2, num_blocks, block_size, kv_heads, head_size]``.
+  The block axis is 1.
+
+A record holds one chunk (``blocks_per_chunk`` consecutive blocks of one request) for every
+layer: ``[num_layers, *layer_shape with the block axis sized blocks_per_chunk]``. Whatever the
+layout, record layer ``l`` is ``cache_l.index_select(block_axis, block_ids)`` and a load is the
+inverse ``cache_l.index_copy_(block_axis, block_ids, record[l])``: the bytes of a block move
+unchanged, so the layout never has to be decoded.
+
+On CUDA the record lives in host memory (pinned when the pool is): :func:`gather_blocks` gathers
+on the device into a staging tensor and copies it to the host on the given stream; the caller
+synchronises that stream before it publishes the record. :func:`scatter_blocks` copies the
+record to a device staging tensor and scatters it there, on the given stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CPU_LAYOUT",
+    "FLASH_ATTN_LAYOUT",
+    "BlockLayout",
+    "PagedCaches",
+    "check_chunk_alignment",
+    "gather_blocks",
+    "scatter_blocks",
+]
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where the block axis of a layer's paged cache is and how many dims the tensor has."""
+
+    name: str
+    block_axis: int
+    ndim: int
+    block_size_axis: int
+    """Axis of ``block_size`` (checked against vLLM's block size)."""
+
+    def num_blocks(self, cache: torch.Tensor) -> int:
+        """Blocks in ``cache`` (its size along the block axis)."""
+        return int(cache.shape[self.block_axis])
+
+    def record_layer_shape(self, cache: torch.Tensor, blocks_per_chunk: int) -> tuple[int, ...]:
+        """Shape of one layer's part of a chunk record for a cache shaped like ``cache``."""
+        shape = list(cache.shape)
+        shape[self.block_axis] = blocks_per_chunk
+        return tuple(shape)
+
+
+CPU_LAYOUT = BlockLayout("cpu", block_axis=0, ndim=4, block_size_axis=2)
+"""vLLM's CPU attention cache ``[num_blocks, kv_heads, block_size, 2 * head_size]``."""
+
+FLASH_ATTN_LAYOUT = BlockLayout("flash_attn", block_axis=1, ndim=5, block_size_axis=2)
+"""CUDA flash-attention cache ``[2, num_blocks, block_size, kv_heads, head_size]``."""
+
+
+def check_chunk_alignment(chunk_size: int, block_size: int) -> int:
+    """Blocks per chunk; ``ValueError`` naming ``chunk_size`` unless it is a positive multiple
+    of vLLM's ``block_size`` (only whole blocks can be copied, see the module docstring)."""
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if chunk_size % block_size:
+        raise ValueError(
+            f"chunk_size ({chunk_size}) must be a multiple of vLLM's KV block size ({block_size}): "
+            "the connector copies whole blocks only (on CPU a block's rows are not tokens); "
+            f"set chunk_size to {max(1, round(chunk_size / block_size)) * block_size} or another multiple"
+        )
+    return chunk_size // block_size
+
+
+def _layout_of(name: str, cache: torch.Tensor, block_size: int, layout: BlockLayout | None = None) -> BlockLayout:
+    if layout is not None:
+        if cache.dim() != layout.ndim or (layout is FLASH_ATTN_LAYOUT and cache.shape[0] != 2):
+            raise ValueError(f"kv_caches[{name!r}]: shape {tuple(cache.shape)} does not fit layout {layout.name}")
+    elif cache.device.type == "cpu" and cache.dim() == CPU_LAYOUT.ndim:
+        layout = CPU_LAYOUT
+    elif cache.device.type != "cpu" and cache.dim() == FLASH_ATTN_LAYOUT.ndim and cache.shape[0] == 2:
+        layout = FLASH_ATTN_LAYOUT
+    else:
+        raise ValueError(
+            f"kv_caches[{name!r}]: unsupported paged KV layout {tuple(cache.shape)} on {cache.device}; "
+            "expected [num_blocks, kv_heads, block_size, 2*head_size] on CPU or "
+            "[2, num_blocks, block_size, kv_heads, head_size] on CUDA"
+        )
+    if cache.shape[layout.block_size_axis] != block_size:
+        raise ValueError(
+            f"kv_caches[{name!r}]: block size {cache.shape[layout.block_size_axis]} in layout "
+            f"{layout.name} {tuple(cache.shape)} differs from vLLM's block_size {block_size}"
+        )
+    return layout
+
+
+class PagedCaches:
+    """vLLM's per-layer paged caches, in layer order, with their common layout.
+
+    Built from the ``kv_caches`` dict of ``register_kv_caches`` (layer name → tensor; vLLM
+    keeps the tensors, this object only references them). Every layer must have the same
+    layout, shape, dtype and device (``ValueError`` naming the layer otherwise). ``layout`` is
+    detected from the device and shape when None; passing one checks the tensors against it
+    (the flash-attention layout can so be exercised on CPU tensors).
+    """
+
+    def __init__(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        block_size: int,
+        blocks_per_chunk: int,
+        layout: BlockLayout | None = None,
+    ) -> None:
+        if not isinstance(kv_caches, Mapping) or not kv_caches:
+            raise ValueError("kv_caches must be a non-empty mapping of layer name to tensor")
+        names = list(kv_caches)
+        first = kv_caches[names[0]]
+        if not isinstance(first, torch.Tensor):
+            raise TypeError(f"kv_caches[{names[0]!r}] must be a torch.Tensor, got {type(first).__name__}")
+        self.layout = _layout_of(names[0], first, block_size, layout)
+        for name in names[1:]:
+            t = kv_caches[name]
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"kv_caches[{name!r}] must be a torch.Tensor, got {type(t).__name__}")
+            if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+                raise ValueError(
+                    f"kv_caches[{name!r}] is {tuple(t.shape)} {t.dtype} on {t.device}; every layer must "
+                    f"match {names[0]!r}: {tuple(first.shape)} {first.dtype} on {first.device}"
+                )
+        self.layer_names = names
+        self.tensors = [kv_caches[n] for n in names]
+        self.block_size = block_size
+        self.blocks_per_chunk = blocks_per_chunk
+        self.dtype = first.dtype
+        self.device = first.device
+        self.num_blocks = self.layout.num_blocks(first)
+        self.record_shape: tuple[int, ...] = (
+            len(names),
+            *self.layout.record_layer_shape(first, blocks_per_chunk),
+        )
+        self.record_bytes = first.element_size() * int(torch.Size(self.record_shape).numel())
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.tensors)
+
+    def check_block_ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """``block_ids`` as an int64 index tensor on the caches' device; ``ValueError`` for an id
+        outside ``[0, num_blocks)`` (a wiring mistake: never copy outside the cache)."""
+        idx = torch.as_tensor(list(block_ids), dtype=torch.int64)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_blocks):
+            raise ValueError(f"block_ids {list(block_ids)} outside [0, {self.num_blocks})")
+        return idx.to(self.device) if self.device.type != "cpu" else idx
+
+
+@contextlib.contextmanager
+def _on_stream(stream: Any) -> Iterator[None]:
+    if stream is None:
+        yield
+        return
+    with torch.cuda.stream(stream):
+        yield
+
+
+def gather_blocks(caches: PagedCaches, block_ids: Sequence[int], out: torch.Tensor, stream: Any = None) -> None:
+    """Copy the blocks ``block_ids`` of every layer into ``out`` (``[num_layers, ...]``, the
+    record of one chunk or its leading part when fewer blocks are given).
+
+    ``out`` is host memory owned by the caller. On CUDA the copy is issued on ``stream``
+    (after the current stream's work, so this step's KV is complete) and may still be running
+    when this returns: synchronise ``stream`` before reading ``out``.
+    """
+    idx = caches.check_block_ids(block_ids)
+    n = idx.numel()
+    axis = caches.layout.block_axis
+    if out.dim() != len(caches.record_shape) or out.shape[0] != caches.num_layers:
+        raise ValueError(f"out has shape {tuple(out.shape)}; expected a record {caches.record_shape}")
+    if caches.device.type == "cpu":
+        for layer, cache in enumerate(caches.tensors):
+            torch.index_select(cache, axis, idx, out=out[layer].narrow(axis, 0, n))
+        return
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(caches.device))
+    with _on_stream(stream):
+        for layer, cache in enumerate(caches.tensors):
+            staged = cache.index_select(axis, idx)
+            out[layer].narrow(axis, 0, n).copy_(staged, non_blocking=True)
+
+
+def scatter_blocks(
+    caches: PagedCaches, block_ids: Sequence[int], record: torch.Tensor, first: int = 0, stream: Any = None
+) -> None:
+    """Copy blocks ``first .. first + len(block_ids)`` of the chunk ``record`` into the blocks
+    ``block_ids`` of every layer. ``record`` is only read.
+
+    On CUDA the copies run on ``stream`` (the current one when None); this returns once the
+    host-to-device copies are done (``record`` may then be released) and the current stream
+    is ordered after the scatter, so the forward that follows sees the loaded KV.
+    """
+    idx = caches.check_block_ids(block_ids)
+    n = idx.numel()
+    axis = caches.layout.block_axis
+    if tuple(record.shape) != caches.record_shape or record.dtype != caches.dtype:
+        raise ValueError(
+            f"record is {tuple(record.shape)} {record.dtype}; expected {caches.record_shape} {caches.dtype}"
+        )
+    if first < 0 or first + n > caches.blocks_per_chunk:
+        raise ValueError(f"blocks {first}..{first + n} outside the chunk's {caches.blocks_per_chunk} blocks")
+    if caches.device.type == "cpu":
+        for layer, cache in enumerate(caches.tensors):
+            cache.index_copy_(axis, idx, record[layer].narrow(axis, first, n))
+        return
+    used = stream if stream is not None else torch.cuda.current_stream(caches.device)
+    with _on_stream(stream):
+        for layer, cache in enumerate(caches.tensors):
+            staged = record[layer].narrow(axis, first, n).to(caches.device, non_blocking=True)
+            cache.index_copy_(axis, idx, staged)
+    # The host record may be released (and its pool block reused) once this returns: wait for
+    # the host-to-device copies, and make the compute stream wait for the scatter.
+    used.synchronize()
+    if stream is not None:
+        torch.cuda.current_stream(caches.device).wait_stream(stream)

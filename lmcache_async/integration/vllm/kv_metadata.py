@@ -1,0 +1,128 @@
+"""What the scheduler-side KV connector tells the workers each step.
+
+A :class:`BlockRun` names consecutive blocks of one request (request block index ``first_block``
+onwards) with the vLLM block ids that hold them and the chunk hashes of the chunks they fall in;
+:class:`KVStepMetadata` lists this step's loads (records → blocks: synchronous ones, done before
+the forward, and asynchronous ones, done beside it) and saves (blocks → records).
+Everything is plain ints, strings and tuples: vLLM may send it to workers in other processes,
+and :meth:`KVStepMetadata.to_dict`/:meth:`KVStepMetadata.from_dict` give a JSON-safe form that is
+validated on the way back in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["BlockRun", "KVStepMetadata"]
+
+_U64 = 1 << 64
+
+
+def _int_tuple(values: object, what: str, *, lo: int = 0, hi: int | None = None) -> tuple[int, ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"{what} must be a sequence of ints, got {type(values).__name__}")
+    out = []
+    for i, v in enumerate(values):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"{what}[{i}] must be an int, got {type(v).__name__}")
+        if v < lo or (hi is not None and v >= hi):
+            raise ValueError(f"{what}[{i}] = {v} outside [{lo}, {hi if hi is not None else 'inf'})")
+        out.append(v)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class BlockRun:
+    """Blocks ``first_block .. first_block + len(block_ids) - 1`` of request ``req_id``.
+
+    ``block_ids[i]`` is the vLLM block holding request block ``first_block + i``;
+    ``chunk_hashes[j]`` is the prefix-chained hash of chunk ``first_block // blocks_per_chunk + j``
+    (one per chunk the run touches). Construction validates the fields (``TypeError`` /
+    ``ValueError`` naming the field).
+    """
+
+    req_id: str
+    first_block: int
+    block_ids: tuple[int, ...]
+    chunk_hashes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.req_id, str):
+            raise TypeError(f"req_id must be a str, got {type(self.req_id).__name__}")
+        if not isinstance(self.first_block, int) or isinstance(self.first_block, bool) or self.first_block < 0:
+            raise ValueError(f"first_block must be an int >= 0, got {self.first_block!r}")
+        object.__setattr__(self, "block_ids", _int_tuple(self.block_ids, "block_ids"))
+        object.__setattr__(self, "chunk_hashes", _int_tuple(self.chunk_hashes, "chunk_hashes", hi=_U64))
+
+    def chunks(self, blocks_per_chunk: int) -> list[tuple[int, int, int, list[int]]]:
+        """Per chunk the run touches: ``(chunk_hash, chunk_index, first block within the chunk,
+        vLLM block ids)``, in order. ``ValueError`` when ``chunk_hashes`` does not have one hash
+        per touched chunk."""
+        out: list[tuple[int, int, int, list[int]]] = []
+        first_chunk = self.first_block // blocks_per_chunk
+        for i, bid in enumerate(self.block_ids):
+            b = self.first_block + i
+            c = b // blocks_per_chunk
+            if not out or out[-1][1] != c:
+                j = c - first_chunk
+                if j >= len(self.chunk_hashes):
+                    raise ValueError(
+                        f"request {self.req_id!r}: {len(self.chunk_hashes)} chunk hashes for blocks "
+                        f"{self.first_block}..{self.first_block + len(self.block_ids) - 1}"
+                    )
+                out.append((self.chunk_hashes[j], c, b % blocks_per_chunk, []))
+            out[-1][3].append(bid)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe form (hashes as ints; JSON integers are unbounded in Python)."""
+        return {
+            "req_id": self.req_id,
+            "first_block": self.first_block,
+            "block_ids": list(self.block_ids),
+            "chunk_hashes": list(self.chunk_hashes),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> BlockRun:
+        """Inverse of :meth:`to_dict`; ``TypeError``/``ValueError`` for a malformed mapping."""
+        if not isinstance(d, Mapping):
+            raise TypeError(f"a block run must be a mapping, got {type(d).__name__}")
+        missing = {"req_id", "first_block", "block_ids", "chunk_hashes"} - set(d)
+        if missing:
+            raise ValueError(f"block run lacks {sorted(missing)}")
+        return cls(d["req_id"], d["first_block"], d["block_ids"], d["chunk_hashes"])
+
+
+@dataclass
+class KVStepMetadata:
+    """Scheduler → workers for one step: the loads and the saves to do.
+
+    ``loads`` run in ``start_load_kv`` before the forward that reads them; ``async_loads`` (hits
+    only a lower tier holds) start there and finish beside later steps, reported through
+    ``get_finished``; ``saves`` run in ``wait_for_save``, after the forward wrote the blocks.
+    """
+
+    loads: list[BlockRun] = field(default_factory=list)
+    saves: list[BlockRun] = field(default_factory=list)
+    async_loads: list[BlockRun] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "loads": [r.to_dict() for r in self.loads],
+            "saves": [r.to_dict() for r in self.saves],
+            "async_loads": [r.to_dict() for r in self.async_loads],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> KVStepMetadata:
+        """Inverse of :meth:`to_dict`; ``TypeError``/``ValueError`` for a malformed mapping."""
+        if not isinstance(d, Mapping):
+            raise TypeError(f"step metadata must be a mapping, got {type(d).__name__}")
+        return cls(
+            [BlockRun.from_dict(r) for r in d.get("loads", ())],
+            [BlockRun.from_dict(r) for r in d.get("saves", ())],
+            [BlockRun.from_dict(r) for r in d.get("async_loads", ())],
+        )

@@ -1,0 +1,196 @@
+"""The scheduler half of the KV connector: what to load, what to save, per step.
+
+Framework-free: it reads vLLM's request and scheduler-output objects by attribute and imports
+nothing of vLLM. Runs on vLLM's scheduler thread (one thread; no locking).
+
+* **Lookup** (:meth:`KVSchedulerSide.num_new_matched_tokens`): the prompt's full chunks are
+  keyed by the token database, one batched presence query gives the stored prefix, and the
+  hit is cut to whole blocks below the last prompt token (vLLM must compute at least one token).
+  A lookup that fails or times out is a miss, counted.
+* **Load plan** (:meth:`after_alloc`): the blocks vLLM allocated for the hit, from the first
+  block it does not already hold, become a :class:`BlockRun` for this step's metadata.
+* **Save plan** (:meth:`build_meta`): every prompt chunk whose tokens are all computed by the
+  end of this step and that was neither loaded nor saved before becomes a save run.
+
+A hit the CPU tier of this process holds is loaded synchronously (``start_load_kv``, before
+the forward: a memory copy). A hit that needs a lower tier (disk, remote, NIXL; always so for a
+scheduler without a worker in its process) is loaded asynchronously: vLLM parks the request
+until the worker reports the load finished, so no step waits on that I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmcache_async.integration.vllm.kv_metadata import BlockRun, KVStepMetadata
+from lmcache_async.ratelog import RateLimitedLog
+from lmcache_async.storage_manager import StorageManager
+from lmcache_async.token_database import ChunkedTokenDatabase
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["KVSchedulerSide"]
+
+
+@dataclass
+class _Req:
+    hashes: list[int]
+    prompt_len: int
+    block_ids: list[int] = field(default_factory=list)
+    saved_chunks: int = 0
+
+
+def _first_group(block_ids: Any) -> list[int] | None:
+    """The block ids of KV-cache group 0 from vLLM's per-group tuple (None stays None)."""
+    if block_ids is None:
+        return None
+    if block_ids and isinstance(block_ids[0], (list, tuple)):
+        return list(block_ids[0])
+    return list(block_ids)
+
+
+class KVSchedulerSide:
+    """Scheduler-side state; see the module docstring.
+
+    ``manager`` is called for the manager to ask (it may change while the engine runs: a
+    worker's store appears in this process after the scheduler's lookup-only one).
+    """
+
+    def __init__(
+        self,
+        manager: Callable[[], StorageManager],
+        token_database: ChunkedTokenDatabase,
+        block_size: int,
+        blocks_per_chunk: int,
+    ) -> None:
+        self._manager = manager
+        self.db = token_database
+        self.block_size = block_size
+        self.blocks_per_chunk = blocks_per_chunk
+        self.chunk_size = block_size * blocks_per_chunk
+        self._reqs: dict[str, _Req] = {}
+        self._lookups: dict[str, tuple[int, int, bool]] = {}
+        self._loads: dict[str, tuple[BlockRun, bool]] = {}
+        self._log = RateLimitedLog(logger)
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("lookups", "hit_tokens", "lookup_errors", "loads_planned", "async_loads_planned", "saves_planned"), 0
+        )
+
+    # ---- helpers ----
+    def _req(self, req_id: str, prompt: Sequence[int]) -> _Req:
+        r = self._reqs.get(req_id)
+        if r is None or r.prompt_len != len(prompt):
+            r = _Req(self.db.chunk_hashes(list(prompt)), len(prompt))
+            self._reqs[req_id] = r
+        return r
+
+    # ---- lookup ----
+    def num_new_matched_tokens(self, req_id: str, prompt: Sequence[int], num_computed_tokens: int) -> tuple[int, bool]:
+        """``(tokens beyond num_computed_tokens the workers can load, whether the load is
+        asynchronous)``; ``(0, False)`` on a miss or a fault."""
+        r = self._req(req_id, prompt)
+        self._lookups.pop(req_id, None)
+        cap = (max(r.prompt_len - 1, 0) // self.block_size) * self.block_size
+        if not r.hashes or cap <= num_computed_tokens:
+            return 0, False
+        n_chunks = min(len(r.hashes), -(-cap // self.chunk_size))
+        self.counters["lookups"] += 1
+        try:
+            sm = self._manager()
+            keys = self.db.make_keys(r.hashes[:n_chunks])
+            found = sm.batched_contains_sync(keys)
+            hit = min(found * self.chunk_size, cap)
+            if hit <= num_computed_tokens:
+                return 0, False
+            needed = -(-hit // self.chunk_size)
+            first = num_computed_tokens // self.chunk_size
+            is_async = first + sm.local_prefix_len(keys[first:needed]) < needed
+        except Exception as exc:  # a tier down or slow is a miss; never raise into the step
+            self.counters["lookup_errors"] += 1
+            self._log.warning("KV connector: lookup failed (treated as a miss): %s", exc, key="lookup")
+            return 0, False
+        self._lookups[req_id] = (num_computed_tokens, hit, is_async)
+        self.counters["hit_tokens"] += hit - num_computed_tokens
+        return hit - num_computed_tokens, is_async
+
+    def after_alloc(self, req_id: str, block_ids: Any, num_external_tokens: int) -> None:
+        """Plan the load of ``num_external_tokens`` into the request's blocks (all its blocks,
+        in request order, as vLLM's ``KVCacheBlocks.get_block_ids()``)."""
+        lookup = self._lookups.pop(req_id, None)
+        r = self._reqs.get(req_id)
+        if num_external_tokens <= 0 or lookup is None or r is None:
+            return
+        local, hit, is_async = lookup
+        if local + num_external_tokens != hit:
+            local = hit - num_external_tokens
+        blocks = _first_group(block_ids) or []
+        first_block = local // self.block_size
+        end_block = hit // self.block_size
+        if end_block > len(blocks) or local % self.block_size:
+            self._log.warning(
+                "KV connector: request %s: %d blocks allocated for a load of blocks %d..%d; not loading",
+                req_id,
+                len(blocks),
+                first_block,
+                end_block,
+                key="alloc",
+            )
+            return
+        first_chunk = first_block // self.blocks_per_chunk
+        last_chunk = (end_block - 1) // self.blocks_per_chunk
+        run = BlockRun(
+            req_id, first_block, tuple(blocks[first_block:end_block]), tuple(r.hashes[first_chunk : last_chunk + 1])
+        )
+        self._loads[req_id] = (run, is_async)
+        r.saved_chunks = max(r.saved_chunks, hit // self.chunk_size)
+        self.counters["async_loads_planned" if is_async else "loads_planned"] += 1
+
+    # ---- per step ----
+    def build_meta(self, scheduler_output: Any) -> KVStepMetadata:
+        """This step's loads (planned by :meth:`after_alloc`) and saves; resets the load plan."""
+        meta = KVStepMetadata()
+        num_scheduled: dict[str, int] = getattr(scheduler_output, "num_scheduled_tokens", {}) or {}
+        for new in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
+            req_id = new.req_id
+            prompt = list(getattr(new, "prompt_token_ids", None) or ())
+            r = self._req(req_id, prompt)
+            r.block_ids = _first_group(new.block_ids) or []
+            self._plan_save(meta, req_id, r, int(new.num_computed_tokens) + int(num_scheduled.get(req_id, 0)))
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        if cached is not None:
+            resumed = set(getattr(cached, "resumed_req_ids", ()) or ())
+            for i, req_id in enumerate(cached.req_ids):
+                known = self._reqs.get(req_id)
+                if known is None:
+                    continue
+                new_ids = _first_group(cached.new_block_ids[i])
+                if new_ids is not None:
+                    known.block_ids = new_ids if req_id in resumed else known.block_ids + new_ids
+                done = int(cached.num_computed_tokens[i]) + int(num_scheduled.get(req_id, 0))
+                self._plan_save(meta, req_id, known, done)
+        for run, is_async in self._loads.values():
+            (meta.async_loads if is_async else meta.loads).append(run)
+        self._loads.clear()
+        return meta
+
+    def _plan_save(self, meta: KVStepMetadata, req_id: str, r: _Req, computed_after_step: int) -> None:
+        ready = min(computed_after_step, r.prompt_len) // self.chunk_size
+        ready = min(ready, len(r.hashes), len(r.block_ids) // self.blocks_per_chunk)
+        if ready <= r.saved_chunks:
+            return
+        bpc = self.blocks_per_chunk
+        first = r.saved_chunks
+        meta.saves.append(
+            BlockRun(req_id, first * bpc, tuple(r.block_ids[first * bpc : ready * bpc]), tuple(r.hashes[first:ready]))
+        )
+        r.saved_chunks = ready
+        self.counters["saves_planned"] += 1
+
+    def finished(self, req_id: str) -> None:
+        """Forget a finished request (saves are synchronous: its blocks may be freed now)."""
+        self._reqs.pop(req_id, None)
+        self._lookups.pop(req_id, None)
+        self._loads.pop(req_id, None)

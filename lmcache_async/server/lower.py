@@ -1,0 +1,130 @@
+"""The server's lower tiers: one StorageManager (disk, remote, NIXL) behind the shared pools.
+
+Committed entries are written through to it in the background; a lookup that misses a
+namespace's pool asks it and loads a hit into the pool. Keys are namespaced here: the manager
+sees the model name ``<namespace>\\x1f<model>`` (a namespace never contains control characters,
+so the split is unique), so an entry one namespace wrote is never served to another, and the
+records are still ordinary, self-describing records of the configured tiers.
+
+Thread affinity: called on the server's loop thread; the manager's own loop thread does the I/O
+(the server awaits it, bounded by ``blocking_timeout_secs``). Trouble is a miss, never raised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lmcache_async.keys import CacheEngineKey
+from lmcache_async.memory import MemoryFormat, MemoryObj
+from lmcache_async.ratelog import RateLimitedLog
+
+if TYPE_CHECKING:
+    from lmcache_async.config import LMCacheEngineConfig
+    from lmcache_async.storage_manager import StorageManager
+
+__all__ = ["LowerStore", "wants_lower_tiers"]
+
+logger = logging.getLogger(__name__)
+_NS_SEP = "\x1f"
+
+
+def wants_lower_tiers(config: LMCacheEngineConfig) -> bool:
+    """True when the configuration names a disk, remote or NIXL tier."""
+    return bool(config.local_disk or config.remote_url or config.nixl_path)
+
+
+def _lower_config(config: LMCacheEngineConfig) -> LMCacheEngineConfig:
+    cfg = config.clone()
+    cfg.set("local_cpu", False, "cache server (the shared pools are its CPU tier)")
+    cfg.set("cache_server_socket", None, "cache server (never a client of itself)")
+    order = [t for t in cfg.tier_order if t not in ("cpu", "server")]
+    cfg.set("tier_order", order or ["disk", "remote"], "cache server")
+    return cfg
+
+
+class LowerStore:
+    """Write-through to, and reads from, the lower tiers of the server's configuration."""
+
+    def __init__(self, config: LMCacheEngineConfig) -> None:
+        from lmcache_async.metrics import serve_configured_metrics
+        from lmcache_async.storage_manager import StorageManager
+
+        self.manager: StorageManager = StorageManager(_lower_config(config), name="server")
+        serve_configured_metrics(self.manager, config)  # the lower tiers' figures, when metrics_port is set
+        self._log = RateLimitedLog(logger)
+        self.write_failures = 0
+        self.read_failures = 0
+
+    @property
+    def tier_names(self) -> list[str]:
+        return list(self.manager.tier_names)
+
+    @staticmethod
+    def key(namespace: str, raw: bytes) -> CacheEngineKey | None:
+        """The manager's key of entry ``raw`` of ``namespace``; None for a malformed key string."""
+        try:
+            k = CacheEngineKey.from_string(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, TypeError):
+            return None
+        return CacheEngineKey(
+            f"{namespace}{_NS_SEP}{k.model_name}", k.world_size, k.worker_id, k.chunk_hash, k.dtype, k.request_configs
+        )
+
+    async def put(self, namespace: str, raw: bytes, tensor: torch.Tensor, fmt: MemoryFormat) -> None:
+        """Queue the write-through of a committed entry; the manager copies ``tensor`` (a typed
+        view of the entry's pool block) before this returns."""
+        key = self.key(namespace, raw)
+        if key is None:
+            return
+        try:
+            if not await self.manager.put(key, tensor, fmt):
+                self.write_failures += 1
+        except Exception as exc:
+            self.write_failures += 1
+            self._log.warning("cache server: write-through failed: %s: %s", type(exc).__name__, exc, key="put")
+
+    async def contains(self, namespace: str, raws: list[bytes]) -> list[bool]:
+        keys = [self.key(namespace, r) for r in raws]
+        try:
+            res = await asyncio.gather(*(self.manager.contains(k) for k in keys if k is not None))
+        except Exception as exc:
+            self.read_failures += 1
+            self._log.warning("cache server: lower-tier lookup failed: %s: %s", type(exc).__name__, exc, key="get")
+            return [False] * len(raws)
+        it = iter(res)
+        return [False if k is None else bool(next(it)) for k in keys]
+
+    async def get(self, namespace: str, raw: bytes) -> MemoryObj | None:
+        """The entry read from a lower tier (the caller owns one reference), or None."""
+        key = self.key(namespace, raw)
+        if key is None:
+            return None
+        try:
+            return await self.manager.get(key)
+        except Exception as exc:
+            self.read_failures += 1
+            self._log.warning("cache server: lower-tier read failed: %s: %s", type(exc).__name__, exc, key="get")
+            return None
+
+    async def remove(self, namespace: str, raw: bytes) -> bool:
+        key = self.key(namespace, raw)
+        if key is None:
+            return False
+        try:
+            return bool(await self.manager.remove(key))
+        except Exception:
+            return False
+
+    async def close(self) -> None:
+        """Flush the write-through (bounded) and close the manager."""
+        await self.manager.close()
+
+    def stats(self) -> dict[str, Any]:
+        st = self.manager.stats()
+        st["write_failures"] = self.write_failures
+        st["read_failures"] = self.read_failures
+        return st

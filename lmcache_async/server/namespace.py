@@ -1,0 +1,315 @@
+"""One namespace of the node cache server: its shared pool, index, grants and leases.
+
+Thread affinity: every method runs on the server's event-loop thread (the allocator's own lock
+makes the pool safe to share with the pre-touch thread); nothing here blocks or awaits.
+
+* A **grant** is a pool block handed to one client for writing. It is not in the index: no
+  reader can see it until the client commits it under a key. Uncommitted grants are freed when
+  their client goes away or their TTL passes.
+* A **lease** pins a committed entry's block for one reader (one more reference on the block).
+  A leased entry is never evicted; a removed or evicted-while-leased entry's block is freed
+  when its last lease ends. Leases end on release, on TTL expiry, or when the client goes away.
+* Each client has a cap on leases and on uncommitted grants, so one stuck client cannot pin
+  the pool.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lmcache_async.memory import MemoryObj
+from lmcache_async.server.protocol import COMMIT_FAILED, COMMIT_PRESENT, COMMIT_STORED, EntryMeta
+from lmcache_async.server.shm import SharedPool, new_generation
+
+__all__ = ["ClientState", "Lease", "Namespace"]
+
+
+@dataclass(slots=True)
+class Entry:
+    """A committed entry: the block (the index's reference) and its metadata."""
+
+    obj: MemoryObj
+    meta: EntryMeta
+
+
+@dataclass(slots=True)
+class Lease:
+    """A reader's pin on one block."""
+
+    obj: MemoryObj
+    expires: float
+
+
+@dataclass(slots=True)
+class Grant:
+    """A block granted for writing, not yet committed."""
+
+    obj: MemoryObj
+    expires: float
+
+
+@dataclass
+class ClientState:
+    """What one connection holds in its namespace; reclaimed by :meth:`Namespace.drop_client`."""
+
+    ident: int
+    pid: int = 0
+    leases: dict[int, Lease] = field(default_factory=dict)
+    grants: dict[int, Grant] = field(default_factory=dict)
+    requests: int = 0
+
+
+class Namespace:
+    """Index, LRU eviction, grants and leases over one :class:`SharedPool`."""
+
+    def __init__(
+        self,
+        name: str,
+        pool_bytes: int,
+        *,
+        lease_ttl_s: float,
+        max_leases: int,
+        max_grants: int,
+        reserve_bytes: int | None = None,
+        pretouch: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.name = name
+        self.pool = SharedPool(
+            pool_bytes, name=f"ns-{name}", generation=new_generation(), reserve_bytes=reserve_bytes, pretouch=pretouch
+        )
+        self.lease_ttl_s = lease_ttl_s
+        self.max_leases = max_leases
+        self.max_grants = max_grants
+        self._clock = clock
+        self._index: OrderedDict[bytes, Entry] = OrderedDict()
+        self._ids = itertools.count(1)
+        self.clients: dict[int, ClientState] = {}
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+        self.commits = 0
+        self.loaded = 0
+        self.refused_grants = 0
+        self.refused_leases = 0
+        self.expired_leases = 0
+        self.expired_grants = 0
+        self.reclaimed_leases = 0
+        self.reclaimed_grants = 0
+
+    @property
+    def generation(self) -> int:
+        return self.pool.generation
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    # ---- clients ----------------------------------------------------------------------------
+    def add_client(self, ident: int, pid: int = 0) -> ClientState:
+        st = ClientState(ident, pid)
+        self.clients[ident] = st
+        return st
+
+    def drop_client(self, st: ClientState) -> None:
+        """Reclaim everything a closed connection held: leases end, uncommitted grants are freed."""
+        for lease in st.leases.values():
+            lease.obj.ref_count_down()
+        for grant in st.grants.values():
+            grant.obj.ref_count_down()
+        self.reclaimed_leases += len(st.leases)
+        self.reclaimed_grants += len(st.grants)
+        st.leases.clear()
+        st.grants.clear()
+        self.clients.pop(st.ident, None)
+
+    # ---- presence ----------------------------------------------------------------------------
+    def contains(self, keys: list[bytes], touch: bool) -> list[bool]:
+        idx = self._index
+        out = [k in idx for k in keys]
+        if touch:
+            for k, present in zip(keys, out, strict=True):
+                if present:
+                    idx.move_to_end(k)
+        return out
+
+    # ---- reads ---------------------------------------------------------------------------------
+    def lease(self, st: ClientState, key: bytes, *, count_miss: bool = True) -> tuple[int, MemoryObj, EntryMeta] | None:
+        """Lease the entry of ``key`` for ``st``: (lease id, block, metadata), or None for a miss
+        or when the client already holds its cap of leases."""
+        entry = self._index.get(key)
+        if entry is None:
+            self.misses += count_miss
+            return None
+        if len(st.leases) >= self.max_leases:
+            self.refused_leases += 1
+            return None
+        entry.obj.ref_count_up()
+        self._index.move_to_end(key)
+        lid = next(self._ids)
+        st.leases[lid] = Lease(entry.obj, self._clock() + self.lease_ttl_s)
+        self.hits += 1
+        return lid, entry.obj, entry.meta
+
+    def release(self, st: ClientState, lease_id: int) -> bool:
+        """End one lease; False when ``st`` holds no such lease (expired or never granted)."""
+        lease = st.leases.pop(lease_id, None)
+        if lease is None:
+            return False
+        lease.obj.ref_count_down()
+        return True
+
+    # ---- writes --------------------------------------------------------------------------------
+    def grant(self, st: ClientState, nbytes: int) -> tuple[int, MemoryObj] | None:
+        """A block of at least ``nbytes`` for ``st`` to write (evicting unheld entries), or None
+        when the pool cannot make room or the client holds its cap of grants."""
+        if len(st.grants) >= self.max_grants or not self.pool.can_ever_fit(nbytes):
+            self.refused_grants += 1
+            return None
+        obj = self._allocate(nbytes)
+        if obj is None:
+            self.refused_grants += 1
+            return None
+        gid = next(self._ids)
+        st.grants[gid] = Grant(obj, self._clock() + self.lease_ttl_s)
+        return gid, obj
+
+    def _allocate(self, nbytes: int) -> MemoryObj | None:
+        pool = self.pool
+        obj = pool.allocate((max(nbytes, 1),), torch.uint8)
+        if obj is not None:
+            return obj
+        idx = self._index
+        for key in list(idx):
+            entry = idx[key]
+            if entry.obj.get_ref_count() != 1:  # a reader or a write-through holds it
+                continue
+            del idx[key]
+            self.bytes -= entry.meta.nbytes
+            self.evictions += 1
+            entry.obj.ref_count_down()
+            obj = pool.allocate((max(nbytes, 1),), torch.uint8)
+            if obj is not None:
+                return obj
+        return None
+
+    def allocate_block(self, nbytes: int) -> MemoryObj | None:
+        """A block for an entry loaded from a lower tier (evicting unheld entries), or None."""
+        return self._allocate(nbytes)
+
+    def insert(self, key: bytes, obj: MemoryObj, meta: EntryMeta) -> bool:
+        """Index a filled block under ``key`` (its reference becomes the index's); False, and
+        nothing changed, when ``key`` is already present (the caller keeps its reference)."""
+        if key in self._index:
+            return False
+        self._index[key] = Entry(obj, meta)
+        self.bytes += meta.nbytes
+        return True
+
+    def entry_view(self, key: bytes) -> tuple[MemoryObj, EntryMeta] | None:
+        """The block and metadata of a committed entry (no reference taken; loop thread only)."""
+        e = self._index.get(key)
+        return None if e is None else (e.obj, e.meta)
+
+    def ungrant(self, st: ClientState, grant_id: int) -> bool:
+        grant = st.grants.pop(grant_id, None)
+        if grant is None:
+            return False
+        grant.obj.ref_count_down()
+        return True
+
+    def grant_size(self, st: ClientState, grant_id: int) -> int | None:
+        grant = st.grants.get(grant_id)
+        return None if grant is None else grant.obj.size
+
+    def commit(self, st: ClientState, grant_id: int, key: bytes, meta: EntryMeta) -> int:
+        """Publish a granted block under ``key`` (the grant is consumed either way).
+
+        COMMIT_STORED: now visible; COMMIT_PRESENT: the key was already present (entries are
+        content-addressed; the block is freed); COMMIT_FAILED: unknown grant or payload larger
+        than the block. The caller has validated ``key``'s grammar and ``meta``.
+        """
+        grant = st.grants.pop(grant_id, None)
+        if grant is None:
+            return COMMIT_FAILED
+        if meta.nbytes > grant.obj.size:
+            grant.obj.ref_count_down()
+            return COMMIT_FAILED
+        if key in self._index:
+            grant.obj.ref_count_down()
+            self._index.move_to_end(key)
+            return COMMIT_PRESENT
+        self._index[key] = Entry(grant.obj, meta)
+        self.bytes += meta.nbytes
+        self.commits += 1
+        return COMMIT_STORED
+
+    def remove(self, key: bytes) -> bool:
+        """Drop ``key`` from the index; a leased block is freed when its last lease ends."""
+        entry = self._index.pop(key, None)
+        if entry is None:
+            return False
+        self.bytes -= entry.meta.nbytes
+        entry.obj.ref_count_down()
+        return True
+
+    def clear(self) -> None:
+        for key in list(self._index):
+            self.remove(key)
+
+    # ---- time ----------------------------------------------------------------------------------
+    def expire(self) -> None:
+        """End leases and free grants whose TTL passed (one hung client cannot pin the pool)."""
+        now = self._clock()
+        for st in self.clients.values():
+            for lid in [lid for lid, lease in st.leases.items() if lease.expires <= now]:
+                st.leases.pop(lid).obj.ref_count_down()
+                self.expired_leases += 1
+            for gid in [gid for gid, g in st.grants.items() if g.expires <= now]:
+                st.grants.pop(gid).obj.ref_count_down()
+                self.expired_grants += 1
+
+    def close(self) -> None:
+        """Reclaim every client's holdings, drop the index and close the pool's descriptor."""
+        for st in list(self.clients.values()):
+            self.drop_client(st)
+        self.clear()
+        self.pool.close()
+
+    # ---- figures -------------------------------------------------------------------------------
+    def committed_block_bytes(self) -> int:
+        """Pool bytes held by committed entries (block sizes, alignment included)."""
+        return sum(e.obj.size for e in self._index.values())
+
+    def stats(self) -> dict[str, Any]:
+        lookups = self.hits + self.misses
+        return {
+            "generation": self.generation,
+            "entries": len(self._index),
+            "bytes": self.bytes,
+            "pool_capacity_bytes": self.pool.capacity,
+            "pool_used_bytes": self.pool.used_bytes,
+            "committed_block_bytes": self.committed_block_bytes(),
+            "clients": len(self.clients),
+            "leases": sum(len(c.leases) for c in self.clients.values()),
+            "grants": sum(len(c.grants) for c in self.clients.values()),
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_rate": (self.hits / lookups) if lookups else 0.0,
+            "commits": self.commits,
+            "loaded_from_lower_tiers": self.loaded,
+            "evictions": self.evictions,
+            "refused_grants": self.refused_grants,
+            "refused_leases": self.refused_leases,
+            "expired_leases": self.expired_leases,
+            "expired_grants": self.expired_grants,
+            "reclaimed_leases": self.reclaimed_leases,
+            "reclaimed_grants": self.reclaimed_grants,
+        }

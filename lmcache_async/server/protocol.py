@@ -1,0 +1,279 @@
+"""The node cache server's wire protocol: a compact little-endian binary encoding (``struct``).
+
+No payload byte crosses the socket: payloads live in the namespace's shared-memory pool and
+messages carry offsets into it. Nothing here is pickled.
+
+Handshake (on the raw socket, before any stream wrapping)::
+
+    client -> HELLO   magic "LMCS", version u16, mode u8, ns_len u16, tok_len u16, ns, token
+    server -> WELCOME magic "LMCS", version u16, status u8, generation u64, pool_bytes u64,
+                      data_offset u32, align u32, max_leases u32, max_grants u32, lease_ttl_ms u32
+                      (+ the namespace pool's memfd as SCM_RIGHTS when status is OK and mode CLIENT)
+
+Every later message is a frame ``body_len u32, op u8, seq u32`` followed by the body. Requests
+that expect an answer get a frame with the same ``op`` and ``seq``; ``RELEASE`` and ``UNGRANT``
+are never answered (they ride along in front of the next request). Decoders raise
+:class:`ProtocolError` for anything malformed; the server closes that connection.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lmcache_async.dtypes import CODE_TO_DTYPE, DTYPE_TO_CODE
+from lmcache_async.memory import MemoryFormat
+
+__all__ = [
+    "FRAME",
+    "HELLO",
+    "MAGIC",
+    "MAX_BATCH",
+    "MAX_BODY",
+    "MAX_KEY_BYTES",
+    "MAX_NDIM",
+    "NO_OFFSET",
+    "VERSION",
+    "WELCOME",
+    "EntryMeta",
+    "Mode",
+    "Op",
+    "ProtocolError",
+    "Reader",
+    "Status",
+    "Writer",
+]
+
+MAGIC = b"LMCS"
+VERSION = 1
+#: Largest frame body either side accepts (a batch of keys and metadata, never payload).
+MAX_BODY = 4 << 20
+#: Most keys (or grants, or leases) in one request.
+MAX_BATCH = 4096
+#: Longest key string in bytes (UTF-8).
+MAX_KEY_BYTES = 8192
+MAX_NDIM = 8
+MAX_NAMESPACE_BYTES = 256
+MAX_TOKEN_BYTES = 256
+#: Offset value meaning "no block" in a grant answer.
+NO_OFFSET = (1 << 64) - 1
+
+HELLO = struct.Struct("<4sHBHH")
+WELCOME = struct.Struct("<4sHBQQIIIII")
+FRAME = struct.Struct("<IBI")
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow the protocol (sizes, counts, codes, offsets)."""
+
+
+class Mode(enum.IntEnum):
+    """What a connection is for."""
+
+    CLIENT = 0
+    """A cache client of one namespace: receives the namespace pool's memfd."""
+    STATUS = 1
+    """Only ``STATS`` (no namespace, no pool)."""
+
+
+class Status(enum.IntEnum):
+    """Handshake outcome."""
+
+    OK = 0
+    BAD_VERSION = 1
+    BAD_TOKEN = 2
+    BAD_NAMESPACE = 3
+    FULL = 4
+
+
+class Op(enum.IntEnum):
+    """Operation codes of request and answer frames."""
+
+    CONTAINS = 1
+    GET = 2
+    RELEASE = 3
+    GRANT = 4
+    COMMIT = 5
+    UNGRANT = 6
+    REMOVE = 7
+    CLEAR = 8
+    STATS = 9
+    PING = 10
+
+
+#: Ops the server answers with a frame of the same op and seq.
+ANSWERED = frozenset(op for op in Op if op not in (Op.RELEASE, Op.UNGRANT))
+#: Commit outcomes.
+COMMIT_FAILED, COMMIT_STORED, COMMIT_PRESENT = 0, 1, 2
+
+_U8 = struct.Struct("<B")
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_META_HEAD = struct.Struct("<QBBB")  # nbytes, fmt, dtype code, ndim
+_FMT_VALUES = frozenset(int(f) for f in MemoryFormat)
+
+
+@dataclass(frozen=True, slots=True)
+class EntryMeta:
+    """What a reader needs to type the bytes of an entry: payload size, format, dtype, shape."""
+
+    nbytes: int
+    fmt: MemoryFormat
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @staticmethod
+    def of(shape: Sequence[int], dtype: torch.dtype, fmt: MemoryFormat) -> EntryMeta:
+        """Metadata for an entry of ``shape``/``dtype``; ``ValueError`` for a dtype records cannot carry."""
+        if dtype not in DTYPE_TO_CODE:
+            raise ValueError(f"dtype {dtype!r} cannot be stored in the cache server")
+        shp = tuple(int(d) for d in shape)
+        if len(shp) > MAX_NDIM:
+            raise ValueError(f"shape {shp} has more than {MAX_NDIM} dimensions")
+        n = dtype.itemsize
+        for d in shp:
+            n *= d
+        return EntryMeta(n, MemoryFormat(fmt), dtype, shp)
+
+
+class Writer:
+    """Builds one frame body; :meth:`frame` prefixes the header."""
+
+    __slots__ = ("_buf",)
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def u8(self, v: int) -> Writer:
+        self._buf += _U8.pack(v)
+        return self
+
+    def u16(self, v: int) -> Writer:
+        self._buf += _U16.pack(v)
+        return self
+
+    def u32(self, v: int) -> Writer:
+        self._buf += _U32.pack(v)
+        return self
+
+    def u64(self, v: int) -> Writer:
+        self._buf += _U64.pack(v)
+        return self
+
+    def blob(self, b: bytes) -> Writer:
+        """A u16 length then the bytes."""
+        self._buf += _U16.pack(len(b))
+        self._buf += b
+        return self
+
+    def keys(self, keys: Sequence[bytes]) -> Writer:
+        """A u16 count then each key as a blob."""
+        self.u16(len(keys))
+        for k in keys:
+            self.blob(k)
+        return self
+
+    def meta(self, m: EntryMeta) -> Writer:
+        self._buf += _META_HEAD.pack(m.nbytes, int(m.fmt), DTYPE_TO_CODE[m.dtype], len(m.shape))
+        for d in m.shape:
+            self._buf += _U64.pack(d)
+        return self
+
+    def body(self) -> bytes:
+        return bytes(self._buf)
+
+    def frame(self, op: int, seq: int) -> bytes:
+        """Header plus body, ready to send."""
+        return FRAME.pack(len(self._buf), op, seq) + self._buf
+
+
+class Reader:
+    """Decodes one frame body; every read checks bounds and raises :class:`ProtocolError`."""
+
+    __slots__ = ("_buf", "_pos")
+
+    def __init__(self, buf: bytes | bytearray | memoryview) -> None:
+        self._buf = memoryview(buf)
+        self._pos = 0
+
+    def _take(self, st: struct.Struct) -> int:
+        pos = self._pos
+        end = pos + st.size
+        if end > len(self._buf):
+            raise ProtocolError("message truncated")
+        self._pos = end
+        v: int = st.unpack_from(self._buf, pos)[0]
+        return v
+
+    def u8(self) -> int:
+        return self._take(_U8)
+
+    def u16(self) -> int:
+        return self._take(_U16)
+
+    def u32(self) -> int:
+        return self._take(_U32)
+
+    def u64(self) -> int:
+        return self._take(_U64)
+
+    def blob(self, limit: int = MAX_KEY_BYTES) -> bytes:
+        n = self.u16()
+        if n > limit:
+            raise ProtocolError(f"field of {n} bytes exceeds {limit}")
+        end = self._pos + n
+        if end > len(self._buf):
+            raise ProtocolError("message truncated")
+        b = bytes(self._buf[self._pos : end])
+        self._pos = end
+        return b
+
+    def count(self, limit: int = MAX_BATCH) -> int:
+        n = self.u16()
+        if n > limit:
+            raise ProtocolError(f"batch of {n} exceeds {limit}")
+        return n
+
+    def keys(self) -> list[bytes]:
+        return [self.blob() for _ in range(self.count())]
+
+    def meta(self) -> EntryMeta:
+        """Entry metadata, checked: known format and dtype, ndim bound, nbytes = prod(shape) * itemsize."""
+        pos = self._pos
+        end = pos + _META_HEAD.size
+        if end > len(self._buf):
+            raise ProtocolError("message truncated")
+        nbytes, fmt, code, ndim = _META_HEAD.unpack_from(self._buf, pos)
+        self._pos = end
+        if fmt not in _FMT_VALUES:
+            raise ProtocolError(f"unknown memory format {fmt}")
+        dtype = CODE_TO_DTYPE.get(code)
+        if dtype is None:
+            raise ProtocolError(f"unknown dtype code {code}")
+        if ndim > MAX_NDIM:
+            raise ProtocolError(f"ndim {ndim} exceeds {MAX_NDIM}")
+        shape = tuple(self.u64() for _ in range(ndim))
+        n = dtype.itemsize
+        for d in shape:
+            n *= d
+            if n > (1 << 62):
+                raise ProtocolError("shape too large")
+        if n != nbytes:
+            raise ProtocolError(f"nbytes {nbytes} does not match shape {shape} of {dtype}")
+        return EntryMeta(nbytes, MemoryFormat(fmt), dtype, shape)
+
+    def rest(self) -> bytes:
+        """Every byte not read yet (consumed)."""
+        b = bytes(self._buf[self._pos :])
+        self._pos = len(self._buf)
+        return b
+
+    def done(self) -> None:
+        """Raise unless the whole body was consumed."""
+        if self._pos != len(self._buf):
+            raise ProtocolError(f"{len(self._buf) - self._pos} trailing bytes")

@@ -1,0 +1,590 @@
+"""The node cache server: one asyncio process serving every cache client on the machine.
+
+``CacheServer`` listens on a Unix socket (0600, in a 0700 directory it owns), admits clients of
+one namespace each (optional shared token), hands them that namespace's shared pool as a
+memfd, then answers batched control messages (:mod:`lmcache_async.server.protocol`).
+
+Thread affinity: everything runs on the server's event loop; a request is handled to the end
+before the next one of the same connection is read. Trouble on one connection (a malformed or
+hostile message, a client that vanished) closes that connection only and reclaims what it held.
+
+Trust model: the socket's mode admits processes of the server's user (root too), and the peer
+uid is checked again with ``SO_PEERCRED``. Clients admitted to a namespace map its whole pool
+writable, so they can overwrite that namespace's committed entries; they never see another
+namespace's bytes (one memfd per namespace). Every offset, size, count and key a client sends is
+checked before it is used; a client can only release its own leases and commit its own grants.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import hmac
+import itertools
+import json
+import logging
+import os
+import signal
+import socket
+import stat
+import struct
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lmcache_async.keys import CacheEngineKey
+from lmcache_async.memory import MemoryObj
+from lmcache_async.ratelog import RateLimitedLog
+from lmcache_async.server.lower import LowerStore, wants_lower_tiers
+from lmcache_async.server.namespace import ClientState, Namespace
+from lmcache_async.server.protocol import (
+    ANSWERED,
+    COMMIT_STORED,
+    FRAME,
+    HELLO,
+    MAGIC,
+    MAX_BODY,
+    MAX_NAMESPACE_BYTES,
+    MAX_TOKEN_BYTES,
+    VERSION,
+    WELCOME,
+    EntryMeta,
+    Mode,
+    Op,
+    ProtocolError,
+    Reader,
+    Status,
+    Writer,
+)
+from lmcache_async.server.shm import HEADER_BYTES
+
+if TYPE_CHECKING:
+    from lmcache_async.config import LMCacheEngineConfig
+
+__all__ = ["CacheServer", "prepare_socket_dir"]
+
+logger = logging.getLogger(__name__)
+
+_HANDSHAKE_TIMEOUT_S = 5.0
+_PEERCRED = struct.Struct("3i")
+
+
+#: The longest Unix socket path Linux accepts (``sun_path`` is 108 bytes with its NUL).
+MAX_SOCKET_PATH = 107
+
+
+def prepare_socket_dir(path: str | os.PathLike[str]) -> Path:
+    """Check (or create, 0700) the socket's directory and remove a stale socket file.
+
+    Raises ``ValueError`` when the path is longer than a Unix socket path may be, when the
+    directory is not ours or is open to others, when ``path``
+    exists and is not a socket, or when a server already answers on it.
+    """
+    sock_path = Path(path)
+    if len(os.fsencode(sock_path)) > MAX_SOCKET_PATH:
+        raise ValueError(
+            f"socket path {sock_path} is {len(os.fsencode(sock_path))} bytes; a Unix socket path "
+            f"may have at most {MAX_SOCKET_PATH} (choose a shorter --socket)"
+        )
+    parent = sock_path.parent
+    if not parent.exists():
+        parent.mkdir(mode=0o700, parents=True)
+        os.chmod(parent, 0o700)
+    st = os.stat(parent)
+    if st.st_uid != os.getuid():
+        raise ValueError(f"socket directory {parent} is owned by uid {st.st_uid}, not by this user")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise ValueError(
+            f"socket directory {parent} has mode {stat.S_IMODE(st.st_mode):o}; it must be 0700 (chmod 700 {parent})"
+        )
+    if sock_path.exists() or sock_path.is_symlink():
+        if not stat.S_ISSOCK(os.lstat(sock_path).st_mode):
+            raise ValueError(f"{sock_path} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(sock_path))
+        except OSError:
+            sock_path.unlink()  # nobody listens: left over from a server that died
+        else:
+            raise ValueError(f"a server is already listening on {sock_path}")
+        finally:
+            probe.close()
+    return sock_path
+
+
+class _Conn:
+    """One admitted connection."""
+
+    def __init__(self, ident: int, ns: Namespace | None, state: ClientState | None, uid: int, pid: int) -> None:
+        self.ident = ident
+        self.ns = ns
+        self.state = state
+        self.uid = uid
+        self.pid = pid
+        self.writer: asyncio.StreamWriter | None = None
+
+
+class CacheServer:
+    """Serves namespaces of shared pools over a Unix socket; see the module docstring.
+
+    ``config`` gives the pool size per namespace (``max_local_cpu_size`` GiB) and the
+    ``cache_server_*`` limits. :meth:`serve` runs until :meth:`stop` (or SIGTERM in
+    :func:`run_server`); it must run on the loop that owns this object.
+    """
+
+    def __init__(self, config: LMCacheEngineConfig, socket_path: str | os.PathLike[str]) -> None:
+        from lmcache_async.memory import gib_to_bytes
+
+        self.config = config
+        self.socket_path = Path(socket_path)
+        self.pool_bytes = gib_to_bytes(config.max_local_cpu_size)
+        if self.pool_bytes <= 0:
+            raise ValueError("max_local_cpu_size must be > 0 GiB for the cache server's pools")
+        self.token = config.cache_server_token
+        self.lease_ttl_s = float(config.cache_server_lease_ttl_s)
+        self.max_leases = int(config.cache_server_max_leases)
+        self.max_grants = int(config.cache_server_max_grants)
+        self.max_namespaces = int(config.cache_server_max_namespaces)
+        self._reserve = None if config.memory_reserve_size is None else gib_to_bytes(config.memory_reserve_size)
+        self.namespaces: dict[str, Namespace] = {}
+        self.lower: LowerStore | None = LowerStore(config) if wants_lower_tiers(config) else None
+        self._conns: dict[int, _Conn] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._ids = itertools.count(1)
+        self._listener: socket.socket | None = None
+        self._stopping: asyncio.Event | None = None
+        self._log = RateLimitedLog(logger)
+        self.started = time.time()
+        self.protocol_errors = 0
+        self.rejected = 0
+        self.connections_total = 0
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def bind(self) -> None:
+        """Create the listening socket (mode 0600). Call before :meth:`serve`."""
+        path = prepare_socket_dir(self.socket_path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            sock.bind(str(path))
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+        sock.listen(256)
+        sock.setblocking(False)
+        self._listener = sock
+
+    async def serve(self) -> None:
+        """Accept and serve until :meth:`stop`; then close every connection and namespace."""
+        if self._listener is None:
+            self.bind()
+        assert self._listener is not None
+        loop = asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
+        sweeper = asyncio.ensure_future(self._sweep())
+        accept = asyncio.ensure_future(self._accept_loop(loop, self._listener))
+        try:
+            await self._stopping.wait()
+        finally:
+            accept.cancel()
+            sweeper.cancel()
+            for t in (accept, sweeper):
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+            await self._shutdown()
+
+    def stop(self) -> None:
+        """Stop accepting and end :meth:`serve` (call on the server's loop)."""
+        if self._stopping is not None:
+            self._stopping.set()
+
+    async def _shutdown(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+            with contextlib.suppress(OSError):
+                self.socket_path.unlink()
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.lower is not None:  # flush the write-through (bounded) before the pools go
+            try:
+                await self.lower.close()
+            except Exception as exc:
+                logger.warning("cache server: closing the lower tiers failed: %s: %s", type(exc).__name__, exc)
+        for ns in self.namespaces.values():
+            ns.close()
+        self.namespaces.clear()
+
+    async def _sweep(self) -> None:
+        interval = min(1.0, self.lease_ttl_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            for ns in self.namespaces.values():
+                ns.expire()
+
+    async def _accept_loop(self, loop: asyncio.AbstractEventLoop, listener: socket.socket) -> None:
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(listener)
+            except asyncio.CancelledError:
+                raise
+            except OSError as exc:  # e.g. out of descriptors: back off, keep serving the others
+                self._log.warning("cache server: accept failed: %s", exc, key="accept")
+                await asyncio.sleep(0.05)
+                continue
+            task = asyncio.ensure_future(self._handle(loop, conn))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    # ---- one connection --------------------------------------------------------------------------
+    async def _handle(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+        conn: _Conn | None = None
+        try:
+            conn = await asyncio.wait_for(self._handshake(loop, sock), _HANDSHAKE_TIMEOUT_S)
+            if conn is None:
+                return
+            self.connections_total += 1
+            self._conns[conn.ident] = conn
+            reader, writer = await asyncio.open_unix_connection(sock=sock, limit=MAX_BODY + FRAME.size)
+            conn.writer = writer
+            await self._serve_conn(conn, reader, writer)
+        except asyncio.CancelledError:
+            raise
+        except ProtocolError as exc:
+            self.protocol_errors += 1
+            self._log.warning("cache server: closing a connection after a malformed message: %s", exc, key="proto")
+        except (OSError, asyncio.IncompleteReadError, TimeoutError, EOFError):
+            pass  # the client went away or stalled: reclaimed below
+        except Exception as exc:  # never let one connection take the server down
+            self._log.warning("cache server: connection failed: %s: %s", type(exc).__name__, exc, key="conn")
+        finally:
+            if conn is not None:
+                self._conns.pop(conn.ident, None)
+                if conn.ns is not None and conn.state is not None:
+                    conn.ns.drop_client(conn.state)
+                if conn.writer is not None:
+                    conn.writer.close()
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    async def _recv_exact(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = await loop.sock_recv(sock, n - len(buf))
+            if not chunk:
+                raise EOFError("peer closed during the handshake")
+            buf += chunk
+        return bytes(buf)
+
+    async def _handshake(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> _Conn | None:
+        uid, pid = self._peer(sock)
+        head = await self._recv_exact(loop, sock, HELLO.size)
+        magic, version, mode, ns_len, tok_len = HELLO.unpack(head)
+        if magic != MAGIC:
+            raise ProtocolError("bad handshake magic")
+        if ns_len > MAX_NAMESPACE_BYTES or tok_len > MAX_TOKEN_BYTES or mode not in (Mode.CLIENT, Mode.STATUS):
+            raise ProtocolError("bad handshake fields")
+        rest = await self._recv_exact(loop, sock, ns_len + tok_len)
+        ns_name_b, token = rest[:ns_len], rest[ns_len:]
+        status = Status.OK
+        if version != VERSION:
+            status = Status.BAD_VERSION
+        elif uid not in (os.getuid(), 0) or (
+            self.token is not None and not hmac.compare_digest(token, self.token.encode())
+        ):
+            status = Status.BAD_TOKEN
+        ns: Namespace | None = None
+        if status is Status.OK and mode == Mode.CLIENT:
+            try:
+                ns_name = ns_name_b.decode("utf-8")
+            except UnicodeDecodeError:
+                ns_name = ""
+            if not ns_name or any(ord(c) < 32 for c in ns_name):
+                status = Status.BAD_NAMESPACE
+            else:
+                ns = self.namespaces.get(ns_name)
+                if ns is None:
+                    if len(self.namespaces) >= self.max_namespaces:
+                        status = Status.FULL
+                    else:
+                        ns = self._new_namespace(ns_name)
+                        if ns is None:
+                            status = Status.FULL
+        if status is not Status.OK:
+            self.rejected += 1
+            self._send_welcome(sock, status, None)
+            return None
+        ident = next(self._ids)
+        state = ns.add_client(ident, pid) if ns is not None else None
+        try:
+            self._send_welcome(sock, status, ns)
+        except BaseException:
+            if ns is not None and state is not None:
+                ns.drop_client(state)
+            raise
+        return _Conn(ident, ns, state, uid, pid)
+
+    def _new_namespace(self, name: str) -> Namespace | None:
+        try:
+            ns = Namespace(
+                name,
+                self.pool_bytes,
+                lease_ttl_s=self.lease_ttl_s,
+                max_leases=self.max_leases,
+                max_grants=self.max_grants,
+                reserve_bytes=self._reserve,
+                pretouch=bool(self.config.cache_server_pretouch),
+            )
+        except (OSError, ValueError) as exc:
+            self._log.warning("cache server: cannot create the pool of namespace %r: %s", name, exc, key="ns")
+            return None
+        self.namespaces[name] = ns
+        logger.info(
+            "cache server: namespace %r created (%d bytes, generation %x)", name, ns.pool.capacity, ns.generation
+        )
+        return ns
+
+    @staticmethod
+    def _peer(sock: socket.socket) -> tuple[int, int]:
+        try:
+            pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        except OSError:
+            return -1, 0
+        return uid, pid
+
+    def _send_welcome(self, sock: socket.socket, status: Status, ns: Namespace | None) -> None:
+        gen = ns.generation if ns is not None else 0
+        size = ns.pool.capacity if ns is not None else 0
+        align = ns.pool.align if ns is not None else 0
+        msg = WELCOME.pack(
+            MAGIC,
+            VERSION,
+            int(status),
+            gen,
+            size,
+            HEADER_BYTES,
+            align,
+            self.max_leases,
+            self.max_grants,
+            int(self.lease_ttl_s * 1000),
+        )
+        # A fresh socket's send buffer is empty, so this small message never blocks.
+        if ns is not None:
+            socket.send_fds(sock, [msg], [ns.pool.fd])
+        else:
+            sock.send(msg)
+
+    async def _serve_conn(self, conn: _Conn, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            head = await reader.readexactly(FRAME.size)
+            body_len, op, seq = FRAME.unpack(head)
+            if body_len > MAX_BODY:
+                raise ProtocolError(f"frame of {body_len} bytes exceeds {MAX_BODY}")
+            body = await reader.readexactly(body_len) if body_len else b""
+            try:
+                op_code = Op(op)
+            except ValueError:
+                raise ProtocolError(f"unknown op {op}") from None
+            if conn.ns is None and op_code not in (Op.STATS, Op.PING):
+                raise ProtocolError(f"op {op_code.name} on a status connection")
+            if conn.state is not None:
+                conn.state.requests += 1
+            answer = await self._dispatch(conn, op_code, Reader(body))
+            if op_code in ANSWERED:
+                assert answer is not None
+                writer.write(FRAME.pack(len(answer), op, seq))
+                writer.write(answer)
+                await writer.drain()
+
+    # ---- operations ---------------------------------------------------------------------------------
+    async def _dispatch(self, conn: _Conn, op: Op, r: Reader) -> bytes | None:
+        if op is Op.PING:
+            r.done()
+            return b""
+        if op is Op.STATS:
+            r.done()
+            return json.dumps(self.stats(), sort_keys=True, default=str).encode()
+        ns, st = conn.ns, conn.state
+        assert ns is not None and st is not None
+        w = Writer()
+        if op is Op.CONTAINS:
+            touch = r.u8()
+            keys = r.keys()
+            r.done()
+            flags = ns.contains(keys, bool(touch))
+            if self.lower is not None and not all(flags):
+                missing = [i for i, f in enumerate(flags) if not f]
+                found = await self.lower.contains(ns.name, [keys[i] for i in missing])
+                for i, f in zip(missing, found, strict=True):
+                    flags[i] = f
+            w.u16(len(flags))
+            for f in flags:
+                w.u8(f)
+        elif op is Op.GET:
+            keys = r.keys()
+            r.done()
+            leased = [ns.lease(st, k, count_miss=self.lower is None) for k in keys]
+            if self.lower is not None:
+                for i, got in enumerate(leased):
+                    if got is None:
+                        leased[i] = await self._load(ns, st, keys[i])
+            w.u16(len(keys))
+            for got in leased:
+                if got is None:
+                    w.u8(0)
+                    continue
+                lid, obj, meta = got
+                w.u8(1).u64(lid).u64(obj.offset).meta(meta)
+        elif op is Op.RELEASE:
+            for _ in range(r.count()):
+                ns.release(st, r.u64())
+            r.done()
+            return None
+        elif op is Op.GRANT:
+            sizes = [r.u64() for _ in range(r.count())]
+            r.done()
+            self._grants(ns, st, sizes, w)
+        elif op is Op.COMMIT:
+            n = r.count()
+            commits = []
+            for _ in range(n):
+                gid = r.u64()
+                key = r.blob()
+                meta = r.meta()
+                commits.append((gid, _checked_key(key), meta))
+            sizes = [r.u64() for _ in range(r.count())]
+            r.done()
+            w.u16(len(commits))
+            for gid, key, meta in commits:
+                res = ns.commit(st, gid, key, meta)
+                w.u8(res)
+                if res == COMMIT_STORED and self.lower is not None:
+                    await self._write_through(ns, key)
+            self._grants(ns, st, sizes, w)
+        elif op is Op.UNGRANT:
+            for _ in range(r.count()):
+                ns.ungrant(st, r.u64())
+            r.done()
+            return None
+        elif op is Op.REMOVE:
+            keys = r.keys()
+            r.done()
+            w.u16(len(keys))
+            for k in keys:
+                removed = ns.remove(k)
+                if self.lower is not None:
+                    removed = await self.lower.remove(ns.name, k) or removed
+                w.u8(removed)
+        elif op is Op.CLEAR:
+            r.done()
+            ns.clear()
+        return w.body()
+
+    async def _write_through(self, ns: Namespace, key: bytes) -> None:
+        assert self.lower is not None
+        got = ns.entry_view(key)
+        if got is None:
+            return
+        obj, meta = got
+        view = ns.pool.buffer[obj.offset : obj.offset + meta.nbytes]
+        tensor = view.view(meta.dtype).view(meta.shape) if meta.nbytes else torch.empty(meta.shape, dtype=meta.dtype)
+        await self.lower.put(ns.name, key, tensor, meta.fmt)
+
+    async def _load(self, ns: Namespace, st: ClientState, key: bytes) -> tuple[int, MemoryObj, EntryMeta] | None:
+        """A pool miss read from the lower tiers, indexed in the pool, then leased; None: a miss."""
+        assert self.lower is not None
+        obj = await self.lower.get(ns.name, key)
+        if obj is None:
+            ns.misses += 1
+            return None
+        try:
+            if ns.entry_view(key) is None:  # nobody committed it while we read
+                meta = EntryMeta.of(obj.shape, obj.dtype, obj.fmt)
+                block = ns.allocate_block(meta.nbytes)
+                if block is None:
+                    ns.misses += 1
+                    return None
+                if meta.nbytes:
+                    ctypes.memmove(block.data_ptr, obj.data_ptr, meta.nbytes)
+                if not ns.insert(key, block, meta):
+                    block.ref_count_down()
+                ns.loaded += 1
+        finally:
+            obj.ref_count_down()
+        return ns.lease(st, key)
+
+    @staticmethod
+    def _grants(ns: Namespace, st: ClientState, sizes: list[int], w: Writer) -> None:
+        w.u16(len(sizes))
+        for size in sizes:
+            got = ns.grant(st, size) if 0 < size <= ns.pool.capacity else None
+            if got is None:
+                w.u64(0).u64(0).u64(0)
+            else:
+                gid, obj = got
+                w.u64(gid).u64(obj.offset).u64(obj.size)
+
+    # ---- figures ------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Tiers, clients, namespaces (entries, bytes, hit rates, leases) of this server."""
+        return {
+            "pid": os.getpid(),
+            "socket": str(self.socket_path),
+            "uptime_s": round(time.time() - self.started, 3),
+            "tiers": ["shm", *(self.lower.tier_names if self.lower is not None else [])],
+            "lower": self.lower.stats() if self.lower is not None else None,
+            "pool_bytes_per_namespace": self.pool_bytes,
+            "clients": len(self._conns),
+            "connections_total": self.connections_total,
+            "rejected": self.rejected,
+            "protocol_errors": self.protocol_errors,
+            "lease_ttl_s": self.lease_ttl_s,
+            "namespaces": {name: ns.stats() for name, ns in self.namespaces.items()},
+        }
+
+
+def _checked_key(raw: bytes) -> bytes:
+    """``raw`` when it is a canonical key string (:mod:`lmcache_async.keys` grammar)."""
+    try:
+        CacheEngineKey.from_string(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, TypeError) as exc:
+        raise ProtocolError(f"invalid key: {exc}") from None
+    return raw
+
+
+def run_server(config: LMCacheEngineConfig, socket_path: str | os.PathLike[str]) -> int:
+    """Run a server in the foreground until SIGTERM or SIGINT; returns the exit status (0).
+
+    Uses uvloop when it is installed. Logs go to the root logger (stderr under the CLI).
+    """
+    server = CacheServer(config, socket_path)
+    server.bind()
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, server.stop)
+        logger.warning(
+            "cache server listening on %s (pid %d, %d bytes per namespace)",
+            server.socket_path,
+            os.getpid(),
+            server.pool_bytes,
+        )
+        await server.serve()
+        logger.warning("cache server stopped")
+
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main())
+    else:  # pragma: no cover - depends on the environment
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(main())
+    return 0

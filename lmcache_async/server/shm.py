@@ -1,0 +1,118 @@
+"""Shared-memory pools of the node cache server: one memfd per namespace.
+
+The server creates the memfd, maps it and sub-allocates it with the ordinary pool allocator;
+clients receive the descriptor over the Unix socket and map the same bytes
+(:class:`PoolMapping`). The first :data:`HEADER_BYTES` of the file hold a magic and the pool's
+generation number, so a client can tell a pool of a restarted server from the one it mapped
+before; entry offsets count from the end of that header.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+import struct
+import threading
+
+import torch
+
+from lmcache_async.memory import PoolAllocator, populate_pages
+
+__all__ = ["HEADER_BYTES", "PoolMapping", "SharedPool", "new_generation"]
+
+logger = logging.getLogger(__name__)
+
+HEADER_BYTES = 4096
+_HEADER = struct.Struct("<8sQQ")  # magic, generation, data bytes
+_POOL_MAGIC = b"LMCSPOOL"
+
+
+def new_generation() -> int:
+    """A fresh, random, non-zero 64-bit generation number."""
+    return secrets.randbits(63) | 1
+
+
+class SharedPool(PoolAllocator):
+    """A :class:`PoolAllocator` whose buffer is a memfd the server can hand to clients.
+
+    ``fd`` stays open for the pool's life (it is sent to each admitted client); :meth:`close`
+    closes it and unmaps when the last view is gone. The pool is pre-touched in the background.
+    Thread-safety is the allocator's. ``pretouch=False`` leaves pages to fault on first use.
+    """
+
+    def __init__(
+        self,
+        size_bytes: int,
+        *,
+        name: str,
+        generation: int,
+        reserve_bytes: int | None = None,
+        pretouch: bool = True,
+    ) -> None:
+        # The base class reserves an untouched anonymous buffer of the same size (address space
+        # only); it is replaced by the shared mapping before any block is handed out.
+        super().__init__(size_bytes, name=name, pin=False, pretouch=False, reserve_bytes=reserve_bytes)
+        self.generation = generation
+        self.fd = os.memfd_create(f"lmcache-async-{name}"[:200], os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, HEADER_BYTES + max(self.capacity, self.align))
+            self.file_bytes = HEADER_BYTES + max(self.capacity, self.align)
+            self._mm = mmap.mmap(self.fd, self.file_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        _HEADER.pack_into(self._mm, 0, _POOL_MAGIC, generation, self.capacity)
+        self.buffer = torch.frombuffer(self._mm, dtype=torch.uint8, offset=HEADER_BYTES)
+        self.base_ptr = self.buffer.data_ptr()
+        if self.capacity and pretouch:
+            threading.Thread(target=self._populate, name=f"lmcache-async-pretouch-{name}"[:60], daemon=True).start()
+
+    def _populate(self) -> None:
+        try:
+            populate_pages(self.base_ptr, self.capacity)
+        except Exception:  # pragma: no cover - best effort
+            logger.debug("pre-touch of shared pool %s failed", self.name, exc_info=True)
+
+    def close(self) -> None:
+        """Close the descriptor; the mapping goes when the last tensor view is dropped."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class PoolMapping:
+    """A client's mapping of a namespace pool received as a descriptor.
+
+    Maps with ``MAP_POPULATE`` (first touch of a fresh mapping costs about 350 µs/MiB here,
+    about 40 µs with it), checks the header's magic, generation and size, and closes the
+    descriptor. ``data`` is a uint8 tensor over the entry region; views of it stay valid (as
+    memory) after the mapping object is dropped, for as long as they are referenced.
+    Raises ``ValueError`` when the file does not look like the announced pool.
+    """
+
+    def __init__(self, fd: int, generation: int, pool_bytes: int, data_offset: int) -> None:
+        try:
+            if data_offset != HEADER_BYTES:
+                raise ValueError(f"unexpected pool data offset {data_offset}")
+            size = os.fstat(fd).st_size
+            if size < HEADER_BYTES + pool_bytes:
+                raise ValueError(f"pool file of {size} bytes is smaller than announced ({pool_bytes})")
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mm = mmap.mmap(fd, HEADER_BYTES + max(pool_bytes, 1), flags, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        magic, gen, data_bytes = _HEADER.unpack_from(mm, 0)
+        if magic != _POOL_MAGIC or gen != generation or data_bytes != pool_bytes:
+            mm.close()
+            raise ValueError("pool header does not match the handshake (magic, generation or size)")
+        self.generation = generation
+        self.pool_bytes = pool_bytes
+        self.data = torch.frombuffer(mm, dtype=torch.uint8, offset=HEADER_BYTES, count=max(pool_bytes, 1))
+        self._mm = mm
+
+    def header_generation(self) -> int:
+        """The generation currently written in the pool's header."""
+        gen: int = _HEADER.unpack_from(self._mm, 0)[1]
+        return gen

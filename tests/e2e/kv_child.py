@@ -1,0 +1,139 @@
+"""One real vLLM engine run for the KV-connector tests: ``python kv_child.py SPEC.json RESULT.json``.
+
+SPEC keys: ``model`` (directory), ``kv`` (``None`` or the ``kv_connector_extra_config`` dict),
+``prompts`` (token-id lists), ``phases`` (each ``{"prompts": [indices], "barrier": name or
+None, "hs": None | "save" | "load"}``), ``max_tokens``, ``hs_layers``, ``workdir``.
+Each prompt is generated alone (so its prefill is one forward the hooks see whole) after vLLM's
+own prefix cache is reset (so a hit can only come from the connector). Before a phase with a
+barrier the child writes ``<barrier>.ready`` and waits for ``<barrier>.go`` (the parent injects
+a fault meanwhile).
+
+RESULT per generated prompt: greedy token ids, ``num_cached_tokens``, the growth of
+``vllm:prompt_tokens_by_source`` per source, the time to the first token, hidden-state
+results; plus the worker's connector counters, disk record paths per prompt and any error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def by_source(llm: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if m.name == "vllm:prompt_tokens_by_source":
+            src = m.labels.get("source", "?")
+            out[src] = out.get(src, 0.0) + float(getattr(m, "value", 0) or 0)
+    return out
+
+
+def main(spec_path: str, result_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    workdir = Path(spec["workdir"])
+    result: dict[str, Any] = {"runs": [], "error": None, "alive": False}
+    t0 = time.monotonic()
+    try:
+        import kv_rpc
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        kwargs: dict[str, Any] = dict(
+            model=spec["model"],
+            dtype="float32",
+            max_model_len=4096,
+            max_num_batched_tokens=4096,
+            max_num_seqs=4,
+            enforce_eager=True,
+            disable_log_stats=False,
+            seed=0,
+        )
+        kv = spec.get("kv")
+        if kv is not None:
+            from vllm.config import KVTransferConfig
+
+            kwargs["kv_transfer_config"] = KVTransferConfig(
+                kv_connector="LMCacheKVConnector",
+                kv_connector_module_path="lmcache_async.integration.vllm",
+                kv_role="kv_both",
+                kv_load_failure_policy="recompute",
+                kv_connector_extra_config=kv,
+            )
+        llm = LLM(**kwargs)
+        result["start_s"] = time.monotonic() - t0
+        hs_layers = spec.get("hs_layers") or []
+        if hs_layers:
+            llm.collective_rpc(kv_rpc.install_hs_hooks, args=(hs_layers,))
+        prompts = spec["prompts"]
+        params = SamplingParams(max_tokens=spec.get("max_tokens", 16), temperature=0.0)
+        disk = (kv or {}).get("local_disk")
+        if kv is not None and disk:
+            result["files"] = [llm.collective_rpc(kv_rpc.chunk_files, args=(p, disk))[0] for p in prompts]
+        for phase in spec["phases"]:
+            barrier = phase.get("barrier")
+            if barrier:
+                (workdir / f"{barrier}.ready").write_text("ready")
+                go = workdir / f"{barrier}.go"
+                deadline = time.monotonic() + 120
+                while not go.exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            for idx in phase["prompts"]:
+                llm.reset_prefix_cache()
+                if hs_layers:
+                    llm.collective_rpc(kv_rpc.reset_hs)
+                before = by_source(llm)
+                g0 = time.monotonic()
+                out = llm.generate([TokensPrompt(prompt_token_ids=prompts[idx])], params, use_tqdm=False)[0]
+                gen_s = time.monotonic() - g0
+                after = by_source(llm)
+                metrics = getattr(out, "metrics", None)
+                ttft = None
+                if metrics is not None:
+                    latency = getattr(metrics, "first_token_latency", None)
+                    if isinstance(latency, float) and latency > 0:
+                        ttft = latency
+                run: dict[str, Any] = {
+                    "prompt": idx,
+                    "phase": barrier,
+                    "tokens": list(out.outputs[0].token_ids) if out.outputs else [],
+                    "finished": bool(out.finished),
+                    "num_cached_tokens": int(out.num_cached_tokens or 0),
+                    "by_source": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after},
+                    "generate_s": gen_s,
+                    "ttft_s": ttft,
+                }
+                hs_mode = phase.get("hs")
+                if hs_mode == "save":
+                    path = str(workdir / f"hs-{idx}.safetensors")
+                    run["hs"] = llm.collective_rpc(kv_rpc.save_hs, args=(prompts[idx], path))[0]
+                    run["hs_path"] = path
+                elif hs_mode == "load":
+                    path = str(workdir / f"hs-{idx}-{spec['name']}.safetensors")
+                    run["hs"] = llm.collective_rpc(kv_rpc.load_hs, args=(prompts[idx], run["num_cached_tokens"], path))[
+                        0
+                    ]
+                    run["hs_path"] = path
+                result["runs"].append(run)
+            if kv is not None:
+                llm.collective_rpc(kv_rpc.flush)
+        result["connector"] = llm.collective_rpc(kv_rpc.connector_stats)[0] if kv is not None else None
+        result["alive"] = True
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()
+    result["total_s"] = time.monotonic() - t0
+    Path(result_path).write_text(json.dumps(result))
+    sys.stdout.flush()
+    os._exit(0)  # the engine's shutdown is not under test; skip it
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))

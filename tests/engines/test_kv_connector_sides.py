@@ -1,0 +1,345 @@
+"""The KV connector's scheduler and worker halves over a real StorageManager (CPU + disk tiers).
+
+vLLM is not needed: the scheduler output is given as the plain attributes vLLM's objects carry
+(``scheduled_new_reqs``, ``scheduled_cached_reqs``, ``num_scheduled_tokens``), and a second store
+on the same disk directory plays the part of a new engine process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from lmcache_async.config import LMCacheEngineConfig
+from lmcache_async.integration.vllm.kv_engine import (
+    KVStore,
+    acquire_store,
+    find_worker_store,
+    kv_dtype_of,
+    load_kv_connector_config,
+    release_store,
+)
+from lmcache_async.integration.vllm.kv_hidden import publish_hidden_states, restore_hidden_states
+from lmcache_async.integration.vllm.kv_scheduler import KVSchedulerSide
+from lmcache_async.integration.vllm.kv_worker import KVWorkerSide
+from lmcache_async.metadata import LMCacheEngineMetadata
+
+BS, BPC = 4, 2  # block size, blocks per chunk
+CHUNK = BS * BPC
+NB, HEADS, HEAD, LAYERS = 16, 2, 3, 2
+PROMPT = list(range(100, 130))  # 30 tokens: 3 whole chunks, 8 blocks
+META = LMCacheEngineMetadata("tiny", kv_dtype=torch.float32)
+
+
+def config(disk: Path, **extra: Any) -> LMCacheEngineConfig:
+    values: dict[str, Any] = dict(
+        chunk_size=CHUNK,
+        max_local_cpu_size=0.01,
+        staging_size=0.01,
+        local_disk=str(disk),
+        max_local_disk_size=0.1,
+        enable_hidden_state_cache=True,
+        max_hidden_state_cpu_size=0.01,
+    )
+    values.update(extra)
+    return LMCacheEngineConfig(**values)
+
+
+def caches(seed: int | None) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed or 0)
+    if seed is None:
+        return {f"l{i}": torch.zeros(NB, HEADS, BS, 2 * HEAD) for i in range(LAYERS)}
+    return {f"l{i}": torch.randn(NB, HEADS, BS, 2 * HEAD, generator=g) for i in range(LAYERS)}
+
+
+def new_req_step(req_id: str, block_ids: list[int], computed: int, scheduled: int) -> SimpleNamespace:
+    new = SimpleNamespace(req_id=req_id, prompt_token_ids=PROMPT, block_ids=(block_ids,), num_computed_tokens=computed)
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[], resumed_req_ids=set())
+    return SimpleNamespace(
+        scheduled_new_reqs=[new], scheduled_cached_reqs=cached, num_scheduled_tokens={req_id: scheduled}
+    )
+
+
+@pytest.fixture
+def stores(tmp_path: Path) -> Iterator[tuple[KVStore, KVStore]]:
+    first = KVStore(config(tmp_path / "disk"), META)
+    second = KVStore(config(tmp_path / "disk"), META)
+    yield first, second
+    first.close()
+    second.close()
+
+
+def sides(store: KVStore) -> tuple[KVSchedulerSide, KVWorkerSide]:
+    sm = store.storage_manager
+    return (KVSchedulerSide(lambda: sm, store.token_database, BS, BPC), KVWorkerSide(sm, store.token_database, BS, BPC))
+
+
+SRC_BLOCKS = [9, 3, 12, 0, 5, 7, 1, 2]
+DST_BLOCKS = [4, 6, 8, 10, 11, 13, 14, 15]
+
+
+def store_prompt(store: KVStore) -> dict[str, torch.Tensor]:
+    sched, worker = sides(store)
+    src = caches(seed=1)
+    worker.register(src)
+    meta = sched.build_meta(new_req_step("r1", SRC_BLOCKS, 0, len(PROMPT)))
+    assert not meta.loads and len(meta.saves) == 1
+    worker.save(meta)
+    assert worker.counters["saved_chunks"] == 3
+    store.storage_manager.flush_sync()
+    return src
+
+
+def load_prompt(store: KVStore) -> tuple[KVSchedulerSide, KVWorkerSide, dict[str, torch.Tensor], int]:
+    sched, worker = sides(store)
+    dst = caches(seed=None)
+    worker.register(dst)
+    n, is_async = sched.num_new_matched_tokens("r2", PROMPT, 0)
+    assert is_async  # only the disk tier holds it in this store
+    sched.after_alloc("r2", (DST_BLOCKS,), n)
+    meta = sched.build_meta(new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n))
+    assert not meta.loads and len(meta.async_loads) == 1
+    worker.load(meta)
+    wait_loads(worker, {"r2"})
+    return sched, worker, dst, n
+
+
+def wait_loads(worker: KVWorkerSide, req_ids: set[str]) -> None:
+    """Collect the asynchronous loads of ``req_ids`` (each bounded by the manager's timeouts)."""
+    done: set[str] = set()
+    deadline = time.monotonic() + 30
+    while done != req_ids and time.monotonic() < deadline:
+        done |= worker.finished_loads()
+        time.sleep(0.005)
+    assert done == req_ids
+
+
+def test_a_stored_prompt_is_restored_block_for_block_by_another_store(stores: tuple[KVStore, KVStore]) -> None:
+    src = store_prompt(stores[0])
+    sched, worker, dst, n = load_prompt(stores[1])
+    assert n == 24  # 3 whole chunks; the last token (29) must be computed by vLLM
+    assert worker.take_load_errors() == set()
+    assert worker.counters["loaded_blocks"] == 6
+    for name in src:
+        for s, d in zip(SRC_BLOCKS[:6], DST_BLOCKS[:6], strict=True):
+            assert torch.equal(dst[name][d], src[name][s])
+        assert not dst[name][DST_BLOCKS[6:]].any()
+
+
+def test_the_hit_stops_below_the_last_prompt_token_on_a_block_boundary(tmp_path: Path) -> None:
+    store = KVStore(config(tmp_path / "d"), META)
+    try:
+        sched, worker = sides(store)
+        worker.register(caches(seed=1))
+        prompt = PROMPT[:24]  # exactly 3 chunks: the last block must be recomputed
+        step = new_req_step("a", SRC_BLOCKS[:6], 0, 24)
+        step.scheduled_new_reqs[0].prompt_token_ids = prompt
+        worker.save(sched.build_meta(step))
+        assert sched.num_new_matched_tokens("b", prompt, 0) == (20, False)  # the CPU tier holds it
+        assert sched.num_new_matched_tokens("c", prompt, 20) == (0, False)  # vLLM already holds it all
+    finally:
+        store.close()
+
+
+def test_a_miss_plans_no_load(tmp_path: Path) -> None:
+    store = KVStore(config(tmp_path / "d"), META)
+    try:
+        sched, _ = sides(store)
+        assert sched.num_new_matched_tokens("r", PROMPT, 0) == (0, False)
+        sched.after_alloc("r", ([1, 2],), 0)
+        assert sched.build_meta(new_req_step("r", DST_BLOCKS, 0, 30)).loads == []
+    finally:
+        store.close()
+
+
+def test_locally_computed_blocks_are_not_overwritten(stores: tuple[KVStore, KVStore]) -> None:
+    src = store_prompt(stores[0])
+    sched, worker = sides(stores[1])
+    dst = caches(seed=None)
+    worker.register(dst)
+    n, _ = sched.num_new_matched_tokens("r2", PROMPT, 8)  # vLLM's prefix cache holds chunk 0
+    assert n == 16
+    sched.after_alloc("r2", (DST_BLOCKS,), n)
+    meta = sched.build_meta(new_req_step("r2", DST_BLOCKS, 8, len(PROMPT) - 24))
+    assert [(r.first_block, r.block_ids) for r in meta.async_loads] == [(2, tuple(DST_BLOCKS[2:6]))]
+    worker.load(meta)
+    wait_loads(worker, {"r2"})
+    for name in src:
+        assert not dst[name][DST_BLOCKS[:2]].any()
+        assert torch.equal(dst[name][DST_BLOCKS[5]], src[name][SRC_BLOCKS[5]])
+
+
+def test_a_record_deleted_after_the_lookup_fails_only_its_blocks_and_later_ones(
+    stores: tuple[KVStore, KVStore],
+) -> None:
+    store_prompt(stores[0])
+    sched, worker = sides(stores[1])
+    worker.register(caches(seed=None))
+    n, _ = sched.num_new_matched_tokens("r2", PROMPT, 0)
+    sched.after_alloc("r2", (DST_BLOCKS,), n)
+    meta = sched.build_meta(new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n))
+    key = stores[1].token_database.keys(PROMPT)[1]
+    stores[0].storage_manager.remove_sync(key)  # behind the second store's back
+    stores[1].storage_manager.remove_sync(key)
+    worker.load(meta)
+    wait_loads(worker, {"r2"})
+    assert worker.take_load_errors() == set(DST_BLOCKS[2:6])
+    assert worker.take_load_errors() == set()  # reported once
+    assert worker.counters["loaded_chunks"] == 1
+
+
+def test_a_record_of_another_shape_is_a_load_failure_not_an_exception(stores: tuple[KVStore, KVStore]) -> None:
+    store_prompt(stores[0])
+    sched, worker = sides(stores[1])
+    # this worker's caches have more heads: the stored records do not fit
+    worker.register({f"l{i}": torch.zeros(NB, HEADS + 1, BS, 2 * HEAD) for i in range(LAYERS)})
+    n, _ = sched.num_new_matched_tokens("r2", PROMPT, 0)
+    sched.after_alloc("r2", (DST_BLOCKS,), n)
+    worker.load(sched.build_meta(new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n)))
+    wait_loads(worker, {"r2"})
+    assert worker.take_load_errors() == set(DST_BLOCKS[:6])
+
+
+def test_a_failing_lookup_is_a_miss_and_counted(tmp_path: Path) -> None:
+    store = KVStore(config(tmp_path / "d"), META)
+    sched, _ = sides(store)
+    store.close()
+    assert sched.num_new_matched_tokens("r", PROMPT, 0) == (0, False)
+    assert sched.counters["lookup_errors"] == 1
+
+
+def test_saves_follow_chunked_prefill_and_decode_blocks(tmp_path: Path) -> None:
+    store = KVStore(config(tmp_path / "d"), META)
+    try:
+        sched, worker = sides(store)
+        worker.register(caches(seed=3))
+        meta = sched.build_meta(new_req_step("r", SRC_BLOCKS[:3], 0, 12))  # 12 tokens this step
+        assert [(r.first_block, r.block_ids) for r in meta.saves] == [(0, tuple(SRC_BLOCKS[:2]))]
+        worker.save(meta)
+        cached = SimpleNamespace(
+            req_ids=["r"], new_block_ids=[(SRC_BLOCKS[3:],)], num_computed_tokens=[12], resumed_req_ids=set()
+        )
+        step = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={"r": 18})
+        meta = sched.build_meta(step)
+        assert [(r.first_block, r.block_ids) for r in meta.saves] == [(2, tuple(SRC_BLOCKS[2:6]))]
+        worker.save(meta)
+        assert worker.counters["saved_chunks"] == 3
+        assert store.storage_manager.batched_contains_sync(store.token_database.keys(PROMPT)) == 3
+        sched.finished("r")
+    finally:
+        store.close()
+
+
+def test_a_full_pool_stops_the_save_and_counts_it(tmp_path: Path) -> None:
+    store = KVStore(config(tmp_path / "d", max_local_cpu_size=0.0, local_disk=None), META)
+    try:
+        sched, worker = sides(store)
+        worker.register(caches(seed=1))
+        worker.save(sched.build_meta(new_req_step("r", SRC_BLOCKS, 0, 30)))
+        assert worker.counters["saved_chunks"] == 0
+        assert worker.counters["save_rejected"] == 1
+    finally:
+        store.close()
+
+
+def test_hidden_states_published_by_one_store_come_back_bit_exact_from_another(
+    stores: tuple[KVStore, KVStore],
+) -> None:
+    store_prompt(stores[0])
+    hs = torch.randn(len(PROMPT), 5)
+    a, b = stores
+    assert a.hidden_state_store is not None and b.hidden_state_store is not None
+    assert publish_hidden_states(a.hidden_state_store, a.storage_manager, PROMPT, hs, layer_idx=2) == 3
+    a.storage_manager.flush_sync()
+    got = restore_hidden_states(b.hidden_state_store, b.storage_manager, PROMPT, layer_idx=2)
+    assert got is not None and torch.equal(got, hs[:24])
+    got[0, 0] = 1.0  # the caller owns a normal tensor
+    capped = restore_hidden_states(b.hidden_state_store, b.storage_manager, PROMPT, layer_idx=2, max_tokens=20)
+    assert capped is not None and torch.equal(capped, hs[:16])  # never past the restored KV prefix
+    assert restore_hidden_states(b.hidden_state_store, b.storage_manager, PROMPT, layer_idx=1) is None
+
+
+def test_hidden_states_stop_where_the_kv_is_gone(stores: tuple[KVStore, KVStore]) -> None:
+    store_prompt(stores[0])
+    a, b = stores
+    assert a.hidden_state_store is not None and b.hidden_state_store is not None
+    hs = torch.randn(len(PROMPT), 5)
+    publish_hidden_states(a.hidden_state_store, a.storage_manager, PROMPT, hs)
+    a.storage_manager.flush_sync()
+    key = b.token_database.keys(PROMPT)[1]
+    a.storage_manager.remove_sync(key)
+    b.storage_manager.remove_sync(key)
+    got = restore_hidden_states(b.hidden_state_store, b.storage_manager, PROMPT)
+    assert got is not None and torch.equal(got, hs[:CHUNK])
+
+
+def test_max_tokens_must_not_be_negative(stores: tuple[KVStore, KVStore]) -> None:
+    a = stores[0]
+    assert a.hidden_state_store is not None
+    with pytest.raises(ValueError, match="max_tokens"):
+        restore_hidden_states(a.hidden_state_store, a.storage_manager, PROMPT, max_tokens=-1)
+
+
+def test_a_scheduler_shares_the_workers_store_or_builds_a_lookup_only_one(tmp_path: Path) -> None:
+    cfg = config(tmp_path / "d")
+    lease_s, sched_store = acquire_store(cfg, META, role="scheduler")
+    try:
+        assert sched_store.lookup_only and sched_store.storage_manager.pool is None
+        assert sched_store.hidden_state_store is None
+        assert find_worker_store(cfg, META) is None
+        lease_w, worker_store = acquire_store(cfg, META, role="worker")
+        lease_s2, shared = acquire_store(cfg, META, role="scheduler")
+        assert shared is worker_store and not worker_store.lookup_only
+        assert find_worker_store(cfg, META) is worker_store
+        release_store(lease_s2)
+        release_store(lease_w)
+        assert worker_store.closed
+    finally:
+        release_store(lease_s)
+    assert sched_store.closed
+    with pytest.raises(ValueError, match="role"):
+        acquire_store(cfg, META, role="both")
+
+
+def test_inline_connector_config_overrides_and_unknown_keys_are_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("LMCACHE_CONFIG_FILE", raising=False)
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("chunk_size: 512\nmax_local_cpu_size: 0.5\n")
+    cfg = load_kv_connector_config({"config_file": str(yaml), "max_local_cpu_size": 0.25, "bogus": 1})
+    assert cfg.chunk_size == 512 and cfg.max_local_cpu_size == 0.25
+    with pytest.raises(TypeError, match="config_file"):
+        load_kv_connector_config({"config_file": 5})
+
+
+def test_key_dtype_follows_vllms_cache_dtype() -> None:
+    assert kv_dtype_of("auto", torch.float32) is torch.float32
+    assert kv_dtype_of("auto", "bfloat16") is torch.bfloat16
+    assert kv_dtype_of("fp8_e5m2", torch.float16) is torch.float8_e5m2
+
+
+def test_a_hit_in_this_process_cpu_tier_is_loaded_before_the_forward(tmp_path: Path) -> None:
+    store = KVStore(config(tmp_path / "d"), META)
+    try:
+        src = store_prompt(store)
+        sched, worker = sides(store)
+        dst = caches(seed=None)
+        worker.register(dst)
+        n, is_async = sched.num_new_matched_tokens("r2", PROMPT, 0)
+        assert (n, is_async) == (24, False)
+        sched.after_alloc("r2", (DST_BLOCKS,), n)
+        meta = sched.build_meta(new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n))
+        assert len(meta.loads) == 1 and not meta.async_loads
+        worker.load(meta)
+        assert worker.finished_loads() == set()  # nothing asynchronous to report
+        for name in src:
+            assert torch.equal(dst[name][DST_BLOCKS[5]], src[name][SRC_BLOCKS[5]])
+    finally:
+        store.close()

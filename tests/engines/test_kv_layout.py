@@ -1,0 +1,181 @@
+"""Whole-block gather/scatter between vLLM's paged KV caches and chunk records (no vLLM needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmcache_async.integration.vllm.kv_layout import (
+    CPU_LAYOUT,
+    FLASH_ATTN_LAYOUT,
+    PagedCaches,
+    check_chunk_alignment,
+    gather_blocks,
+    scatter_blocks,
+)
+
+NB, HEADS, BS, HEAD = 8, 2, 4, 3
+LAYERS = 3
+
+
+def cpu_caches(fill: bool = True) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    make = (
+        (lambda: torch.randn(NB, HEADS, BS, 2 * HEAD, generator=g))
+        if fill
+        else (lambda: torch.zeros(NB, HEADS, BS, 2 * HEAD))
+    )
+    return {f"model.layers.{i}.self_attn.attn": make() for i in range(LAYERS)}
+
+
+def flash_caches(fill: bool = True) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    make = (
+        (lambda: torch.randn(2, NB, BS, HEADS, HEAD, generator=g))
+        if fill
+        else (lambda: torch.zeros(2, NB, BS, HEADS, HEAD))
+    )
+    return {f"layers.{i}": make() for i in range(LAYERS)}
+
+
+def test_chunk_size_must_be_a_multiple_of_the_block_size() -> None:
+    assert check_chunk_alignment(256, 128) == 2
+    assert check_chunk_alignment(128, 128) == 1
+    with pytest.raises(ValueError, match="chunk_size"):
+        check_chunk_alignment(200, 128)
+    with pytest.raises(ValueError, match="chunk_size"):
+        check_chunk_alignment(64, 128)
+    with pytest.raises(ValueError, match="block_size"):
+        check_chunk_alignment(256, 0)
+
+
+def test_cpu_layout_is_detected_and_the_record_holds_every_layer() -> None:
+    caches = PagedCaches(cpu_caches(), BS, 2)
+    assert caches.layout is CPU_LAYOUT
+    assert caches.record_shape == (LAYERS, 2, HEADS, BS, 2 * HEAD)
+    assert caches.record_bytes == 4 * LAYERS * 2 * HEADS * BS * 2 * HEAD
+
+
+def test_cpu_gather_copies_whole_blocks_in_the_given_order() -> None:
+    src = cpu_caches()
+    caches = PagedCaches(src, BS, 2)
+    record = torch.empty(caches.record_shape)
+    gather_blocks(caches, [5, 2], record)
+    for layer, t in enumerate(src.values()):
+        assert torch.equal(record[layer, 0], t[5])
+        assert torch.equal(record[layer, 1], t[2])
+
+
+def test_cpu_scatter_writes_only_the_target_blocks_byte_for_byte() -> None:
+    src = cpu_caches()
+    record = torch.empty(PagedCaches(src, BS, 2).record_shape)
+    gather_blocks(PagedCaches(src, BS, 2), [5, 2], record)
+    dst = cpu_caches(fill=False)
+    scatter_blocks(PagedCaches(dst, BS, 2), [1, 7], record)
+    for s, d in zip(src.values(), dst.values(), strict=True):
+        assert torch.equal(d[1], s[5]) and torch.equal(d[7], s[2])
+        # the kernel's view of a block ([heads, 2 * block_size, head]: K rows then V rows) is
+        # the same bytes: nothing was reordered
+        assert torch.equal(d.view(NB, HEADS, 2 * BS, HEAD)[1], s.view(NB, HEADS, 2 * BS, HEAD)[5])
+        untouched = [b for b in range(NB) if b not in (1, 7)]
+        assert not d[untouched].any()
+
+
+def test_scatter_of_part_of_a_chunk_takes_the_blocks_from_the_given_offset() -> None:
+    src = cpu_caches()
+    caches = PagedCaches(src, BS, 2)
+    record = torch.empty(caches.record_shape)
+    gather_blocks(caches, [3, 4], record)
+    dst = cpu_caches(fill=False)
+    scatter_blocks(PagedCaches(dst, BS, 2), [6], record, first=1)
+    for s, d in zip(src.values(), dst.values(), strict=True):
+        assert torch.equal(d[6], s[4])
+        assert not d[:6].any()
+
+
+def test_gather_of_fewer_blocks_fills_the_leading_part_of_the_record() -> None:
+    src = cpu_caches()
+    caches = PagedCaches(src, BS, 2)
+    record = torch.zeros(caches.record_shape)
+    gather_blocks(caches, [7], record)
+    assert torch.equal(record[0, 0], src["model.layers.0.self_attn.attn"][7])
+    assert not record[:, 1].any()
+
+
+def test_flash_attention_layout_index_math_on_cpu_tensors() -> None:
+    src = flash_caches()
+    caches = PagedCaches(src, BS, 2, layout=FLASH_ATTN_LAYOUT)
+    assert caches.record_shape == (LAYERS, 2, 2, BS, HEADS, HEAD)
+    record = torch.empty(caches.record_shape)
+    gather_blocks(caches, [6, 0], record)
+    for layer, t in enumerate(src.values()):
+        assert torch.equal(record[layer, 0, 0], t[0, 6])  # K of block 6
+        assert torch.equal(record[layer, 1, 0], t[1, 6])  # V of block 6
+        assert torch.equal(record[layer, :, 1], t[:, 0])
+    dst = flash_caches(fill=False)
+    scatter_blocks(PagedCaches(dst, BS, 2, layout=FLASH_ATTN_LAYOUT), [2, 3], record)
+    for s, d in zip(src.values(), dst.values(), strict=True):
+        assert torch.equal(d[:, 2], s[:, 6]) and torch.equal(d[:, 3], s[:, 0])
+        assert not d[:, [0, 1, 4, 5, 6, 7]].any()
+
+
+def test_a_cpu_shaped_cache_does_not_fit_the_flash_layout() -> None:
+    with pytest.raises(ValueError, match="flash_attn"):
+        PagedCaches(cpu_caches(), BS, 2, layout=FLASH_ATTN_LAYOUT)
+
+
+def test_layers_that_differ_are_refused_naming_the_layer() -> None:
+    caches = cpu_caches()
+    caches["odd"] = torch.zeros(NB, HEADS, BS, 2 * HEAD, dtype=torch.float16)
+    with pytest.raises(ValueError, match="odd"):
+        PagedCaches(caches, BS, 2)
+
+
+def test_a_cache_whose_block_size_differs_from_vllms_is_refused() -> None:
+    with pytest.raises(ValueError, match="block size"):
+        PagedCaches(cpu_caches(), BS * 2, 2)
+
+
+def test_unsupported_layouts_and_non_tensors_are_refused() -> None:
+    with pytest.raises(ValueError, match="unsupported"):
+        PagedCaches({"x": torch.zeros(NB, BS, HEAD)}, BS, 2)
+    with pytest.raises(TypeError, match="kv_caches"):
+        PagedCaches({"x": [1, 2]}, BS, 2)  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="non-empty"):
+        PagedCaches({}, BS, 2)
+
+
+def test_block_ids_outside_the_cache_are_refused_before_any_copy() -> None:
+    src = cpu_caches()
+    caches = PagedCaches(src, BS, 2)
+    record = torch.zeros(caches.record_shape)
+    with pytest.raises(ValueError, match="block_ids"):
+        gather_blocks(caches, [NB], record)
+    with pytest.raises(ValueError, match="block_ids"):
+        scatter_blocks(caches, [-1], record)
+
+
+def test_a_record_of_another_shape_or_dtype_is_refused() -> None:
+    caches = PagedCaches(cpu_caches(), BS, 2)
+    with pytest.raises(ValueError, match="record"):
+        scatter_blocks(caches, [0], torch.zeros(LAYERS, 1, HEADS, BS, 2 * HEAD))
+    with pytest.raises(ValueError, match="record"):
+        scatter_blocks(caches, [0], torch.zeros(caches.record_shape, dtype=torch.float64))
+    with pytest.raises(ValueError, match="outside the chunk"):
+        scatter_blocks(caches, [0, 1], torch.zeros(caches.record_shape), first=1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_flash_attention_round_trip_through_pinned_host_records_on_a_side_stream() -> None:
+    dev = torch.device("cuda")
+    src = {k: v.to(dev) for k, v in flash_caches().items()}
+    caches = PagedCaches(src, BS, 2)
+    assert caches.layout is FLASH_ATTN_LAYOUT
+    stream = torch.cuda.Stream(dev)
+    record = torch.empty(caches.record_shape, pin_memory=True)
+    gather_blocks(caches, [6, 0], record, stream)
+    stream.synchronize()
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    scatter_blocks(PagedCaches(dst, BS, 2), [2, 3], record, stream=stream)
+    for s, d in zip(src.values(), dst.values(), strict=True):
+        assert torch.equal(d[:, 2], s[:, 6]) and torch.equal(d[:, 3], s[:, 0])

@@ -1,0 +1,111 @@
+"""A cache-server client process for the multi-process tests (run as a script).
+
+Modes (argv: socket namespace mode ...):
+
+* ``put N`` — store entries 0..N-1 and print ``stored <count>``.
+* ``wait-get N`` — print ``ready``, wait for a line on stdin, then get entries 0..N-1 and print
+  ``got <hits> wrong <wrong>``.
+* ``load SECONDS SEED`` — mixed put/get/contains over a shared key space for SECONDS; print one
+  JSON line with ``ops``, ``errors``, ``wrong``.
+
+Entry ``i``'s payload is a pure function of ``i``, so any process can check any entry.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+
+import torch
+
+from lmcache_async.keys import CacheEngineKey
+from lmcache_async.memory import MemoryFormat, MemoryObj, PoolAllocator
+from lmcache_async.server.client import ServerClient
+
+
+def key_of(i: int) -> bytes:
+    return CacheEngineKey("mp/model", 1, 0, i + 1, torch.bfloat16).to_string().encode()
+
+
+def shape_of(i: int) -> tuple[int, int]:
+    return (16 + (i % 7) * 8, 64)
+
+
+def fill(pool: PoolAllocator, i: int) -> MemoryObj:
+    obj = pool.allocate(shape_of(i), torch.float32, MemoryFormat.KV_2LTD)
+    assert obj is not None
+    g = torch.Generator().manual_seed(1000 + i)
+    obj.tensor.copy_(torch.randn(shape_of(i), generator=g))
+    return obj
+
+
+def expected(i: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + i)
+    return torch.randn(shape_of(i), generator=g)
+
+
+def check(obj: MemoryObj, i: int) -> bool:
+    return obj.shape == shape_of(i) and obj.dtype == torch.float32 and torch.equal(obj.tensor, expected(i))
+
+
+def main(argv: list[str]) -> int:
+    torch.set_num_threads(1)
+    sock, ns, mode = argv[0], argv[1], argv[2]
+    client = ServerClient(sock, ns, timeout_s=5.0)
+    pool = PoolAllocator(16 << 20, name="worker", pretouch=False)
+    if mode == "put":
+        n = int(argv[3])
+        stored = 0
+        for i in range(n):
+            obj = fill(pool, i)
+            res = client.put([(key_of(i), obj)])
+            obj.ref_count_down()
+            stored += bool(res and res[0])
+        print(f"stored {stored}", flush=True)
+    elif mode == "wait-get":
+        n = int(argv[3])
+        print("ready", flush=True)
+        sys.stdin.readline()
+        hits = wrong = 0
+        got = client.get([key_of(i) for i in range(n)], pool.allocate) or []
+        for i, obj in enumerate(got):
+            if obj is not None:
+                hits += 1
+                wrong += not check(obj, i)
+                obj.ref_count_down()
+        print(f"got {hits} wrong {wrong}", flush=True)
+    elif mode == "load":
+        seconds, seed = float(argv[3]), int(argv[4])
+        rng = random.Random(seed)
+        ops = errors = wrong = 0
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            batch = [rng.randrange(400) for _ in range(rng.randint(1, 6))]
+            op = rng.random()
+            if op < 0.35:
+                objs = [fill(pool, i) for i in batch]
+                res = client.put([(key_of(i), o) for i, o in zip(batch, objs, strict=True)])
+                for o in objs:
+                    o.ref_count_down()
+                errors += res is None
+            elif op < 0.8:
+                got = client.get([key_of(i) for i in batch], pool.allocate)
+                if got is None:
+                    errors += 1
+                else:
+                    for i, obj in zip(batch, got, strict=True):
+                        if obj is not None:
+                            wrong += not check(obj, i)
+                            obj.ref_count_down()
+            else:
+                errors += client.contains([key_of(i) for i in batch], touch=op > 0.9) is None
+            ops += 1
+        print(json.dumps({"ops": ops, "errors": errors, "wrong": wrong, "client": client.stats()}), flush=True)
+    client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
