@@ -75,15 +75,11 @@ class FaultyTier(StorageBackend):
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         await self._gate()
-        start = getattr(self.inner, "start", None)
-        if start is not None:
-            await start()
+        await self.inner.start()
 
     async def flush(self) -> None:
         await self._gate()
-        flush = getattr(self.inner, "flush", None)
-        if flush is not None:
-            await flush()
+        await self.inner.flush()
 
     async def close(self) -> None:
         await self.inner.close()

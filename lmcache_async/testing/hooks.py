@@ -21,18 +21,15 @@ __all__ = ["BackendHooks", "MediumHooks", "flush_backend", "start_backend"]
 
 
 async def start_backend(backend: StorageBackend) -> StorageBackend:
-    """Run the backend's optional ``start()`` hook (the manager does the same before use)."""
-    start = getattr(backend, "start", None)
-    if start is not None:
-        await start()
+    """Run the backend's ``start()`` hook (a no-op unless the tier declares one; the manager
+    does the same before use)."""
+    await backend.start()
     return backend
 
 
 async def flush_backend(backend: StorageBackend) -> None:
-    """Run the backend's optional ``flush()`` hook: after it, every accepted put is on the medium."""
-    flush = getattr(backend, "flush", None)
-    if flush is not None:
-        await flush()
+    """Run the backend's ``flush()`` hook: after it, every accepted put is on the medium."""
+    await backend.flush()
 
 
 class MediumHooks:

@@ -24,9 +24,10 @@ from typing import Any
 import torch
 import xxhash
 
-from lmcache_async.backend import Allocate, BackendContext, StorageBackend, register_backend
+from lmcache_async.backend import BackendContext, register_backend
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj, tensor_byte_view
+from lmcache_async.testing.faults import FaultyTier
 
 SCALE_ENV = "LMCACHE_ASYNC_CHAOS_SCALE"
 
@@ -384,14 +385,15 @@ def wait_port_closed(port: int, timeout: float = 5.0) -> None:
 
 
 # ---- a fault-injecting backend around a real tier ----------------------------------------------------
-class FaultyBackend(StorageBackend):
+class FaultyBackend(FaultyTier):
     """A real tier (``fs://`` records below ``extra_config['chaos_root']``) with injectable faults.
 
     ``fault`` is one of ``None`` (pass through), ``"raise"`` (every call raises),
     ``"hang"`` (every call waits forever), ``"task-dies"`` (every call also starts a background
     task that raises, and then passes through). ``extra_config['chaos_remote']`` makes it a
     remote tier (``remote_timeout_s``); otherwise the manager gives it half of
-    ``blocking_timeout_secs``.
+    ``blocking_timeout_secs``. The operations are the kit's :class:`FaultyTier`'s; only the
+    gate (which faults, and what it counts) differs.
     """
 
     name = "chaos-faulty"
@@ -401,7 +403,7 @@ class FaultyBackend(StorageBackend):
         from lmcache_async.backends.remote import RemoteBackend
 
         extra = ctx.config.extra_config or {}
-        self.inner = RemoteBackend(ctx, f"fs://{extra['chaos_root']}", prefix="chaos")
+        super().__init__(RemoteBackend(ctx, f"fs://{extra['chaos_root']}", prefix="chaos"), FaultyBackend.name)
         self._remote = bool(extra.get("chaos_remote", True))
         self.fault: str | None = None
         self.calls = 0
@@ -420,7 +422,10 @@ class FaultyBackend(StorageBackend):
         return True
 
     async def start(self) -> None:
-        await self.inner.start()
+        await self.inner.start()  # never faulted: the tests switch faults on after the start
+
+    async def flush(self) -> None:
+        await self.inner.flush()
 
     async def _gate(self) -> None:
         self.calls += 1
@@ -440,42 +445,8 @@ class FaultyBackend(StorageBackend):
             self._bg.add(t)
             t.add_done_callback(self._bg.discard)
 
-    async def put(self, key: CacheEngineKey, obj: MemoryObj) -> bool:
-        await self._gate()
-        return await self.inner.put(key, obj)
-
-    async def get(self, key: CacheEngineKey, alloc: Allocate | None = None) -> MemoryObj | None:
-        await self._gate()
-        return await self.inner.get(key, alloc)
-
-    async def contains(self, key: CacheEngineKey) -> bool:
-        await self._gate()
-        return await self.inner.contains(key)
-
-    async def remove(self, key: CacheEngineKey) -> bool:
-        await self._gate()
-        return await self.inner.remove(key)
-
-    async def batched_put(self, items: Sequence[tuple[CacheEngineKey, MemoryObj]]) -> list[bool]:
-        await self._gate()
-        return await self.inner.batched_put(items)
-
-    async def batched_get(
-        self, keys: Sequence[CacheEngineKey], alloc: Allocate | None = None
-    ) -> list[MemoryObj | None]:
-        await self._gate()
-        return await self.inner.batched_get(keys, alloc)
-
-    async def batched_contains(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
-        await self._gate()
-        return await self.inner.batched_contains(keys)
-
-    async def clear(self) -> None:
-        await self._gate()
-        await self.inner.clear()
-
-    async def close(self) -> None:
-        await self.inner.close()
+    def contains_nowait(self, key: CacheEngineKey) -> bool | None:
+        return None  # always through the loop, where the faults are
 
     def stats(self) -> dict[str, Any]:
         out = dict(self.inner.stats())
