@@ -29,7 +29,7 @@ import torch
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.dtypes import dtype_name, parse_dtype
 from lmcache_async.engines._devices import check_device
-from lmcache_async.engines._offload import copy_maybe_off_loop, run_off_loop, should_offload
+from lmcache_async.engines._offload import copy_maybe_off_loop, run_off_loop, should_offload, yield_to_loop
 from lmcache_async.keys import CacheEngineKey, stable_u64_from_str
 from lmcache_async.memory import MemoryFormat, MemoryObj
 from lmcache_async.metadata import NEUTRAL_METADATA, LMCacheEngineMetadata
@@ -222,6 +222,7 @@ class ECCacheEngine:
         caller's thread, or on the engine copy executor from
         :data:`~lmcache_async.engines._offload.OFF_LOOP_COPY_BYTES` on (a caller cancelled
         meanwhile leaves the put to finish)."""
+        await yield_to_loop()
         key, src = self._put_prologue(mm_hash, tensor)
         if self._sm.holds_locally(key):
             self._count_put(True, True)
@@ -297,6 +298,7 @@ class ECCacheEngine:
 
     async def aget(self, mm_hash: str, device: str | torch.device = "cpu") -> torch.Tensor | None:
         """Async twin of :meth:`get`, awaitable from any event loop."""
+        await yield_to_loop()
         key = self.key(mm_hash)
         dev = check_device(device)
         try:
@@ -321,6 +323,7 @@ class ECCacheEngine:
 
     async def acontains(self, mm_hash: str) -> bool:
         """Async twin of :meth:`contains`."""
+        await yield_to_loop()
         return await self._present_async(self.key(mm_hash))
 
     def delete(self, mm_hash: str) -> bool:

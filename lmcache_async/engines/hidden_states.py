@@ -38,7 +38,7 @@ import torch
 from lmcache_async.backend import Presence
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.engines._chunks import ChunkPlan, copy_in, copy_out, release_all, wait_copies
-from lmcache_async.engines._offload import copy_maybe_off_loop
+from lmcache_async.engines._offload import copy_maybe_off_loop, yield_to_loop
 from lmcache_async.errors import LoopThreadCallError, ManagerClosedError
 from lmcache_async.keys import TAG_PREFIX, CacheEngineKey
 from lmcache_async.memory import MemoryFormat, MemoryObj
@@ -397,6 +397,7 @@ class HiddenStateStore:
         Answered on the caller's thread (no hop); a copy of at least
         :data:`~lmcache_async.engines._offload.OFF_LOOP_COPY_BYTES` runs on the engine copy
         executor. A caller cancelled meanwhile leaves the store to finish, holding nothing."""
+        await yield_to_loop()
         job = self._plan_store(token_ids, hidden_states, layer_idx, token_offset)
         if job is None:
             return 0
@@ -512,6 +513,7 @@ class HiddenStateStore:
         :data:`~lmcache_async.engines._offload.OFF_LOOP_COPY_BYTES` runs on the engine copy
         executor; a caller cancelled at any point leaves no pool reference held (with ``out``,
         a copy already running still fills it)."""
+        await yield_to_loop()
         self._check_open()
         layer_idx = _check_layer(layer_idx)
         self._check_out(out)
@@ -542,6 +544,7 @@ class HiddenStateStore:
     async def acoverage(self, token_ids: Any, layer_idxs: Iterable[int] = (0,)) -> int:
         """Coroutine twin of :meth:`coverage` (HS presence is answered on the caller's thread;
         KV presence as in :meth:`aretrieve_hidden_states`)."""
+        await yield_to_loop()
         plan, layers = self._coverage_args(token_ids, layer_idxs)
         # The HS manager has no lower tiers: contains_sync answers on this thread, no hop.
         return plan.tokens_in(await self._akv_prefix(plan, self._hs_prefix(plan, layers)))

@@ -31,7 +31,7 @@ import torch
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.engines._chunks import ChunkPlan, copy_in, copy_out, release_all, wait_copies
 from lmcache_async.engines._devices import CPU, check_device
-from lmcache_async.engines._offload import copy_maybe_off_loop
+from lmcache_async.engines._offload import copy_maybe_off_loop, yield_to_loop
 from lmcache_async.engines.hidden_states import HiddenStateStore
 from lmcache_async.errors import LoopThreadCallError, ManagerClosedError
 from lmcache_async.memory import MemoryFormat, MemoryObj
@@ -214,6 +214,7 @@ class LMCacheEngine:
         at least :data:`~lmcache_async.engines._offload.OFF_LOOP_COPY_BYTES` runs on the engine
         copy executor instead, so the caller's loop keeps serving; a caller cancelled meanwhile
         leaves the store to finish (it holds no pool reference afterwards)."""
+        await yield_to_loop()
         job = self._plan_store(token_ids, kv, mask)
         if job is None:
             return 0
@@ -291,6 +292,7 @@ class LMCacheEngine:
         ``blocking_timeout_secs``, a miss when it passes). A result of at least
         :data:`~lmcache_async.engines._offload.OFF_LOOP_COPY_BYTES` is assembled on the engine
         copy executor; a caller cancelled at any point leaves no pool reference held."""
+        await yield_to_loop()
         self._check_open()
         dev = CPU if device is None else check_device(device)
         plan = ChunkPlan(self.token_database, token_ids)
@@ -319,6 +321,7 @@ class LMCacheEngine:
     async def alookup(self, token_ids: Any) -> int:
         """Coroutine twin of :meth:`lookup`: answered on the caller's thread when the CPU tier
         (or the lower tiers' non-blocking answers) decide it, else one batched hop."""
+        await yield_to_loop()
         self._check_open()
         plan = ChunkPlan(self.token_database, token_ids)
         if not len(plan):
