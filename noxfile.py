@@ -88,7 +88,7 @@ QUICK_MARKERS = "not chaos and not soak and not slow and not redis and not nixl 
 
 @nox.session
 def quick(session: nox.Session) -> None:
-    """The fast lane (under 2 minutes on 2 cores): no chaos, soak or slow tests and no tier that
+    """The fast lane (about 5 minutes on 2 cores): no chaos, soak or slow tests and no tier that
     needs a server binary, NIXL or Mooncake; the rest of the unit, conformance, engine and disk
     tests. ``nox -s tests`` stays the full run.
 
