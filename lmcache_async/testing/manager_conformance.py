@@ -179,6 +179,8 @@ class ManagerConformanceTests(MediumHooks, abc.ABC):
         self.put_below(loop, tier, key, seed=71)
         self.assert_holds(sm.get_sync(key), 71)
         if not tier.supports_delete:
+            # A tier may declare supports_delete=False (the ABC allows it); none of ours does.
+            # Then there is nothing to remove and this check has no subject: skip, saying why.
             pytest.skip(f"{tier.inner.name} cannot delete: promotion is not observable without it")
         assert self.on_loop(loop, tier.remove(key)) is True
         # Gone below, so this hit can only come from the CPU tier the first get promoted it into.
@@ -249,6 +251,8 @@ class ManagerConformanceTests(MediumHooks, abc.ABC):
     def test_remove_reaches_every_tier(self, stack: Any, location: Path) -> None:
         sm, tier, loop = stack
         if not tier.supports_delete:
+            # A tier may declare supports_delete=False (the ABC allows it); none of ours does.
+            # Then there is nothing to remove and this check has no subject: skip, saying why.
             pytest.skip(f"{tier.inner.name} does not support delete")
         gone, kept = make_key(730), make_key(731)
         assert sm.put_sync(gone, tensor_for(3)) and sm.put_sync(kept, tensor_for(4))
@@ -264,6 +268,8 @@ class ManagerConformanceTests(MediumHooks, abc.ABC):
     def test_remove_of_an_entry_only_below(self, stack: Any) -> None:
         sm, tier, loop = stack
         if not tier.supports_delete:
+            # A tier may declare supports_delete=False (the ABC allows it); none of ours does.
+            # Then there is nothing to remove and this check has no subject: skip, saying why.
             pytest.skip(f"{tier.inner.name} does not support delete")
         key = make_key(732)
         self.put_below(loop, tier, key, 5)
@@ -273,6 +279,8 @@ class ManagerConformanceTests(MediumHooks, abc.ABC):
     def test_clear_reaches_every_tier(self, stack: Any, location: Path) -> None:
         sm, tier, loop = stack
         if not tier.supports_delete:
+            # A tier may declare supports_delete=False (the ABC allows it); none of ours does.
+            # Then there is nothing to remove and this check has no subject: skip, saying why.
             pytest.skip(f"{tier.inner.name} does not support delete")
         keys = [make_key(740 + i) for i in range(5)]
         for i, k in enumerate(keys):

@@ -74,4 +74,10 @@ def run_kv_engine(
     if result.get("error"):
         result["log_tail"] = log_path.read_text()[-4000:]
     print(f"[e2e] {name}: {result['wall_s']:.1f} s (engine start {result.get('start_s', 0):.1f} s)")
+    for i, run in enumerate(result.get("runs", [])):  # the figures each run measured
+        ttft = run.get("ttft_s")
+        print(
+            f"[e2e]   {name} prompt {i}: cached {run.get('num_cached_tokens')} tokens, "
+            f"TTFT {'-' if ttft is None else f'{ttft:.3f} s'}, generate {run.get('generate_s', 0):.3f} s"
+        )
     return result
