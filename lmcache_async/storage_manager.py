@@ -303,7 +303,8 @@ class StorageManager(Lifecycle):
         self._check_usable()
         check_put_batch(keys, values)
         put = self._put.put
-        return [put(k, v, fmt, checked=True) for k, v in zip(keys, values, strict=True)]
+        with self._wt.deferred_wake():  # one wake-up of the write-through for the whole batch
+            return [put(k, v, fmt, checked=True) for k, v in zip(keys, values, strict=True)]
 
     put_sync = sync_twin(put)
     batched_put_sync = sync_twin(batched_put)

@@ -2,7 +2,10 @@
 
 Caller threads :meth:`~WriteThrough.enqueue` (a lock, a dict store, a deque append; the loop is
 woken with ``call_soon_threadsafe`` only when no wake-up is pending, so a burst of puts costs
-one hop). On the loop thread the queue is drained into tasks that write batches to every lower
+one hop). A batch of puts enqueues inside :meth:`~WriteThrough.deferred_wake`: the loop is woken
+once, when the batch ends, not after its first entry (a wake-up hands the loop thread the GIL;
+the caller then waits for it back before its next put). On the loop thread the queue is
+drained into tasks that write batches to every lower
 tier concurrently, each tier call through its :class:`~lmcache_async.tier_guard.TierGuard`.
 :meth:`~WriteThrough.flush` is the barrier.
 
@@ -13,9 +16,10 @@ finished to its buffer, so the manager answers ``get``/``contains`` for it meanw
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Final
 
 from lmcache_async.keys import CacheEngineKey
@@ -56,6 +60,7 @@ class WriteThrough:
         self._closed = False
         self._wake_scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
+        self._deferring = threading.local()
         #: Key -> buffer of every write-through not finished yet. Written only under this
         #: queue's lock; caller threads read it without one (one dict lookup, atomic).
         self.pending: dict[CacheEngineKey, MemoryObj] = {}
@@ -76,8 +81,27 @@ class WriteThrough:
             wake = not self._wake_scheduled
             self._wake_scheduled = True
         if wake:
-            self._lt.call_soon(self._drain)
+            if getattr(self._deferring, "depth", 0):
+                self._deferring.wake = True  # this thread wakes the loop when its batch ends
+            else:
+                self._lt.call_soon(self._drain)
         return True
+
+    @contextlib.contextmanager
+    def deferred_wake(self) -> Iterator[None]:
+        """Within the block, this thread's :meth:`enqueue` calls do not wake the loop; it is
+        woken once on exit (also on an exception) when one of them would have. Entries queued
+        meanwhile by other threads wait for that wake-up too: keep the block short (no I/O)."""
+        local = self._deferring
+        depth = getattr(local, "depth", 0)
+        local.depth = depth + 1
+        try:
+            yield
+        finally:
+            local.depth = depth
+            if depth == 0 and getattr(local, "wake", False):
+                local.wake = False
+                self._lt.call_soon(self._drain)
 
     def _drain(self) -> None:
         """Move everything queued into one writing task (loop thread)."""

@@ -26,9 +26,11 @@ def test_step_metadata_round_trips_through_json() -> None:
         loads=[BlockRun("a", 0, (4, 5), ((1 << 64) - 1,))],
         saves=[BlockRun("b", 2, (9, 8), (123,)), BlockRun("c", 0, (), ())],
         async_loads=[BlockRun("d", 1, (3,), (5,))],
+        idle=True,
     )
     back = KVStepMetadata.from_dict(json.loads(json.dumps(meta.to_dict())))
     assert back == meta
+    assert KVStepMetadata.from_dict({}).idle is False
 
 
 @pytest.mark.parametrize(
@@ -57,3 +59,5 @@ def test_malformed_mappings_are_refused() -> None:
         KVStepMetadata.from_dict([])  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         KVStepMetadata.from_dict({"loads": [5]})
+    with pytest.raises(TypeError, match="idle"):
+        KVStepMetadata.from_dict({"idle": 1})

@@ -132,6 +132,82 @@ def test_a_stored_prompt_is_restored_block_for_block_by_another_store(stores: tu
         assert not dst[name][DST_BLOCKS[6:]].any()
 
 
+def test_an_asynchronous_load_scatters_on_the_thread_that_collects_it(
+    stores: tuple[KVStore, KVStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The load thread only reads records; the copy into vLLM's blocks runs in
+    ``finished_loads`` (vLLM's model-runner thread), and the cache is untouched before it."""
+    import threading
+
+    from lmcache_async.integration.vllm import kv_worker
+
+    src = store_prompt(stores[0])
+    sched, worker = sides(stores[1])
+    dst = caches(seed=None)
+    worker.register(dst)
+    scatter_threads: list[str] = []
+    real_scatter = kv_worker.scatter_blocks
+
+    def recording_scatter(*args: object, **kwargs: object) -> None:
+        scatter_threads.append(threading.current_thread().name)
+        real_scatter(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kv_worker, "scatter_blocks", recording_scatter)
+    n, is_async = sched.num_new_matched_tokens("r2", PROMPT, 0)
+    assert is_async and n == 24
+    sched.after_alloc("r2", (DST_BLOCKS,), n)
+    worker.load(sched.build_meta(new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n)))
+    _, fut = worker._inflight["r2"]
+    fut.result(timeout=30)  # the records are read ...
+    assert scatter_threads == [] and not any(t.any() for t in dst.values())  # ... nothing copied yet
+    assert worker.finished_loads() == {"r2"}
+    assert set(scatter_threads) == {threading.current_thread().name} and len(scatter_threads) == 3
+    assert worker.take_load_errors() == set()
+    for name in src:
+        for s, d in zip(SRC_BLOCKS[:6], DST_BLOCKS[:6], strict=True):
+            assert torch.equal(dst[name][d], src[name][s])
+
+
+def test_an_idle_step_waits_for_a_load_in_flight(stores: tuple[KVStore, KVStore]) -> None:
+    """A step with no tokens scheduled is marked idle; its ``finished_loads(wait_s)`` blocks
+    for the load instead of returning at once (vLLM would spin through empty steps)."""
+    store_prompt(stores[0])
+    sched, worker = sides(stores[1])
+    worker.register(caches(seed=None))
+    n, _ = sched.num_new_matched_tokens("r2", PROMPT, 0)
+    sched.after_alloc("r2", (DST_BLOCKS,), n)
+    meta = sched.build_meta(new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n))
+    assert not meta.idle
+    worker.load(meta)
+    empty = SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={},
+        total_num_scheduled_tokens=0,
+    )
+    assert sched.build_meta(empty).idle
+    assert worker.finished_loads(wait_s=30.0) == {"r2"}  # one call: it waited for the read
+    assert worker.take_load_errors() == set()
+    assert worker.finished_loads(wait_s=30.0) == set()  # nothing in flight: no wait
+
+
+def test_closing_with_an_unapplied_load_releases_its_records(stores: tuple[KVStore, KVStore]) -> None:
+    store_prompt(stores[0])
+    sched, worker = sides(stores[1])
+    worker.register(caches(seed=None))
+    n, _ = sched.num_new_matched_tokens("r2", PROMPT, 0)
+    sched.after_alloc("r2", (DST_BLOCKS,), n)
+    worker.load(sched.build_meta(new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n)))
+    _, fut = worker._inflight["r2"]
+    fetched = fut.result(timeout=30)
+    assert fetched is not None and all(o is not None for o in fetched.objs)
+    objs = list(fetched.objs)
+    before = [o.get_ref_count() for o in objs if o is not None]
+    worker.close()
+    assert fetched.objs == []
+    assert [o.get_ref_count() for o in objs if o is not None] == [r - 1 for r in before]
+
+
 def test_the_hit_stops_below_the_last_prompt_token_on_a_block_boundary(tmp_path: Path) -> None:
     store = KVStore(config(tmp_path / "d"), META)
     try:

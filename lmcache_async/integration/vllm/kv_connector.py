@@ -66,7 +66,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LMCacheKVConnector", "LMCacheKVConnectorMetadata"]
+__all__ = ["IDLE_STEP_WAIT_S", "LMCacheKVConnector", "LMCacheKVConnectorMetadata"]
+
+IDLE_STEP_WAIT_S = 0.01
+"""How long ``get_finished`` of a step with no tokens scheduled waits for an asynchronous load
+in flight (a request arriving meanwhile waits at most this long more)."""
 
 
 @dataclass
@@ -197,7 +201,9 @@ class LMCacheKVConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         step = self._sched().build_meta(scheduler_output)
-        return LMCacheKVConnectorMetadata(loads=step.loads, saves=step.saves, async_loads=step.async_loads)
+        return LMCacheKVConnectorMetadata(
+            loads=step.loads, saves=step.saves, async_loads=step.async_loads, idle=step.idle
+        )
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._sched().finished(request.request_id)
@@ -267,10 +273,13 @@ class LMCacheKVConnector(KVConnectorBase_V1):
             self._worker().save(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """No saves outlive their step; the requests whose asynchronous load ended."""
+        """No saves outlive their step; the requests whose asynchronous load ended. In a step
+        that schedules no tokens, waits up to :data:`IDLE_STEP_WAIT_S` for a load in flight."""
         if self.worker_side is None:
             return None, None
-        return None, self.worker_side.finished_loads() or None
+        meta = self._step_meta()
+        wait_s = IDLE_STEP_WAIT_S if meta is not None and meta.idle else 0.0
+        return None, self.worker_side.finished_loads(wait_s) or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.worker_side is None:

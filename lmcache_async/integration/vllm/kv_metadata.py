@@ -103,17 +103,21 @@ class KVStepMetadata:
     ``loads`` run in ``start_load_kv`` before the forward that reads them; ``async_loads`` (hits
     only a lower tier holds) start there and finish beside later steps, reported through
     ``get_finished``; ``saves`` run in ``wait_for_save``, after the forward wrote the blocks.
+    ``idle``: the step schedules no tokens (every request waits, e.g. for its load), so the
+    worker may block briefly for a load in flight instead of returning to vLLM's busy loop.
     """
 
     loads: list[BlockRun] = field(default_factory=list)
     saves: list[BlockRun] = field(default_factory=list)
     async_loads: list[BlockRun] = field(default_factory=list)
+    idle: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "loads": [r.to_dict() for r in self.loads],
             "saves": [r.to_dict() for r in self.saves],
             "async_loads": [r.to_dict() for r in self.async_loads],
+            "idle": self.idle,
         }
 
     @classmethod
@@ -121,8 +125,12 @@ class KVStepMetadata:
         """Inverse of :meth:`to_dict`; ``TypeError``/``ValueError`` for a malformed mapping."""
         if not isinstance(d, Mapping):
             raise TypeError(f"step metadata must be a mapping, got {type(d).__name__}")
+        idle = d.get("idle", False)
+        if not isinstance(idle, bool):
+            raise TypeError(f"idle must be a bool, got {type(idle).__name__}")
         return cls(
             [BlockRun.from_dict(r) for r in d.get("loads", ())],
             [BlockRun.from_dict(r) for r in d.get("saves", ())],
             [BlockRun.from_dict(r) for r in d.get("async_loads", ())],
+            idle,
         )

@@ -151,7 +151,7 @@ class KVSchedulerSide:
     # ---- per step ----
     def build_meta(self, scheduler_output: Any) -> KVStepMetadata:
         """This step's loads (planned by :meth:`after_alloc`) and saves; resets the load plan."""
-        meta = KVStepMetadata()
+        meta = KVStepMetadata(idle=getattr(scheduler_output, "total_num_scheduled_tokens", None) == 0)
         num_scheduled: dict[str, int] = getattr(scheduler_output, "num_scheduled_tokens", {}) or {}
         for new in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
             req_id = new.req_id

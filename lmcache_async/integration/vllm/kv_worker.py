@@ -4,16 +4,22 @@ Framework-free (no vLLM import). Runs on vLLM's model-runner thread.
 
 * **Load** (:meth:`KVWorkerSide.load`, from ``start_load_kv``): one batched read of the chunk
   records of every load run, then whole-block scatters into every layer. Synchronous runs are
-  done before the forward; asynchronous ones (lower-tier hits) run on the connector's load
-  thread (``lmcache-async-kv-load``) into blocks vLLM keeps for them and no one else touches
-  until :meth:`finished_loads` reports their request. A chunk whose record
+  done before the forward. Asynchronous ones (lower-tier hits) read their records on the
+  connector's load thread (``lmcache-async-kv-load``: only I/O there); the scatter into the
+  blocks vLLM keeps for the request runs on the model-runner thread, in
+  :meth:`finished_loads` (from ``get_finished``, after the step's forward), before the request
+  is reported. The copies so stay on the thread vLLM configured for compute (one torch
+  thread): a torch copy on another thread runs an OpenMP team of its own that competes with
+  the compute thread for the cores (a 22 MB copy took 0.35-0.45 s that way on this 2-core
+  host under load, 40-90 ms with one thread). A chunk whose record
   is missing, unreadable, or of another shape or dtype stops that run: its blocks and every
   later block of the run are reported by :meth:`take_load_errors`, and vLLM (with
   ``kv_load_failure_policy="recompute"``) recomputes them. Nothing raises into the step.
 * **Save** (:meth:`KVWorkerSide.save`, from ``wait_for_save``): each planned chunk the CPU tier
-  does not already hold is gathered straight into a block of the manager's pool (one copy)
-  and put (borrowed: no second copy); lower tiers are written through in the background. A full
-  pool stops the run (counted): a later request stores it.
+  does not already hold is gathered straight into a block of the manager's pool (one copy);
+  then the run's chunks are put in one batch (borrowed: no second copy), and lower tiers are
+  written through in the background. A full pool stops the run (counted): a later request
+  stores the rest.
 
 Every record is ``[num_layers, *blocks of one chunk]`` in the caches' dtype
 (:mod:`.kv_layout`). The manager's returned ``MemoryObj`` references are always released.
@@ -25,6 +31,7 @@ import concurrent.futures
 import logging
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,6 +62,21 @@ COUNTER_NAMES = (
 )
 
 
+@dataclass
+class _Fetched:
+    """The records one load run read: the caller's references until :meth:`release`."""
+
+    keys: list[Any]
+    chunks: list[tuple[int, int, int, list[int]]]
+    objs: list[MemoryObj | None]
+
+    def release(self) -> None:
+        objs, self.objs = self.objs, []
+        for obj in objs:
+            if obj is not None:
+                obj.ref_count_down()
+
+
 class KVWorkerSide:
     """Worker-side state over ``manager``; call :meth:`register` before loads and saves."""
 
@@ -70,7 +92,7 @@ class KVWorkerSide:
         self._errors: set[int] = set()
         self._lock = threading.Lock()  # errors and counters: the load thread updates them too
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._inflight: dict[str, concurrent.futures.Future[None]] = {}
+        self._inflight: dict[str, tuple[BlockRun, concurrent.futures.Future[_Fetched | None]]] = {}
         self._log = RateLimitedLog(logger)
         self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
 
@@ -92,35 +114,42 @@ class KVWorkerSide:
 
     # ---- load ----
     def load(self, meta: KVStepMetadata) -> None:
-        """Do this step's synchronous loads and start its asynchronous ones; failures are
-        recorded for :meth:`take_load_errors`."""
+        """Do this step's synchronous loads and start reading its asynchronous ones; failures
+        are recorded for :meth:`take_load_errors`."""
         for run in meta.loads:
-            self._load_guarded(run)
+            fetched = self._fetch_guarded(run)
+            if fetched is not None:
+                self._apply_guarded(run, fetched)
         for run in meta.async_loads:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-async-kv-load")
             try:
-                self._inflight[run.req_id] = self._executor.submit(self._load_guarded, run)
+                self._inflight[run.req_id] = (run, self._executor.submit(self._fetch_guarded, run))
             except RuntimeError as exc:  # shut down: the load is a failure, reported at once
                 self._fault("load", exc)
                 self._fail(run.block_ids)
-                done: concurrent.futures.Future[None] = concurrent.futures.Future()
+                done: concurrent.futures.Future[_Fetched | None] = concurrent.futures.Future()
                 done.set_result(None)
-                self._inflight[run.req_id] = done
+                self._inflight[run.req_id] = (run, done)
 
-    def _load_guarded(self, run: BlockRun) -> None:
-        try:
-            self._load_run(run)
-        except Exception as exc:  # a wiring or storage surprise: recompute the whole run
-            self._fault("load", exc)
-            self._fail(run.block_ids)
+    def finished_loads(self, wait_s: float = 0.0) -> set[str]:
+        """Requests whose asynchronous load ended (loaded or failed) since the last call.
 
-    def finished_loads(self) -> set[str]:
-        """Requests whose asynchronous load ended (loaded or failed) since the last call; their
-        failed blocks are already in :meth:`take_load_errors`."""
-        done = {req_id for req_id, fut in self._inflight.items() if fut.done()}
+        Model-runner thread: the records read by the load thread are scattered here, so a
+        reported request's blocks are filled and its failed blocks are already in
+        :meth:`take_load_errors`. ``wait_s`` > 0 (an idle step): when loads are in flight and
+        none has ended, wait up to that long for the first one (the GIL is free meanwhile for
+        the threads doing the reads; vLLM would otherwise spin through empty steps)."""
+        if wait_s > 0 and self._inflight:
+            futures = [fut for _, fut in self._inflight.values()]
+            if not any(f.done() for f in futures):
+                concurrent.futures.wait(futures, timeout=wait_s, return_when=concurrent.futures.FIRST_COMPLETED)
+        done = {req_id for req_id, (_, fut) in self._inflight.items() if fut.done()}
         for req_id in done:
-            del self._inflight[req_id]
+            run, fut = self._inflight.pop(req_id)
+            fetched = fut.result()  # _fetch_guarded never raises
+            if fetched is not None:
+                self._apply_guarded(run, fetched)
         return done
 
     def _fail(self, block_ids: Any) -> None:
@@ -131,23 +160,39 @@ class KVWorkerSide:
                 self.counters["failed_blocks"] += len(ids)
                 self._errors.update(ids)
 
-    def _load_run(self, run: BlockRun) -> None:
+    def _fetch_guarded(self, run: BlockRun) -> _Fetched | None:
+        """Read ``run``'s records (any thread); None when the run failed as a whole (recorded)."""
         caches = self.caches
         if caches is None:
             self._fail(run.block_ids)
-            return
-        self._add(load_runs=1)
-        chunks = run.chunks(self.blocks_per_chunk)
-        keys = self.db.make_keys([c[0] for c in chunks])
+            return None
         try:
+            self._add(load_runs=1)
+            chunks = run.chunks(self.blocks_per_chunk)
+            keys = self.db.make_keys([c[0] for c in chunks])
             objs: list[MemoryObj | None] = self.manager.batched_get_sync(keys)
-        except Exception as exc:  # timeout, closed tier: the whole run is recomputed
+        except Exception as exc:  # timeout, closed tier, wiring: the whole run is recomputed
             self._fault("load", exc)
             self._fail(run.block_ids)
-            return
+            return None
+        return _Fetched(keys, chunks, objs)
+
+    def _apply_guarded(self, run: BlockRun, fetched: _Fetched) -> None:
+        try:
+            self._apply(run, fetched)
+        except Exception as exc:  # a wiring surprise: recompute the whole run
+            self._fault("load", exc)
+            self._fail(run.block_ids)
+
+    def _apply(self, run: BlockRun, fetched: _Fetched) -> None:
+        """Scatter the fetched records (model-runner thread); blocks of the first missing or
+        mismatched chunk and every later one are failed. Releases every record."""
+        caches = self.caches
         done = 0
         try:
-            for key, (_, _, first, bids), obj in zip(keys, chunks, objs, strict=True):
+            if caches is None:
+                raise RuntimeError("the KV caches are not registered")
+            for key, (_, _, first, bids), obj in zip(fetched.keys, fetched.chunks, fetched.objs, strict=True):
                 if obj is None:
                     break
                 rec = obj.tensor
@@ -170,9 +215,7 @@ class KVWorkerSide:
                     loaded_bytes=caches.record_bytes * len(bids) // self.blocks_per_chunk,
                 )
         finally:
-            for obj in objs:
-                if obj is not None:
-                    obj.ref_count_down()
+            fetched.release()
         self._fail(run.block_ids[done:])
 
     def take_load_errors(self) -> set[int]:
@@ -191,32 +234,40 @@ class KVWorkerSide:
                 self._fault("save", exc)
 
     def _save_run(self, run: BlockRun) -> None:
+        """Gather every new whole chunk of ``run`` into pool blocks, then put them in one batch
+        (one wake-up of the write-through, after the last copy). A full pool ends the gathering
+        (counted); the chunks gathered so far are still stored."""
         caches = self.caches
         if caches is None:
             return
         sm = self.manager
-        for chunk_hash, _, first, bids in run.chunks(self.blocks_per_chunk):
-            if first != 0 or len(bids) != self.blocks_per_chunk:
-                continue  # only whole chunks are records
-            key = self.db.make_key(chunk_hash)
-            if sm.holds_locally(key):
-                self._add(save_skipped=1)
-                continue
-            obj = sm.allocate(caches.record_shape, caches.dtype, MemoryFormat.UNDEFINED)
-            if obj is None:
-                self._add(save_rejected=1)
-                return
-            try:
+        keys: list[Any] = []
+        objs: list[MemoryObj] = []
+        try:
+            for chunk_hash, _, first, bids in run.chunks(self.blocks_per_chunk):
+                if first != 0 or len(bids) != self.blocks_per_chunk:
+                    continue  # only whole chunks are records
+                key = self.db.make_key(chunk_hash)
+                if sm.holds_locally(key):
+                    self._add(save_skipped=1)
+                    continue
+                obj = sm.allocate(caches.record_shape, caches.dtype, MemoryFormat.UNDEFINED)
+                if obj is None:
+                    self._add(save_rejected=1)
+                    break
+                objs.append(obj)
                 gather_blocks(caches, bids, obj.tensor, self._stream)
-                if self._stream is not None:
-                    self._stream.synchronize()
-                ok = sm.put_sync(key, obj, MemoryFormat.UNDEFINED)
-            finally:
-                obj.ref_count_down()
-            if not ok:
-                self._add(save_rejected=1)
+                keys.append(key)
+            if not keys:
                 return
-            self._add(saved_chunks=1, saved_bytes=caches.record_bytes)
+            if self._stream is not None:
+                self._stream.synchronize()
+            stored = sm.batched_put_sync(keys, objs)
+        finally:
+            for obj in objs:
+                obj.ref_count_down()
+        ok = sum(1 for r in stored if r)
+        self._add(saved_chunks=ok, saved_bytes=ok * caches.record_bytes, save_rejected=len(stored) - ok)
 
     def stats(self) -> dict[str, Any]:
         """The worker's counters and the manager's per-tier stats."""
@@ -227,7 +278,14 @@ class KVWorkerSide:
         return out
 
     def close(self) -> None:
-        """Wait for asynchronous loads in flight (each bounded by the manager's timeouts)."""
+        """Wait for asynchronous reads in flight (each bounded by the manager's timeouts) and
+        release the records they read; those loads are not applied."""
         executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True, cancel_futures=True)
+        inflight, self._inflight = self._inflight, {}
+        for _, fut in inflight.values():
+            if fut.done() and not fut.cancelled():
+                fetched = fut.result()
+                if fetched is not None:
+                    fetched.release()
