@@ -11,8 +11,11 @@ length that depends on the key alone (:func:`header_room`), then the payload. So
 where the payload starts before it has read a byte, and reads header and payload as two ranges
 of one get session: the header into a small registered buffer, then — once the header said the
 shape and dtype, and the allocator gave a buffer for them — the payload straight into that
-buffer. A put sends header and payload from their own buffers as one object
-(``batch_put_from_multi_buffers``). No byte is copied on the way in either direction.
+buffer. A put sends header and payload from their own buffers as one object: a single entry
+with ``put_from_with_metadata`` (the same request path as ``put_from``), a batch with one
+``batch_put_from_multi_buffers``. A single entry's header is written into one of the header
+arena's slots (one per worker thread), so such a put allocates nothing. No payload byte is
+copied on the way in either direction.
 
 Every read is verified (magic, version, header checksum, key, sizes, payload checksum): a
 corrupt object is a miss, counted and removed; an object holding another key is a miss, counted
@@ -21,26 +24,15 @@ treats it as "unknown"), it never reads as "absent". Removal is forced: the leas
 reader holds on an object does not block it.
 
 Blocking: every Mooncake call blocks, so calls run on this tier's own bounded pool of worker
-threads. A call that has not finished after ``remote_timeout_s`` is abandoned: its caller gets
-a miss at once while the thread finishes it (a dead master holds a call for seconds, a hung one
-for tens of seconds); buffers it uses stay referenced until it returns, so nothing is released
-under it. The first timeout (or an "unreachable" status) marks the store down: further calls
-are refused without touching a thread until a probe (``is_exist``; ``health_check`` keeps
-answering "healthy" after the master died) succeeds, and once as many abandoned calls are still
-running as there are threads, calls are refused too. A successful probe sets up a fresh client
-(a restarted master has forgotten the old one) and the tier serves again.
+threads within ``remote_timeout_s``, and a store that stops answering is marked down and probed
+until it answers again (:mod:`.mooncake_calls`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import logging
-import struct
-import threading
-import time
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import xxhash
@@ -49,14 +41,15 @@ from lmcache_async.backend import Allocate, BackendContext, StorageBackend
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import HeapAllocator, MemoryObj, PoolAllocator
 from lmcache_async.ratelog import RateLimitedLog
-from lmcache_async.records import MAX_RANK, RecordError, decode_header, encode_header, header_length
+from lmcache_async.records import RecordError, decode_header
 
+from .mooncake_calls import MooncakeCalls, MooncakeTimeout
+from .mooncake_record import header_room, padded_header, write_header
 from .mooncake_store import (
     ALREADY_EXISTS,
     INVALID_PARAMS,
     NO_SPACE,
     NOT_FOUND,
-    RPC_FAIL,
     MooncakeClient,
     MooncakeError,
     MooncakeUnavailable,
@@ -66,6 +59,7 @@ from .mooncake_store import (
 from .naming import EntryName, check_prefix, entry_name
 
 __all__ = [
+    "HEAD_SLOT_BYTES",
     "MooncakeBackend",
     "MooncakeError",
     "MooncakeTimeout",
@@ -78,49 +72,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-PROBE_KEY = "lmcache-async:probe"
-"""The key the recovery probe asks about (it never exists)."""
-PROBE_INTERVAL_S = 0.25
-"""Least time between two recovery probes while the store is down."""
 HEADER_ARENA_BYTES = 4 << 20
-_ENTRIES_PER_TIMEOUT = 64  # a batch gets one timeout per this many entries (as the manager does)
+HEAD_SLOT_BYTES = 1024
+"""Bytes of each header slot of a single-entry put (the header room of keys up to 704 bytes; a
+longer key's header gets a block of the arena for that put)."""
 _LOG_EVERY_S = 5.0
-
-
-class MooncakeTimeout(TimeoutError):
-    """A Mooncake call did not finish within the tier's timeout (it was abandoned)."""
-
-
-def header_room(key: str) -> int:
-    """Bytes the header of ``key``'s record occupies in its object: the longest header any
-    shape can need (rank 32) for this key, so a reader knows it from the key alone."""
-    return header_length(len(key.encode("utf-8")), MAX_RANK)
-
-
-def padded_header(obj: MemoryObj, key: str, checksum: int) -> bytes:
-    """``obj``'s record header for ``key``, zero-padded to :func:`header_room` bytes (the header
-    length field and header checksum cover the padding, as the record format allows)."""
-    hb = bytearray(encode_header(key, tuple(obj.shape), obj.dtype, obj.fmt, checksum))
-    room = header_room(key)
-    if len(hb) < room:
-        hb.extend(bytes(room - len(hb)))
-        struct.pack_into("<I", hb, 12, room)
-        hb[56:64] = bytes(8)
-        struct.pack_into("<Q", hb, 56, xxhash.xxh3_64_intdigest(bytes(hb)))
-    return bytes(hb)
-
-
-class _Generation:
-    """One set-up client and the worker-thread calls currently using it."""
-
-    __slots__ = ("client", "retired", "users")
-
-    def __init__(self, client: MooncakeClient) -> None:
-        self.client = client
-        self.users = 0
-        self.retired = False
 
 
 class _Read:
@@ -162,33 +118,34 @@ class MooncakeBackend(StorageBackend):
         timeout = cfg.remote_timeout_s if timeout_s is None else timeout_s
         if not timeout > 0:
             raise ValueError(f"remote_timeout_s must be > 0, got {timeout!r}")
-        self._settings = mooncake_settings(ctx, url)
+        settings = mooncake_settings(ctx, url)
         self._prefix = check_prefix(cfg.remote_key_prefix if prefix is None else prefix)
-        self._timeout = float(timeout)
         self._alloc = ctx.staging
-        self._workers = workers if workers is not None else max(2, cfg.executor_workers)
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=self._workers, thread_name_prefix=f"lmcache-async-{ctx.cache_name}-mooncake"
-        )
         self._heads = PoolAllocator(
             HEADER_ARENA_BYTES, name=f"{ctx.cache_name} mooncake headers", align=64, pretouch=False, reserve_bytes=0
         )
         self._heap = HeapAllocator(f"{ctx.cache_name}-mooncake-heap")
+        self._rate_log = RateLimitedLog(logger, _LOG_EVERY_S)
         # Registered once per client: the pool, the staging area and the header arena.
-        self._regions = [
+        regions = [
             (p.base_ptr, p.capacity) for p in (ctx.pool, ctx.staging_pool, self._heads) if p is not None and p.capacity
         ]
-        self._lock = threading.Lock()
-        self._setup_lock = threading.Lock()
-        self._gen: _Generation | None = None
-        self._down = True  # until the first client is set up
-        self._down_since = time.monotonic()
-        self._next_probe = 0.0
-        self._probe: tuple[int, float] | None = None  # (token, start) of the running probe
-        self._probe_token = 0
-        self._abandoned = 0
-        self._closed = False
-        self._rate_log = RateLimitedLog(logger, _LOG_EVERY_S)
+        self._calls = MooncakeCalls(
+            settings,
+            regions,
+            timeout_s=float(timeout),
+            workers=workers if workers is not None else max(2, cfg.executor_workers),
+            thread_name=f"lmcache-async-{ctx.cache_name}-mooncake",
+            log=self._rate_log,
+        )
+        # As many header slots as worker threads, so a single-entry put always finds one (a job
+        # holds its slot until its Mooncake call returned, an abandoned call included).
+        # list.pop/append are atomic: no lock on the put path.
+        self._slots: list[MemoryObj] = []
+        for _ in range(self._calls.workers):
+            slot = self._heads.allocate((HEAD_SLOT_BYTES,), torch.uint8)
+            if slot is not None:
+                self._slots.append(slot)
         # counters
         self.corrupt = 0
         self.foreign = 0
@@ -198,10 +155,6 @@ class MooncakeBackend(StorageBackend):
         self.read_errors = 0
         self.bytes_written = 0
         self.bytes_read = 0
-        self.refused = 0
-        self.abandoned_calls = 0
-        self.setups = 0
-        self.last_recovery_s: float | None = None
 
     # ---- capabilities ----------------------------------------------------------------------------
     @property
@@ -225,173 +178,9 @@ class MooncakeBackend(StorageBackend):
         """Where ``key``'s entry lives; its Mooncake key is ``.record``."""
         return entry_name(self._prefix, key)
 
-    # ---- calls on the worker threads ---------------------------------------------------------------
     def _log(self, msg: str, *args: Any) -> None:
         """A warning, at most one every few seconds (any thread)."""
         self._rate_log.warning(msg, *args)
-
-    def _mark_down(self, why: str) -> None:
-        with self._lock:
-            if self._down:
-                return
-            self._down = True
-            self._down_since = time.monotonic()
-            self._next_probe = self._down_since + PROBE_INTERVAL_S
-        self._log("mooncake tier: store unreachable (%s); calls are refused until a probe succeeds", why)
-
-    def _enter(self, probe: bool) -> _Generation:
-        """The client a job uses (counted as one of its users); a probe recovers first."""
-        with self._lock:
-            if self._closed:
-                raise MooncakeUnavailable("call after close", RPC_FAIL)
-            gen = self._gen
-            if not probe and (self._down or gen is None):  # queued before the store went down
-                raise MooncakeUnavailable("call while the store is down", RPC_FAIL)
-            if gen is not None:
-                gen.users += 1  # a probe asks through the old client: it must stay open meanwhile
-            if not probe:
-                assert gen is not None
-                return gen
-        return self._recover(gen)
-
-    def _recover(self, old: _Generation | None) -> _Generation:
-        """Probe the master with ``is_exist`` (through the old client) and set up a new client."""
-        if old is not None:
-            try:
-                old.client.is_exist(PROBE_KEY)  # raises (or blocks, and is abandoned) while the master is down
-            finally:
-                self._leave(old)
-        # A setup stuck on a hung master must not hold every later probe's thread.
-        if not self._setup_lock.acquire(timeout=self._timeout):
-            raise MooncakeUnavailable("a client setup is still running", RPC_FAIL)
-        try:
-            with self._lock:
-                cur = self._gen
-                if cur is not None and cur is not old and not self._down:
-                    cur.users += 1
-                    return cur  # another probe recovered meanwhile
-            client = MooncakeClient.open(self._settings, self._regions)
-            retired: MooncakeClient | None = None
-            with self._lock:
-                if self._closed:
-                    retired, gen = client, None
-                else:
-                    prev = self._gen
-                    gen = self._gen = _Generation(client)
-                    gen.users += 1
-                    self.setups += 1
-                    if prev is not None:
-                        self.last_recovery_s = time.monotonic() - self._down_since
-                        prev.retired = True
-                        if prev.users == 0:
-                            retired = prev.client
-                    self._down = False
-            if retired is not None:
-                retired.close()
-            if gen is None:
-                raise MooncakeUnavailable("call after close", RPC_FAIL)
-            if old is not None:
-                logger.info("mooncake tier: the store answers again; a new client is set up")
-            return gen
-        finally:
-            self._setup_lock.release()
-
-    def _leave(self, gen: _Generation) -> None:
-        with self._lock:
-            gen.users -= 1
-            done = gen.users == 0 and (gen.retired or self._closed)
-        if done:
-            gen.client.close()
-
-    def _job(self, fn: Callable[..., T], args: tuple[Any, ...], probe: bool) -> T:
-        gen = self._enter(probe)
-        try:
-            return fn(gen.client, *args)
-        except MooncakeUnavailable as exc:
-            self._mark_down(str(exc))
-            raise
-        finally:
-            self._leave(gen)
-
-    async def _call(
-        self,
-        fn: Callable[..., T],
-        *args: Any,
-        n: int = 1,
-        orphan: Callable[[T], None] | None = None,
-        after: Callable[[], None] | None = None,
-    ) -> T:
-        """Run ``fn(client, *args)`` on a worker thread within the tier's timeout.
-
-        ``orphan`` receives a result nobody awaits any more; ``after`` runs once the job is
-        over however it ended (also when it never ran). Refused at once (raising
-        :class:`MooncakeUnavailable`) while the store is down and no probe is due, or while
-        as many abandoned calls run as there are threads."""
-        probe = 0
-        try:
-            with self._lock:
-                if self._closed:
-                    raise MooncakeUnavailable("call after close", RPC_FAIL)
-                if self._abandoned >= self._workers:
-                    self.refused += 1
-                    raise MooncakeUnavailable(f"{self._abandoned} timed-out calls still running", RPC_FAIL)
-                if self._down or self._gen is None:
-                    now = time.monotonic()
-                    # A probe stuck longer than the timeout is abandoned: the next one may go.
-                    running = self._probe is not None and now - self._probe[1] < self._timeout
-                    if running or now < self._next_probe:
-                        self.refused += 1
-                        raise MooncakeUnavailable("store unreachable; waiting for the next probe", RPC_FAIL)
-                    self._probe_token += 1
-                    probe = self._probe_token
-                    self._probe = (probe, now)
-                    self._next_probe = now + PROBE_INTERVAL_S
-            cf = self._executor.submit(self._job, fn, args, bool(probe))
-        except BaseException:
-            if probe:
-                self._probe_done(probe)
-            if after is not None:
-                after()
-            raise
-        if probe:
-            token = probe
-            cf.add_done_callback(lambda _f: self._probe_done(token))
-        if after is not None:
-            cf.add_done_callback(lambda _f: after())
-        timeout = self._timeout * max(1, -(-n // _ENTRIES_PER_TIMEOUT))
-        started = time.monotonic()
-        try:
-            async with asyncio.timeout(timeout):
-                return await asyncio.wrap_future(cf)
-        except TimeoutError:
-            self._abandon(cf, orphan)
-            self._mark_down(f"a call took longer than {timeout}s")
-            raise MooncakeTimeout(f"mooncake call did not finish within {timeout}s") from None
-        except asyncio.CancelledError:
-            self._abandon(cf, orphan)
-            if time.monotonic() - started >= 0.9 * timeout:  # the manager's own timeout fired
-                self._mark_down(f"a call took longer than {timeout}s")
-            raise
-
-    def _probe_done(self, token: int) -> None:
-        with self._lock:
-            if self._probe is not None and self._probe[0] == token:
-                self._probe = None
-
-    def _abandon(self, cf: concurrent.futures.Future[T], orphan: Callable[[T], None] | None) -> None:
-        if orphan is not None:
-            cf.add_done_callback(lambda f: _give_orphan(f, orphan))
-        if cf.done():
-            return
-        with self._lock:
-            self._abandoned += 1
-            self.abandoned_calls += 1
-
-        def finished(_f: object) -> None:
-            with self._lock:
-                self._abandoned -= 1
-
-        cf.add_done_callback(finished)
 
     # ---- blocking jobs -----------------------------------------------------------------------------
     def _head_block(self, room: int) -> MemoryObj:
@@ -399,6 +188,8 @@ class MooncakeBackend(StorageBackend):
         return obj if obj is not None else self._heap.allocate((room,), torch.uint8)
 
     def _put_job(self, client: MooncakeClient, items: list[tuple[EntryName, MemoryObj]]) -> list[bool]:
+        if len(items) == 1 and items[0][1].nbytes:
+            return [self._put_one(client, *items[0])]
         heads: list[MemoryObj] = []
         try:
             keys: list[str] = []
@@ -406,11 +197,10 @@ class MooncakeBackend(StorageBackend):
             sizes: list[list[int]] = []
             buffers: list[tuple[int, int]] = []
             for name, obj in items:
-                head = padded_header(obj, name.key, xxhash.xxh3_64_intdigest(obj.byte_view()))
-                block = self._head_block(len(head))
+                block = self._head_block(header_room(name.key))
                 heads.append(block)
-                block.byte_view()[:] = head
-                p, s = [block.data_ptr], [len(head)]
+                room = write_header(block.byte_view(), obj, name.key, xxhash.xxh3_64_intdigest(obj.byte_view()))
+                p, s = [block.data_ptr], [room]
                 if obj.nbytes:
                     p.append(obj.data_ptr)
                     s.append(obj.nbytes)
@@ -423,24 +213,62 @@ class MooncakeBackend(StorageBackend):
         finally:
             for block in heads:
                 block.ref_count_down()
-        out: list[bool] = []
-        for code, (name, _obj), s in zip(codes, items, sizes, strict=True):
-            if code in (0, ALREADY_EXISTS):
-                out.append(True)
-                if code == 0:
-                    self.bytes_written += sum(s)
-            elif code == NO_SPACE:
-                self.no_space += 1
-                self._log("mooncake tier: no segment has room for %s (%d bytes)", name.record, sum(s))
-                out.append(False)
+        return [self._put_done(name, code, sum(s)) for code, (name, _o), s in zip(codes, items, sizes, strict=True)]
+
+    def _put_one(self, client: MooncakeClient, name: EntryName, obj: MemoryObj) -> bool:
+        """One entry with a payload: its header in a thread slot, one ``put_from_with_metadata``."""
+        room = header_room(name.key)
+        slot: MemoryObj | None = None
+        if room <= HEAD_SLOT_BYTES:
+            try:
+                slot = self._slots.pop()
+            except IndexError:  # (only if the arena could not give every thread a slot)
+                slot = None
+        head = slot if slot is not None else self._head_block(room)
+        try:
+            write_header(head.byte_view(), obj, name.key, xxhash.xxh3_64_intdigest(obj.byte_view()))
+            with client.registered(((head.data_ptr, room), (obj.data_ptr, obj.nbytes))):
+                code = client.put_with_header(name.record, head.data_ptr, room, obj.data_ptr, obj.nbytes)
+        finally:
+            if slot is not None:
+                self._slots.append(slot)
             else:
-                check("put", code)  # raises for "unreachable"
-                self.put_errors += 1
-                self._log("mooncake tier: put of %s failed with status %d", name.record, code)
-                out.append(False)
-        return out
+                head.ref_count_down()
+        return self._put_done(name, code, room + obj.nbytes)
+
+    def _put_done(self, name: EntryName, code: int, size: int) -> bool:
+        """Count a put's answer; True when the entry is stored (also when it already was)."""
+        if code in (0, ALREADY_EXISTS):
+            if code == 0:
+                self.bytes_written += size
+            return True
+        if code == NO_SPACE:
+            self.no_space += 1
+            self._log("mooncake tier: no segment has room for %s (%d bytes)", name.record, size)
+            return False
+        check("put", code)  # raises for "unreachable"
+        self.put_errors += 1
+        self._log("mooncake tier: put of %s failed with status %d", name.record, code)
+        return False
 
     def _get_job(self, client: MooncakeClient, names: list[EntryName], alloc: Allocate) -> list[MemoryObj | None]:
+        """One result per name; a key asked for twice is read once and its block handed out
+        with one reference per occurrence (each result is released on its own)."""
+        unique = list({n.record: n for n in names}.values())
+        if len(unique) == len(names):
+            return self._get_unique(client, names, alloc)
+        found = dict(zip((n.record for n in unique), self._get_unique(client, unique, alloc), strict=True))
+        out: list[MemoryObj | None] = []
+        given: set[str] = set()
+        for n in names:
+            obj = found[n.record]
+            if obj is not None and n.record in given:
+                obj.ref_count_up()
+            given.add(n.record)
+            out.append(obj)
+        return out
+
+    def _get_unique(self, client: MooncakeClient, names: list[EntryName], alloc: Allocate) -> list[MemoryObj | None]:
         keys = [n.record for n in names]
         codes = client.session_start(keys)
         open_keys = [k for k, c in zip(keys, codes, strict=True) if c == 0]
@@ -583,27 +411,19 @@ class MooncakeBackend(StorageBackend):
     async def start(self) -> None:
         """Set the client up and register the pool, staging and header memory. An unreachable
         master raises (the manager logs and counts it); later calls set up by themselves."""
-        await self._call(_nothing)
+        await self._calls.run(_nothing)
 
     async def close(self) -> None:
         """Refuse new calls and close the client; a client still used by an abandoned call is
         closed by that call when it ends."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            gen = self._gen
-            idle = gen is not None and gen.users == 0
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        if gen is not None and idle:
-            await asyncio.get_running_loop().run_in_executor(None, gen.client.close)
+        await self._calls.close()
 
     # ---- core ----------------------------------------------------------------------------------------
     async def put(self, key: CacheEngineKey, obj: MemoryObj) -> bool:
         return (await self.batched_put([(key, obj)]))[0]
 
     async def batched_put(self, items: Sequence[tuple[CacheEngineKey, MemoryObj]]) -> list[bool]:
-        """All items in one Mooncake batch (one job); each block is referenced until it ends."""
+        """All items in one job (one Mooncake call); each block is referenced until it ends."""
         if not items:
             return []
         named = [(entry_name(self._prefix, k), o) for k, o in items]
@@ -616,7 +436,7 @@ class MooncakeBackend(StorageBackend):
             for o in taken:
                 o.ref_count_down()
 
-        return await self._call(self._put_job, named, n=len(named), after=release)
+        return await self._calls.run(self._put_job, named, n=len(named), after=release)
 
     async def get(self, key: CacheEngineKey, alloc: Allocate | None = None) -> MemoryObj | None:
         return (await self.batched_get([key], alloc))[0]
@@ -628,7 +448,7 @@ class MooncakeBackend(StorageBackend):
         if not keys:
             return []
         names = [entry_name(self._prefix, k) for k in keys]
-        return await self._call(self._get_job, names, alloc or self._alloc, n=len(names), orphan=_release_all)
+        return await self._calls.run(self._get_job, names, alloc or self._alloc, n=len(names), orphan=_release_all)
 
     async def contains(self, key: CacheEngineKey) -> bool:
         return (await self.batched_contains([key]))[0]
@@ -638,20 +458,18 @@ class MooncakeBackend(StorageBackend):
         if not keys:
             return []
         records = [entry_name(self._prefix, k).record for k in keys]
-        flags = await self._call(MooncakeClient.batch_is_exist, records, n=len(records))
+        flags = await self._calls.run(MooncakeClient.batch_is_exist, records, n=len(records))
         return [f == 1 for f in flags]
 
     async def remove(self, key: CacheEngineKey) -> bool:
-        return await self._call(self._remove_job, entry_name(self._prefix, key))
+        return await self._calls.run(self._remove_job, entry_name(self._prefix, key))
 
     async def clear(self) -> None:
         """Remove every object below this backend's prefix (all models)."""
         pattern = "^" + "".join(c if c.isalnum() or c in "_:" else f"[{c}]" for c in self._prefix) + ":"
-        await self._call(MooncakeClient.remove_matching, pattern)
+        await self._calls.run(MooncakeClient.remove_matching, pattern)
 
     def stats(self) -> dict[str, Any]:
-        with self._lock:
-            down, abandoned = self._down, self._abandoned
         return {
             "scheme": "mooncake",
             "prefix": self._prefix,
@@ -663,12 +481,7 @@ class MooncakeBackend(StorageBackend):
             "read_errors": self.read_errors,
             "bytes_written": self.bytes_written,
             "bytes_read": self.bytes_read,
-            "refused": self.refused,
-            "abandoned_calls": self.abandoned_calls,
-            "in_flight_abandoned": abandoned,
-            "setups": self.setups,
-            "store_down": down,
-            "last_recovery_s": self.last_recovery_s,
+            **self._calls.stats(),
         }
 
 
@@ -682,16 +495,6 @@ def _release_all(objs: list[MemoryObj | None]) -> None:
             o.ref_count_down()
 
 
-def _give_orphan(f: concurrent.futures.Future[T], orphan: Callable[[T], None]) -> None:
-    if f.cancelled() or f.exception() is not None:
-        return
-    try:
-        orphan(f.result())
-    except Exception:  # pragma: no cover - a release that fails must not kill the worker
-        logger.debug("releasing an abandoned mooncake result failed", exc_info=True)
-
-
 def create(ctx: BackendContext) -> MooncakeBackend:
     """Registry factory of the ``mooncake://`` remote tier."""
     return MooncakeBackend(ctx)
-

@@ -166,12 +166,20 @@ class MooncakeClient:
     def _covered(self, addr: int, size: int) -> bool:
         return any(a <= addr and addr + size <= a + n for a, n in self._regions)
 
-    @contextlib.contextmanager
-    def registered(self, buffers: Sequence[tuple[int, int]]) -> Iterator[None]:
-        """Make every ``(address, size)`` in ``buffers`` usable for one call.
+    def registered(self, buffers: Sequence[tuple[int, int]]) -> contextlib.AbstractContextManager[None]:
+        """Make every ``(address, size)`` in ``buffers`` usable for one call (``with``).
 
-        Registration is local bookkeeping of the transfer engine (no round trip), so it runs
-        under the client's lock: a second call on the same buffer never races its registration."""
+        Buffers inside the regions registered for the client's lifetime (the pools, the header
+        arena) need nothing, and that case takes no lock (the region list only ever grows).
+        Registering another buffer is local bookkeeping of the transfer engine (no round trip),
+        done under the client's lock, so a second call on the same buffer never races it."""
+        for addr, size in buffers:
+            if size > 0 and not self._covered(addr, size):
+                return self._adhoc_registered(buffers)
+        return _NOTHING_TO_REGISTER
+
+    @contextlib.contextmanager
+    def _adhoc_registered(self, buffers: Sequence[tuple[int, int]]) -> Iterator[None]:
         taken: list[int] = []
         try:
             with self._lock:
@@ -218,6 +226,20 @@ class MooncakeClient:
         key was already present: nothing is copied then)."""
         return [int(r) for r in self._store.batch_put_from_multi_buffers(keys, ptrs, sizes, self._config)]
 
+    def put_with_header(self, key: str, head_ptr: int, head_len: int, ptr: int, size: int) -> int:
+        """Publish ``key`` as the ``head_len`` bytes at ``head_ptr`` followed by the ``size``
+        bytes at ``ptr`` (``size`` > 0: the wheel stores nothing for an empty payload and
+        answers 0); one status (0 also when the key was already present).
+
+        ``put_from_with_metadata`` takes the single-object request path of ``put_from`` (one
+        put-start and one put-end at the master), cheaper than a batch of one. Unlike every
+        other call it answers a failure with the status negated (no space as 200); that is
+        turned back into the usual negative status here."""
+        if size <= 0:
+            raise ValueError(f"size must be > 0, got {size}")
+        rc = int(self._store.put_from_with_metadata(key, ptr, head_ptr, size, head_len, self._config))
+        return -rc if rc > 0 else rc
+
     def session_start(self, keys: list[str]) -> list[int]:
         """Look up every key's replicas once (0, or a status such as :data:`NOT_FOUND`)."""
         return [int(r) for r in self._store.batch_get_session_start(keys)]
@@ -252,6 +274,9 @@ class MooncakeClient:
             self._closed = True
         with contextlib.suppress(Exception):
             self._store.close()
+
+
+_NOTHING_TO_REGISTER = contextlib.nullcontext()
 
 
 def mooncake_settings(ctx: BackendContext, url: str) -> MooncakeSettings:

@@ -146,15 +146,23 @@ def test_every_listener_of_the_store_is_on_loopback(mooncake_store: MooncakeServ
 
 
 # ---- layout ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("batched", [False, True], ids=["single", "batch"])
 async def test_entry_is_one_object_holding_header_then_payload(
-    mooncake_store: MooncakeServers, open_backend: Any, src_pool: PoolAllocator, prefix: str
+    mooncake_store: MooncakeServers, open_backend: Any, src_pool: PoolAllocator, prefix: str, batched: bool
 ) -> None:
+    """A single put (``put_from_with_metadata``) and a batch (``batch_put_from_multi_buffers``)
+    store the same layout."""
     from lmcache_async.backends.remote.mooncake import header_room
 
     be = await open_backend(mooncake_store)
     key = make_key(1, model="org/model")
     src = make_obj(src_pool, (64, 256), torch.float32, seed=1)
-    assert await be.put(key, src)
+    if batched:
+        other = make_obj(src_pool, (8,), torch.float32, seed=2)
+        assert await be.batched_put([(key, src), (make_key(2, model="org/model"), other)]) == [True, True]
+        other.ref_count_down()
+    else:
+        assert await be.put(key, src)
     name = be.entry_name(key)
     assert name.record.startswith(f"{prefix}:org%2Fmodel:{{")
     client = raw_client(mooncake_store)
@@ -190,6 +198,99 @@ async def test_prefixes_isolate_deployments_on_one_store(
     await b.clear()
     assert await a.contains(key)
     src.ref_count_down()
+
+
+async def test_entries_from_registered_memory_round_trip(
+    mooncake_store: MooncakeServers, make_ctx: Any, prefix: str
+) -> None:
+    """Blocks of the registered staging area need no registration per call, single or batched."""
+    ctx = make_ctx()
+    be = mooncake_backend(ctx, mooncake_store, prefix)
+    await be.start()
+    assert ctx.staging_pool is not None
+    srcs = [make_obj(ctx.staging_pool, (32, 64), torch.bfloat16, seed=40 + i) for i in range(3)]
+    keys = [make_key(40 + i) for i in range(3)]
+    try:
+        assert await be.put(keys[0], srcs[0])
+        assert await be.batched_put(list(zip(keys[1:], srcs[1:], strict=True))) == [True, True]
+        got = await be.batched_get(keys)
+        assert all(g is not None and same(g, s) for g, s in zip(got, srcs, strict=True))
+        for g in got:
+            if g is not None:
+                g.ref_count_down()
+    finally:
+        for s in srcs:
+            s.ref_count_down()
+        await be.close()
+
+
+async def test_a_key_asked_twice_in_one_batch_gets_one_reference_per_answer(
+    mooncake_store: MooncakeServers, make_ctx: Any, prefix: str, src_pool: PoolAllocator
+) -> None:
+    ctx = make_ctx()
+    be = mooncake_backend(ctx, mooncake_store, prefix)
+    await be.start()
+    assert ctx.staging_pool is not None
+    src = make_obj(src_pool, (16, 8), torch.float32, seed=45)
+    key = make_key(45)
+    try:
+        assert await be.put(key, src)
+        before = ctx.staging_pool.used_bytes
+        got = await be.batched_get([key, make_key(46), key])
+        assert got[1] is None
+        for g in (got[0], got[2]):
+            assert g is not None and same(g, src)
+        for g in (got[0], got[2]):
+            assert g is not None
+            g.ref_count_down()  # each answer is released on its own, and nothing is left behind
+        assert ctx.staging_pool.used_bytes == before
+    finally:
+        src.ref_count_down()
+        await be.close()
+
+
+async def test_empty_payloads_and_keys_too_long_for_a_header_slot_round_trip(
+    mooncake_store: MooncakeServers, open_backend: Any, src_pool: PoolAllocator
+) -> None:
+    """An empty payload goes through the batch call (the single-object call stores nothing for
+    it); a header longer than a slot gets its own block of the header arena."""
+    from lmcache_async.backends.remote.mooncake import HEAD_SLOT_BYTES, header_room
+
+    be = await open_backend(mooncake_store)
+    empty = make_obj(src_pool, (0, 4), torch.float32, seed=0)
+    long_key = make_key(51, model="m" * 900)
+    assert header_room(be.entry_name(long_key).key) > HEAD_SLOT_BYTES
+    src = make_obj(src_pool, (16, 16), torch.float32, seed=51)
+    for key, obj in ((make_key(50), empty), (long_key, src)):
+        assert await be.put(key, obj)
+        got = await be.get(key)
+        assert got is not None and same(got, obj)
+        got.ref_count_down()
+        obj.ref_count_down()
+
+
+async def test_a_put_no_segment_has_room_for_is_a_counted_false(
+    make_ctx: Any, prefix: str, src_pool: PoolAllocator
+) -> None:
+    """A "no space" answer is False, counted as ``no_space``, single or batched, and the
+    store stays up."""
+    store = _start(segment_bytes=16 << 20)
+    be = mooncake_backend(make_ctx(), store, prefix)
+    big = make_obj(src_pool, ((32 << 20) // 4,), torch.float32, seed=60)
+    small = make_obj(src_pool, (8,), torch.float32, seed=61)
+    try:
+        await be.start()
+        assert await be.put(make_key(60), big) is False
+        assert await be.batched_put([(make_key(61), big), (make_key(62), small)]) == [False, True]
+        st = be.stats()
+        assert st["no_space"] == 2 and st["put_errors"] == 0 and not st["store_down"]
+        # (The small entry may already be gone: a failed allocation makes the master evict.)
+        assert not await be.contains(make_key(60))
+    finally:
+        big.ref_count_down()
+        small.ref_count_down()
+        await be.close()
+        store.stop()
 
 
 async def test_heap_buffers_round_trip(mooncake_store: MooncakeServers, open_backend: Any) -> None:
@@ -537,3 +638,17 @@ def test_headers_are_padded_to_a_length_known_from_the_key(src_pool: PoolAllocat
         hdr = decode_header(head)
         assert hdr.shape == shape and hdr.header_len == len(head) and hdr.checksum == 1234
         obj.ref_count_down()
+
+
+def test_a_header_is_written_in_place_and_leaves_the_rest_of_the_buffer(src_pool: PoolAllocator) -> None:
+    from lmcache_async.backends.remote.mooncake_record import header_room, padded_header, write_header
+
+    key = "some/key@1@0@abc@bfloat16"
+    obj = make_obj(src_pool, (3, 5), torch.float32, seed=2)
+    buf = bytearray(b"\xaa" * (header_room(key) + 16))
+    assert write_header(memoryview(buf), obj, key, 99) == header_room(key)
+    assert bytes(buf[: header_room(key)]) == padded_header(obj, key, 99)
+    assert bytes(buf[header_room(key) :]) == b"\xaa" * 16
+    with pytest.raises(ValueError, match="needs"):
+        write_header(memoryview(bytearray(64)), obj, key, 99)
+    obj.ref_count_down()
