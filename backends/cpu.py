@@ -6,14 +6,14 @@ Besides the async backend interface it implements :class:`~lmcache_async.backend
 :meth:`remove_nowait`, ...). All of it is thread-safe under one index lock; the lock order is
 index -> allocator, and no copy happens under the lock.
 
-The index holds one reference per entry. An entry with any other reference (a reader, an
-in-flight write-through) is never evicted.
+The index (:class:`~lmcache_async.lru.LruIndex`, by block bytes) holds one reference per
+entry. An entry with any other reference (a reader, an in-flight write-through, a lease) is
+*held*: eviction passes it over and frees only what nobody else holds.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +22,7 @@ import torch
 from lmcache_async.backend import Allocate, BackendContext, StorageBackend
 from lmcache_async.errors import ManagerClosedError
 from lmcache_async.keys import CacheEngineKey
+from lmcache_async.lru import LruIndex
 from lmcache_async.memory import MemoryFormat, MemoryObj, PoolAllocator
 
 
@@ -40,12 +41,17 @@ class CPUBackend(StorageBackend):
             raise ValueError(f"policy must be 'LRU' or 'FIFO', got {policy!r}")
         self.pool = pool
         self._lru = policy == "LRU"
-        self._index: OrderedDict[CacheEngineKey, MemoryObj] = OrderedDict()
+        self._index: LruIndex[CacheEngineKey, MemoryObj] = LruIndex()  # sizes: block bytes
+        self._keys = self._index.keys()  # live view: lock-free presence in one dict lookup
         self._lock = threading.Lock()
         self._closed = False
         self._on_evict = on_evict
-        self.bytes = 0
         self.evictions = 0
+
+    @property
+    def bytes(self) -> int:
+        """Pool bytes held by the indexed entries (block sizes)."""
+        return self._index.bytes
 
     @property
     def max_entry_bytes(self) -> int:
@@ -60,25 +66,23 @@ class CPUBackend(StorageBackend):
     def lookup(self, key: CacheEngineKey) -> MemoryObj | None:
         """The entry with one more reference for the caller (touching it under LRU), or None."""
         with self._lock:
-            obj = self._index.get(key)
+            obj = self._index.lookup(key, self._lru)
             if obj is None:
                 return None
             obj.ref_count_up()
-            if self._lru:
-                self._index.move_to_end(key)
             return obj
 
     def contains_nowait(self, key: CacheEngineKey) -> bool:
-        """Presence without touching the entry."""
-        return key in self._index
+        """Presence without touching the entry (lock-free, one dict lookup)."""
+        return key in self._keys
 
     def __contains__(self, key: object) -> bool:
         """Presence, lock-free (one dict lookup); see :class:`~lmcache_async.backend.PoolTier`."""
-        return key in self._index
+        return key in self._keys
 
     def prefix_len(self, keys: Sequence[CacheEngineKey]) -> int:
         """How many leading ``keys`` are present."""
-        idx = self._index
+        idx = self._keys
         with self._lock:
             n = 0
             for k in keys:
@@ -89,7 +93,7 @@ class CPUBackend(StorageBackend):
 
     def present_flags(self, keys: Sequence[CacheEngineKey]) -> list[bool]:
         """Presence of each key."""
-        idx = self._index
+        idx = self._keys
         with self._lock:
             return [k in idx for k in keys]
 
@@ -98,9 +102,9 @@ class CPUBackend(StorageBackend):
         if not self._lru:
             return
         with self._lock:
+            touch = self._index.touch
             for k in keys:
-                if k in self._index:
-                    self._index.move_to_end(k)
+                touch(k)
 
     def allocate(
         self,
@@ -123,34 +127,21 @@ class CPUBackend(StorageBackend):
             n *= d
         if not self.pool.can_ever_fit(n):
             return None
+        held = _held if not protect else _held_or_protected(protect)
         with self._lock:
             while True:
-                victims = self._pick_victims(n, protect)
+                victims = self._index.take_oldest(n, held)
                 if not victims:
                     return self.pool.allocate(shape, dtype, fmt)
-                self._drop_locked(victims)
+                self._dropped_locked(victims)
                 obj = self.pool.allocate(shape, dtype, fmt)
                 if obj is not None:
                     return obj
 
-    def _pick_victims(
-        self, need: int, protect: frozenset[CacheEngineKey] | set[CacheEngineKey] | None
-    ) -> list[tuple[CacheEngineKey, MemoryObj]]:
-        out: list[tuple[CacheEngineKey, MemoryObj]] = []
-        got = 0
-        for k, o in self._index.items():
-            if o.get_ref_count() == 1 and (protect is None or k not in protect):
-                out.append((k, o))
-                got += o.size
-                if got >= need:
-                    break
-        return out
-
-    def _drop_locked(self, victims: list[tuple[CacheEngineKey, MemoryObj]]) -> None:
+    def _dropped_locked(self, victims: list[tuple[CacheEngineKey, MemoryObj]]) -> None:
+        """Release the index's reference of entries just taken out of the index; under the lock."""
         cb = self._on_evict
         for k, o in victims:
-            del self._index[k]
-            self.bytes -= o.size
             self.evictions += 1
             o.ref_count_down()
             if cb is not None:
@@ -174,17 +165,15 @@ class CPUBackend(StorageBackend):
                 return existing
             for _ in range(extra_refs):  # nobody else sees obj before it is indexed
                 obj.ref_count_up()
-            self._index[key] = obj
-            self.bytes += obj.size
+            self._index.put(key, obj, obj.size)
             return None
 
     def remove_nowait(self, key: CacheEngineKey) -> bool:
         """Drop the entry; readers keep their references (the block is freed after them)."""
         with self._lock:
-            obj = self._index.pop(key, None)
+            obj = self._index.pop(key)
             if obj is None:
                 return False
-            self.bytes -= obj.size
         obj.ref_count_down()
         return True
 
@@ -193,7 +182,6 @@ class CPUBackend(StorageBackend):
         with self._lock:
             objs = list(self._index.values())
             self._index.clear()
-            self.bytes = 0
         for o in objs:
             o.ref_count_down()
 
@@ -208,7 +196,7 @@ class CPUBackend(StorageBackend):
     # ---- async backend interface ---------------------------------------------------------------
     def put_nowait(self, key: CacheEngineKey, obj: MemoryObj) -> bool:
         """Store ``obj`` (borrowed): indexed directly when it is a block of this pool, else copied."""
-        if key in self._index:
+        if key in self._keys:
             return True
         if obj.allocator is self.pool:
             obj.ref_count_up()
@@ -256,7 +244,23 @@ class CPUBackend(StorageBackend):
         self.close_nowait()
 
     def stats(self) -> dict[str, Any]:
-        return {"entries": len(self._index), "bytes": self.bytes, "evictions": self.evictions}
+        return {"entries": len(self._index), "bytes": self._index.bytes, "evictions": self.evictions}
+
+
+def _held(_key: CacheEngineKey, obj: MemoryObj) -> bool:
+    """Not evictable: someone besides the index holds a reference (a reader, a write-through)."""
+    return obj.get_ref_count() != 1
+
+
+def _held_or_protected(
+    protect: frozenset[CacheEngineKey] | set[CacheEngineKey],
+) -> Callable[[CacheEngineKey, MemoryObj], bool]:
+    """:func:`_held`, and every key of ``protect`` besides."""
+
+    def held(key: CacheEngineKey, obj: MemoryObj) -> bool:
+        return obj.get_ref_count() != 1 or key in protect
+
+    return held
 
 
 def create(ctx: BackendContext) -> CPUBackend | None:

@@ -41,6 +41,7 @@ from lmcache_async.backends.disk_layout import (
     ACCT_NAME,
     FILE_MODE,
     NUM_SHARDS,
+    TMP_SUFFIX,
     parse_entry_name,
     shard_name,
 )
@@ -97,7 +98,7 @@ def list_shard(root: str, shard: int) -> ShardListing:
         for de in it:
             name = de.name
             if name[0] == ".":
-                if name.endswith(".tmp"):
+                if name.endswith(TMP_SUFFIX):
                     try:
                         out.tmps.append((name, de.stat(follow_symlinks=False).st_mtime))
                     except FileNotFoundError:

@@ -46,9 +46,9 @@ from lmcache_async.backends.disk_layout import (
     fsync_dir,
     key_digest,
     publish_noreplace,
+    reap_temp,
     shard_name,
     tmp_name,
-    tmp_reapable,
     write_all,
 )
 from lmcache_async.lru import LruIndex
@@ -610,12 +610,8 @@ class DiskStore:
         for listing in listings:
             sdir = f"{self.root}/{shard_name(listing.shard)}"
             for name, mtime in listing.tmps:
-                if tmp_reapable(name, mtime, now):
-                    try:
-                        os.unlink(f"{sdir}/{name}")
-                        self.count("tmp_reaped")
-                    except OSError:
-                        pass
+                if reap_temp(f"{sdir}/{name}", mtime, now):
+                    self.count("tmp_reaped")
             for e in listing.entries:
                 if self.closed:
                     break

@@ -235,7 +235,7 @@ def purge_dir(path: str | os.PathLike[str]) -> int:
     alone. Returns how many files were deleted. ``FileNotFoundError`` when ``path`` is missing.
     """
     from lmcache_async.backends.disk_budget import DirBudget, list_shard
-    from lmcache_async.backends.disk_layout import ACCT_NAME, NUM_SHARDS, shard_name, tmp_reapable
+    from lmcache_async.backends.disk_layout import ACCT_NAME, NUM_SHARDS, reap_temp, shard_name
 
     root = os.path.abspath(os.fspath(path))
     if not os.path.isdir(root):
@@ -256,12 +256,7 @@ def purge_dir(path: str | os.PathLike[str]) -> int:
                     led.recount(shard)
             now = time.time()
             for name, mtime in listing.tmps:
-                if tmp_reapable(name, mtime, now):
-                    try:
-                        os.unlink(f"{sdir}/{name}")
-                        removed += 1
-                    except FileNotFoundError:
-                        pass
+                removed += reap_temp(f"{sdir}/{name}", mtime, now)
     finally:
         budget.close()
     return removed

@@ -7,9 +7,11 @@ bytes move through NIXL (scratch area, piecewise checksummed transfer) is
 Layouts:
 
 * :class:`KeyFileLayout` — one file per entry (``<hash>.<tag>-<n>.lmcr``): a new file is written
-  under a temporary name and renamed; the file of an evicted entry is overwritten in place
-  under its name (a torn record fails its checksum on read); recently used record
-  files stay open and registered (:class:`OpenFiles`);
+  under a temporary name (:mod:`lmcache_async.record_files`, the scheme every record-file store
+  shares) and published without replacing another; the file of an evicted entry is overwritten
+  in place under its name (a torn record fails its checksum on read); recently used record
+  files stay open and registered (:class:`OpenFiles`). The tier locks its directory, so a
+  restart deletes every temporary file there;
 * :class:`SlotFileLayout` — ``nixl_pool_size`` pre-created slot files, opened and registered
   once; an entry occupies one slot;
 * :class:`ObjectLayout` — two objects per entry (``<name>.hdr`` and ``<name>``) in an
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import fcntl
 import hashlib
 import itertools
@@ -42,13 +45,13 @@ from lmcache_async.backends.nixl_transfer import (
     write_record,
 )
 from lmcache_async.errors import BackendUnavailableError
-from lmcache_async.record_files import read_header
+from lmcache_async.record_files import TEMP_SUFFIX, publish_noreplace, read_header, reap_temp, temp_name
 from lmcache_async.records import PROBE_LEN, RecordError, RecordHeader
 
 logger = logging.getLogger(__name__)
 
 RECORD_SUFFIX = ".lmcr"
-TMP_SUFFIX = ".tmp"
+TMP_SUFFIX = TEMP_SUFFIX
 SLOT_PREFIX = "slot-"
 EMPTY_MAGIC = bytes(8)
 """What an unused or invalidated slot holds where a record's magic would be."""
@@ -275,9 +278,9 @@ class KeyFileLayout:
         target = path
         if f is None:
             reused = False
-            target = self._path(name, f".{os.getpid()}{TMP_SUFFIX}")
+            target = self._dir + temp_name(name + RECORD_SUFFIX)
             try:
-                f = self._open_registered(target, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+                f = self._open_registered(target, os.O_RDWR | os.O_CREAT | os.O_EXCL)
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.unlink(target)
@@ -294,8 +297,10 @@ class KeyFileLayout:
             if reused:
                 if os.fstat(f.fd).st_size > meta.total_len:
                     os.ftruncate(f.fd, meta.total_len)
-            else:
-                os.replace(target, path)
+            elif not publish_noreplace(target, path):
+                # Stems are fresh per write: a file at this one is another record, never ours
+                # to replace. The write fails; the temporary file goes below.
+                raise FileExistsError(errno.EEXIST, "a record file already has this name", path)
             ok = True
         except NixlStuckError:
             stuck = True
@@ -383,8 +388,11 @@ class KeyFileLayout:
             name = entry.name
             if not entry.is_file(follow_symlinks=False):
                 continue
-            if name.endswith(TMP_SUFFIX) or name.startswith(SLOT_PREFIX):
+            if name.endswith(TMP_SUFFIX):
                 # The directory lock is ours: any temporary file's writer is gone.
+                removed += reap_temp(entry.path, None, exclusive=True)
+                continue
+            if name.startswith(SLOT_PREFIX):
                 removed += _unlink(entry.path)
                 continue
             if not name.endswith(RECORD_SUFFIX):
@@ -490,7 +498,7 @@ class SlotFileLayout:
             if not entry.is_file(follow_symlinks=False):
                 continue
             if name.endswith(TMP_SUFFIX):
-                removed += _unlink(entry.path)
+                removed += reap_temp(entry.path, None, exclusive=True)  # the directory lock is ours
             elif name.endswith(RECORD_SUFFIX) and not name.startswith(SLOT_PREFIX):
                 removed += _unlink(entry.path)  # a per-key record from another mode
             elif name.startswith(SLOT_PREFIX) and name.endswith(RECORD_SUFFIX):

@@ -13,7 +13,7 @@ Not thread-safe: the owner serialises calls (its index lock, or its event loop).
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, KeysView
 from typing import Generic, TypeVar
 
 __all__ = ["Held", "LruIndex"]
@@ -22,15 +22,16 @@ K = TypeVar("K")
 V = TypeVar("V")
 
 Held = Callable[[K, V], bool]
-"""``held(key, value)``: True when the entry must not be evicted now."""
+"""``held(key, value)``: True when the entry must not be evicted now. It must not change the
+index it is asked about."""
 
 
 class LruIndex(Generic[K, V]):
     """Keys → values with a byte size each, least recently used first.
 
-    :meth:`put` and :meth:`touch` make an entry the youngest; a FIFO owner simply never touches.
-    ``len()``, ``in``, iteration (oldest first) and :attr:`bytes` (the sum of the sizes) are O(1)
-    per step.
+    :meth:`put`, :meth:`touch` and :meth:`lookup` make an entry the youngest; a FIFO owner simply
+    never touches. ``len()``, ``in``, ``index[key]``, iteration (oldest first) and :attr:`bytes`
+    (the sum of the sizes) are O(1) per step.
     """
 
     __slots__ = ("_bytes", "_entries")
@@ -50,15 +51,35 @@ class LruIndex(Generic[K, V]):
     def __iter__(self) -> Iterator[K]:
         return iter(self._entries)
 
+    def __getitem__(self, key: K) -> V:
+        """The value of ``key``; KeyError when absent. The order does not change."""
+        return self._entries[key][0]
+
     @property
     def bytes(self) -> int:
         """The sum of the sizes of every entry."""
         return self._bytes
 
+    def keys(self) -> KeysView[K]:
+        """A live, read-only view of the keys, oldest first; ``key in view`` is one dict lookup.
+
+        For an owner's lock-free presence checks: a reader that skips the owner's lock sees the
+        keys as of some moment (a hint), never enough to decide what to free."""
+        return self._entries.keys()
+
     def get(self, key: K) -> V | None:
         """The value of ``key`` (None: absent); the order does not change."""
         item = self._entries.get(key)
         return None if item is None else item[0]
+
+    def lookup(self, key: K, touch: bool = True) -> V | None:
+        """The value of ``key`` (None: absent), made the youngest entry when ``touch``."""
+        item = self._entries.get(key)
+        if item is None:
+            return None
+        if touch:
+            self._entries.move_to_end(key)
+        return item[0]
 
     def size(self, key: K) -> int | None:
         """The byte size of ``key`` (None: absent)."""
@@ -119,6 +140,27 @@ class LruIndex(Generic[K, V]):
         if victim is not None:
             self.pop(victim[0])
         return victim
+
+    def take_oldest(self, need: int, held: Held[K, V] | None = None) -> list[tuple[K, V]]:
+        """Remove the oldest unheld entries until their sizes add up to at least ``need`` bytes
+        (or no unheld entry is left); what was removed, oldest first (the caller frees it).
+
+        For owners whose room is not a byte count (a pool allocator, where freed blocks may not
+        be adjacent): they free what this returns, try again, and ask for more when it did not
+        fit. ``need`` <= 0 removes nothing. One pass over the index."""
+        out: list[tuple[K, V]] = []
+        if need <= 0:
+            return out
+        got = 0
+        for key, (value, size) in self._entries.items():
+            if held is None or not held(key, value):
+                out.append((key, value))
+                got += size
+                if got >= need:
+                    break
+        for key, _value in out:
+            self._bytes -= self._entries.pop(key)[1]
+        return out
 
     def evict(self, need: int, capacity: int, held: Held[K, V] | None = None) -> list[tuple[K, V]]:
         """Remove the oldest unheld entries until ``need`` more bytes fit in ``capacity``.

@@ -4,10 +4,11 @@ mounts that many machines see.
 * Layout: ``<root>/<prefix>/<model>/<digest[:2]>/<digest>.rec`` (:mod:`.naming`); the file is
   a single-part record (header then payload), verified on every read.
 * Publish: the record is written to a hidden temporary name in the same directory
-  (``.<digest>.rec.<host>.<pid>.<random>.tmp``) and then published under its final name without
-  replacing one that exists: a hard link, which fails if the entry exists and is atomic on
-  network filesystems too (:func:`lmcache_async.record_files.publish_noreplace`): a reader never
-  sees a partial file, and the first valid writer of a key wins. Where hard links are not
+  (``.<digest>.rec.<host>.<pid>.<start>.<random>.tmp``, the scheme every record-file store
+  shares: :func:`lmcache_async.record_files.temp_name`) and then published under its final
+  name without replacing one that exists: a hard link, which fails if the entry exists and is
+  atomic on network filesystems too (:func:`lmcache_async.record_files.publish_noreplace`): a
+  reader never sees a partial file, and the first valid writer of a key wins. Where hard links are not
   supported the temporary file is renamed instead (over a missing name only). A record
   already at the name is checked like a read (header, key, sizes, payload checksum): a valid one
   is kept, a damaged or foreign one is deleted (counted) and replaced, so a ``put`` leaves a
@@ -19,6 +20,9 @@ mounts that many machines see.
   record another writer published at the name meanwhile is put back.
 * Durability: ``?fsync=none`` (default; close-to-open consistency of network filesystems),
   ``data`` (fsync the file) or ``full`` (file and directory).
+* Leftovers: temporary files of writers that are gone (same host) or, from other hosts, older
+  than an hour (:func:`lmcache_async.record_files.temp_reapable`) are reaped in the background
+  at start and by ``clear``; a live writer's are never touched.
 * No eviction of ours: the filesystem's quota governs. ``remote_ttl_s`` is honoured by file age.
 * Every whole-file operation is one job on the manager's executor. A filesystem that hangs
   ties up executor threads, so at most ``workers - 1`` jobs are in flight; further calls wait
@@ -33,10 +37,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import errno
+import functools
 import logging
 import os
-import secrets
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -47,7 +50,15 @@ from lmcache_async.backend import Allocate
 from lmcache_async.backends.disk_layout import make_private_dirs
 from lmcache_async.memory import MemoryObj
 from lmcache_async.ratelog import RateLimitedLog
-from lmcache_async.record_files import payload_problem, publish_noreplace, read_header, write_all
+from lmcache_async.record_files import (
+    payload_problem,
+    publish_noreplace,
+    read_header,
+    reap_temp,
+    reap_temps,
+    temp_name,
+    write_all,
+)
 from lmcache_async.records import PROBE_LEN, RecordError, RecordHeader
 
 from .codec import AllocationFailed, ForeignRecord, allocate, prepare
@@ -61,56 +72,9 @@ __all__ = ["FSConnector", "create"]
 
 T = TypeVar("T")
 
-STALE_TMP_S = 900.0
-"""Temporary files older than this are leftovers of a writer that died (removed by ``clear``)."""
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
-_NO_LINK_ERRNOS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV})
 _LOG_EVERY_S = 5.0
 _PUBLISH_TRIES = 4  # publish attempts of one put, each after a damaged record at its name went
-
-
-def _writer_gone(host: str, pid_text: str) -> bool:
-    """True when a temporary file's writer ran on this host and is no longer alive."""
-    if host != _host_tag().rsplit(".", 1)[0] or not pid_text.isdigit():
-        return False
-    try:
-        os.kill(int(pid_text), 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # alive, owned by another user
-        return False
-    return False
-
-
-def reap_dead_writers(root: Path) -> int:
-    """Delete temporary files below ``root`` whose writer (same host) is gone, or that are older
-    than :data:`STALE_TMP_S` (writers on other hosts); returns how many were deleted."""
-    now = time.time()
-    reaped = 0
-    for dirpath, _dirs, files in os.walk(root):
-        for fn in files:
-            if fn.endswith(".tmp") and _reap_temp(os.path.join(dirpath, fn), now):
-                reaped += 1
-    return reaped
-
-
-def _reap_temp(path: str, now: float) -> bool:
-    """Delete one temporary file if its writer is gone or it is stale; True when deleted."""
-    parts = os.path.basename(path).split(".")  # .<digest>.rec.<host>.<pid>.<random>.tmp
-    try:
-        stale = len(parts) >= 5 and _writer_gone(parts[-4], parts[-3])
-        if not stale:
-            stale = now - os.stat(path).st_mtime > STALE_TMP_S
-        if stale:
-            os.unlink(path)
-    except OSError:
-        return False
-    return stale
-
-
-def _host_tag() -> str:
-    host = "".join(c if c.isalnum() or c in "-_" else "_" for c in socket.gethostname())[:32]
-    return f"{host or 'host'}.{os.getpid()}"
 
 
 class FSConnector(Connector):
@@ -237,7 +201,7 @@ class FSConnector(Connector):
         another record was published there meanwhile, which then stays). A process killed in
         between leaves a temporary file that is reaped like a dead writer's. A file that cannot
         be deleted (a read-only filesystem, say) stays, logged: it stays a miss."""
-        trash = path.parent / f".{path.name}.{_host_tag()}.{secrets.token_hex(4)}.tmp"
+        trash = path.parent / temp_name(path.name)
         try:
             try:
                 os.rename(path, trash)
@@ -246,16 +210,9 @@ class FSConnector(Connector):
             if _same_file(os.stat(trash), seen):
                 _unlink(trash)
                 return True
-            try:  # someone else's record: put it back
-                os.link(trash, path)
-            except FileExistsError:
-                pass  # yet another record was published meanwhile: it stays
-            except OSError as exc:
-                if exc.errno not in _NO_LINK_ERRNOS:
-                    raise
-                if not path.exists():
-                    os.replace(trash, path)
-                    return False
+            # Someone else's record: put it back, unless yet another one was published meanwhile
+            # (that one stays).
+            publish_noreplace(trash, path, link_first=True, rename_without_links=True)
             _unlink(trash)
             return False
         except OSError as exc:  # what stays under a temporary name is reaped like a dead writer's
@@ -294,7 +251,7 @@ class FSConnector(Connector):
 
     async def _reap(self) -> None:
         try:
-            n = await self._run(reap_dead_writers, self._root)
+            n = await self._run(functools.partial(reap_temps, self._root, recursive=True))
         except OSError as exc:
             logger.debug("fs:// tier: reaping temporary files under %s failed: %s", self._root, exc)
             return
@@ -335,7 +292,7 @@ class FSConnector(Connector):
         if self._keep_existing(path, key):  # a re-put, or another process wrote it
             return False
         make_private_dirs(path.parent)
-        tmp = path.parent / f".{path.name}.{_host_tag()}.{secrets.token_hex(4)}.tmp"
+        tmp = path.parent / temp_name(path.name)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
         try:
             try:
@@ -439,8 +396,8 @@ class FSConnector(Connector):
                 p = os.path.join(dirpath, fn)
                 if fn.endswith(".rec"):
                     _unlink(Path(p))
-                elif fn.endswith(".tmp"):
-                    _reap_temp(p, now)
+                else:
+                    reap_temp(p, None, now)
             for d in dirnames:
                 try:
                     os.rmdir(os.path.join(dirpath, d))

@@ -306,10 +306,11 @@ async def test_leftover_temp_files_are_reaped_only_when_their_writer_is_gone(mak
 
 
 def test_temp_names_always_carry_the_writer_identity_even_on_first_use_from_many_threads(monkeypatch):
+    from lmcache_async import record_files
     from lmcache_async.backends import disk_layout
 
     for _ in range(20):
-        monkeypatch.setattr(disk_layout, "_my_pid", -1)  # as in a freshly forked writer
+        monkeypatch.setattr(record_files, "_my_pid", -1)  # as in a freshly forked writer
         per_thread: list[list[str]] = [[] for _ in range(4)]
 
         def make(out: list[str]) -> None:
