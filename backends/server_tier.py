@@ -14,9 +14,13 @@ Two surfaces:
 
 A read copies the entry out of the shared pool into a buffer from the read allocator (the
 manager's staging area unless the caller passes one) and ends its lease at once; the caller
-owns that buffer. Trouble (server down, restarted, slow, malformed answer) is a miss/False,
-counted in ``stats()``; the client's circuit breaker skips the server while it is down and the
-first call after the back-off reconnects and maps the new pool.
+owns that buffer. Holds (:meth:`ServerTier.hold`) pin entries for readers in other processes
+(the encoder-cache connector backs its promises to workers with them).
+
+Trouble (server down, restarted, slow, malformed answer) is a miss/False, counted in
+``stats()``; the client's circuit breaker skips the server while it is down and the first call
+after the back-off reconnects and maps the new pool. A call that finds its connection closed by
+a server that restarted meanwhile reconnects at once and is answered.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 from lmcache_async.backend import Allocate, BackendContext, StorageBackend
 from lmcache_async.keys import CacheEngineKey
@@ -104,6 +110,36 @@ class ServerTier(StorageBackend):
         """Store each payload on the caller's thread; False per item not stored (or trouble)."""
         got = self.client.put([(_kb(k), o) for k, o in items])
         return [False] * len(items) if got is None else got
+
+    @property
+    def generation(self) -> int:
+        """The pool generation of the server last connected to (0 before any connection)."""
+        return self.client.generation
+
+    # ---- holds: promises to readers in other processes (caller's thread) -------------------------
+    def hold(self, keys: Sequence[CacheEngineKey], ttl_s: float) -> list[int]:
+        """Pin each entry on the server for up to ``ttl_s`` seconds: a token per key, 0 for a
+        miss, a refused hold or trouble. A held entry stays readable through
+        :meth:`read_held` from any client of the namespace after its key is removed or evicted."""
+        got = self.client.hold([_kb(k) for k in keys], ttl_s)
+        return [0] * len(keys) if got is None else got
+
+    def unhold(self, tokens: Sequence[int]) -> bool:
+        """Drop holds (from any process); False when the server could not be told (the holds
+        then end at their TTL)."""
+        return self.client.unhold(tokens)
+
+    def read_held(self, token: int) -> torch.Tensor | None:
+        """A private copy (the caller owns it) of the entry held under ``token``, or None when
+        the hold is gone (dropped, expired, a restarted server) or the server could not be asked."""
+        got = self.client.get_held([token], self._staging)
+        if not got or got[0] is None:
+            return None
+        obj = got[0]
+        try:
+            return obj.tensor.clone()
+        finally:
+            obj.ref_count_down()
 
     # ---- backend coroutines (loop thread; blocking work in the executor) -------------------------
     async def _run(self, fn: Any, *args: Any) -> Any:

@@ -6,6 +6,8 @@ kind: uvloop when installed, else asyncio) as child processes; this process is t
 * **contains** of one key vs one echo round trip of a same-sized message; target <= 1.5x;
 * **1 MiB get, copied out** (lease, copy from the mapped pool into a pre-touched staging block,
   release) vs an echo round trip plus the SPEC §6 copy baseline of 1 MiB; target <= 1.5x;
+* **1 MiB get_view** (zero copy: lease, read the view, release) vs one echo round trip; target
+  <= 1.5x (the release is one more send, never answered);
 * **1 MiB get vs an in-process EC get** (``ECCacheEngine.get``, which also copies into a fresh
   tensor): throughput ratio; target >= 0.7;
 * **1 MiB put and get vs the Redis tier** on loopback (``RemoteBackend`` on a ``redis-server``
@@ -144,8 +146,15 @@ def _local_figures(opts: BenchOptions, client: ServerClient, echo_path: str) -> 
         echo_small.round_trip()
         copy.step()
 
+    def view_sum() -> None:  # a caller that reads the entry where it lies, keeps nothing
+        with client.get_view(key[0]) as view:
+            assert view is not None
+            buf = view.buffer
+            assert buf is not None and buf[0] >= 0 and buf[-1] >= 0
+
     t_contains, t_echo = alternate([_per_op(contains, inner), _per_op(echo_small.round_trip, inner)], reps=reps)
     t_get, t_base = alternate([_per_op(get, inner // 4), _per_op(echo_plus_copy, inner // 4)], reps=reps)
+    t_view, t_echo2 = alternate([_per_op(view_sum, inner), _per_op(echo_small.round_trip, inner)], reps=reps)
     out = [
         Result(
             SUITE,
@@ -159,6 +168,16 @@ def _local_figures(opts: BenchOptions, client: ServerClient, echo_path: str) -> 
         ),
         Result(
             SUITE, "get 1 MiB, copied out", t_get * 1e6, "us", "echo round trip + 1 MiB copy", t_base * 1e6, target=1.5
+        ),
+        Result(
+            SUITE,
+            "get_view 1 MiB (zero copy, lease + release)",
+            t_view * 1e6,
+            "us",
+            "unix-socket echo round trip",
+            t_echo2 * 1e6,
+            target=1.5,
+            note="no copy: the release rides on its own unanswered frame",
         ),
     ]
     out.append(_ec_figure(opts, get, inner // 4))

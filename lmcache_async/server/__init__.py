@@ -7,5 +7,6 @@ client tier ``server`` (``cache_server_socket``). See ``docs/server.md``.
 
 from lmcache_async.server.client import ServerClient, query_status
 from lmcache_async.server.server import CacheServer, run_server
+from lmcache_async.server.views import EntryView
 
-__all__ = ["CacheServer", "ServerClient", "query_status", "run_server"]
+__all__ = ["CacheServer", "EntryView", "ServerClient", "query_status", "run_server"]

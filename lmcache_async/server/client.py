@@ -10,48 +10,52 @@ the next allowed call reconnects and maps the (new) pool.
 
 Generations: every connection maps the pool it was handed at its handshake and checks the
 pool's generation there; grants and leases belong to one connection, so a reply of a restarted
-server can never point into a pool mapped from its predecessor.
+server can never point into a pool mapped from its predecessor. A call that finds its
+connection closed by the server (stopped or restarted since the last call) reconnects and maps
+the new pool within its own timeout, so the first call after a restart is answered.
+
+Reads: :meth:`ServerClient.get` copies each entry out (the caller keeps the copy);
+:meth:`ServerClient.get_view` lends a zero-copy view under a lease for callers that do not keep
+it. Holds (:meth:`ServerClient.hold`) pin entries for readers in other processes.
 """
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import functools
-import itertools
 import json
 import logging
 import os
-import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 
 from lmcache_async.circuit import CircuitBreaker
 from lmcache_async.memory import MemoryObj
 from lmcache_async.ratelog import RateLimitedLog
+from lmcache_async.server.connection import Connection as _Connection
+from lmcache_async.server.connection import ServerUnavailable
+from lmcache_async.server.connection import connect as _connect
+from lmcache_async.server.connection import copy_bytes as _copy_bytes
+from lmcache_async.server.connection import exchange as _exchange
 from lmcache_async.server.protocol import (
     COMMIT_FAILED,
-    FRAME,
-    HELLO,
-    MAGIC,
     MAX_BATCH,
-    MAX_BODY,
-    VERSION,
-    WELCOME,
     EntryMeta,
     Mode,
     Op,
     ProtocolError,
     Reader,
-    Status,
     Writer,
 )
-from lmcache_async.server.shm import PoolMapping
+from lmcache_async.server.views import EntryView
 
-__all__ = ["ServerClient", "ServerUnavailable", "query_status"]
+__all__ = ["EntryView", "ServerClient", "ServerUnavailable", "query_status"]
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -60,100 +64,6 @@ PREGRANT_PER_SIZE = 2
 PREGRANT_TOTAL = 16
 
 Alloc = Callable[[Sequence[int], torch.dtype, Any], "MemoryObj | None"]
-
-
-class ServerUnavailable(ConnectionError):
-    """The server could not be reached or admitted us (internal; never leaves this module's callers)."""
-
-
-class _Connection:
-    """One admitted connection and its pool mapping (used under the client's lock)."""
-
-    def __init__(self, sock: socket.socket, mapping: PoolMapping | None, align: int, ttl_s: float) -> None:
-        self.sock = sock
-        self.mapping = mapping
-        self.align = max(align, 1)
-        self.ttl_s = ttl_s
-        self.seq = itertools.count(1)
-        self.pid = os.getpid()
-        self.grants: dict[int, list[tuple[int, int, float]]] = {}  # block size -> [(gid, offset, expiry)]
-        self.rbuf = bytearray(64 << 10)
-
-    def block_size(self, nbytes: int) -> int:
-        a = self.align
-        return max(1, -(-nbytes // a)) * a
-
-    def cached_grants(self) -> int:
-        return sum(len(v) for v in self.grants.values())
-
-
-def _connect(path: str, namespace: str, token: str | None, mode: Mode, deadline: float) -> _Connection:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(max(deadline - time.monotonic(), 0.001))
-        sock.connect(path)
-        ns = namespace.encode("utf-8")
-        tok = (token or "").encode("utf-8")
-        sock.sendall(HELLO.pack(MAGIC, VERSION, int(mode), len(ns), len(tok)) + ns + tok)
-        sock.settimeout(max(deadline - time.monotonic(), 0.001))
-        msg, fds, _flags, _addr = socket.recv_fds(sock, WELCOME.size, 1)
-        try:
-            if len(msg) != WELCOME.size:
-                raise ServerUnavailable("short handshake answer")
-            magic, version, status, gen, pool_bytes, data_off, align, _ml, _mg, ttl_ms = WELCOME.unpack(msg)
-            if magic != MAGIC or version != VERSION:
-                raise ServerUnavailable("not a cache server of this version")
-            if status != Status.OK:
-                names = {int(v): v.name for v in Status}
-                raise ServerUnavailable(f"admission refused: {names.get(status, status)}")
-            mapping = None
-            if mode == Mode.CLIENT:
-                if len(fds) != 1:
-                    raise ServerUnavailable("no pool descriptor in the handshake")
-                fd = fds.pop()
-                try:
-                    mapping = PoolMapping(fd, gen, pool_bytes, data_off)
-                except ValueError as exc:
-                    raise ServerUnavailable(str(exc)) from None
-        finally:
-            for fd in fds:
-                os.close(fd)
-        return _Connection(sock, mapping, align, ttl_ms / 1000.0)
-    except BaseException:
-        sock.close()
-        raise
-
-
-def _recv_into(conn: _Connection, buf: memoryview, deadline: float) -> None:
-    sock = conn.sock
-    got = 0
-    n = len(buf)
-    while got < n:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("cache server did not answer in time")
-        sock.settimeout(remaining)
-        k = sock.recv_into(buf[got:])
-        if k == 0:
-            raise ConnectionError("cache server closed the connection")
-        got += k
-
-
-def _exchange(conn: _Connection, op: Op, body: bytes, deadline: float, pre: bytes = b"") -> memoryview:
-    """Send one request (after the unanswered frames in ``pre``) and read its answer's body."""
-    seq = next(conn.seq) & 0xFFFFFFFF
-    conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
-    conn.sock.sendall(pre + FRAME.pack(len(body), int(op), seq) + body)
-    head = bytearray(FRAME.size)
-    _recv_into(conn, memoryview(head), deadline)
-    length, rop, rseq = FRAME.unpack(head)
-    if rop != op or rseq != seq or length > MAX_BODY:
-        raise ProtocolError("answer does not match the request")
-    if length > len(conn.rbuf):
-        conn.rbuf = bytearray(length)
-    view = memoryview(conn.rbuf)[:length]
-    _recv_into(conn, view, deadline)
-    return view
 
 
 class ServerClient:
@@ -191,6 +101,12 @@ class ServerClient:
         self.errors = 0
         self.skipped = 0
         self.connects = 0
+        #: Stale connections replaced within a call (the server had stopped or restarted).
+        self.reconnects = 0
+        #: Connections that found a pool generation other than the previous connection's.
+        self.new_generations = 0
+        #: Views whose lease was lost before they were read (see :meth:`get_view`).
+        self.stale_views = 0
         self.generation = 0
 
     # ---- connection management (call with the lock held) -------------------------------------------
@@ -199,10 +115,9 @@ class ServerClient:
         if conn is not None and conn.pid != os.getpid():
             # A forked child must not speak on its parent's connection: close our copy of the
             # descriptor (the parent's stays open) and connect afresh.
-            try:
-                conn.sock.close()
-            except OSError:
-                pass
+            conn.close()
+            self._conn = conn = None
+        elif conn is not None and not conn.open:
             self._conn = conn = None
         if conn is not None:
             return conn
@@ -217,18 +132,20 @@ class ServerClient:
         self._conn = conn
         self.connects += 1
         assert conn.mapping is not None
+        if self.generation and conn.mapping.generation != self.generation:
+            self.new_generations += 1  # a restarted server (or a namespace created afresh)
         self.generation = conn.mapping.generation
         return conn
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
 
     def _fail(self, why: str) -> None:
         self.errors += 1
         self.breaker.failure()
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            try:
-                conn.sock.close()
-            except OSError:
-                pass
+        self._drop()
         self._log.warning("cache server %s: %s (answering misses)", self.path, why, key="fail")
 
     def _acquire(self, deadline: float) -> bool:
@@ -237,26 +154,50 @@ class ServerClient:
         self.skipped += 1
         return False
 
-    def _call(self, op: Op, body: bytes, parse: Callable[[_Connection, Reader], Any]) -> Any:
+    def _locked(self, what: str, fn: Callable[[_Connection, float], T]) -> T | None:
+        """Run ``fn(connection, deadline)`` under the lock; None (counted, logged) on trouble.
+
+        A connection that served earlier calls and turns out closed by the server (it stopped
+        or restarted since) is replaced once within the same deadline: the call reconnects,
+        maps the new pool and runs again. Every request is safe to repeat on a new connection
+        (the old one's leases and grants died with it).
+        """
         deadline = time.monotonic() + self.timeout_s
         if not self._acquire(deadline):
             return None
         try:
-            conn = self._ensure(deadline)
-            if conn is None:
-                return None
-            try:
-                answer = _exchange(conn, op, body, deadline, self._stale_grants(conn))
-                r = Reader(answer)
-                out = parse(conn, r)
-                r.done()
-            except (OSError, ProtocolError, ValueError) as exc:
-                self._fail(f"{op.name}: {type(exc).__name__}: {exc}")
-                return None
-            self.breaker.success()
-            return out
+            retried = False
+            while True:
+                reused = self._conn is not None
+                conn = self._ensure(deadline)
+                if conn is None:
+                    return None
+                try:
+                    out = fn(conn, deadline)
+                except ConnectionError as exc:
+                    if reused and not retried and time.monotonic() < deadline:
+                        retried = True
+                        self.reconnects += 1
+                        self._drop()
+                        continue
+                    self._fail(f"{what}: {type(exc).__name__}: {exc}")
+                    return None
+                except (OSError, ProtocolError, ValueError) as exc:
+                    self._fail(f"{what}: {type(exc).__name__}: {exc}")
+                    return None
+                self.breaker.success()
+                return out
         finally:
             self._lock.release()
+
+    def _call(self, op: Op, body: bytes, parse: Callable[[_Connection, Reader], T]) -> T | None:
+        def run(conn: _Connection, deadline: float) -> T:
+            r = Reader(_exchange(conn, op, body, deadline, self._stale_grants(conn)))
+            out = parse(conn, r)
+            r.done()
+            return out
+
+        return self._locked(op.name, run)
 
     def _stale_grants(self, conn: _Connection) -> bytes:
         """An UNGRANT frame for cached grants close to their server-side expiry (or b"")."""
@@ -340,11 +281,108 @@ class ServerClient:
             raise
         finally:
             if leases:
-                w = Writer().u16(len(leases))
-                for lid in leases:
-                    w.u64(lid)
-                conn.sock.sendall(w.frame(Op.RELEASE, 0))
+                _release(conn, leases)
         return out
+
+    # ---- zero-copy reads -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def get_view(self, key: bytes) -> Iterator[EntryView | None]:
+        """``with client.get_view(key) as view:`` a zero-copy :class:`EntryView` of the entry
+        under a lease, or None (a miss, or the server could not be asked).
+
+        For callers that do not keep the result (they read, hash or copy it elsewhere inside
+        the block); :meth:`get` copies. The lease ends when the block exits, normally or by an
+        exception. See :mod:`lmcache_async.server.views` for when a view is refused.
+        """
+        if not isinstance(key, bytes):
+            raise TypeError(f"key must be bytes, got {type(key).__name__}")
+        view = self._locked("GET", functools.partial(self._lease_one, key=key))
+        if view is None:
+            yield None
+            return
+        try:
+            yield view
+        finally:
+            if not view.valid():
+                self.stale_views += 1
+            view.close()
+            self._end_lease(view)
+
+    def _lease_one(self, conn: _Connection, deadline: float, *, key: bytes) -> EntryView | None:
+        started = time.monotonic()  # the server's lease TTL starts later than this
+        r = Reader(_exchange(conn, Op.GET, Writer().keys([key]).body(), deadline, self._stale_grants(conn)))
+        if r.u16() != 1:
+            raise ProtocolError("GET answer has the wrong count")
+        if not r.u8():
+            r.done()
+            return None
+        lid, off = r.u64(), r.u64()
+        meta = r.meta()
+        r.done()
+        assert conn.mapping is not None
+        if off + meta.nbytes > conn.mapping.pool_bytes:
+            _release(conn, [lid])
+            raise ProtocolError("GET answer points outside the pool")
+        return EntryView(conn, lid, off, meta, started + conn.ttl_s)
+
+    def _end_lease(self, view: EntryView) -> None:
+        """Release a view's lease on its connection (nothing to do when that connection is gone:
+        the server reclaimed it; a lock busy past the timeout leaves it to the lease's TTL)."""
+        if not self._acquire(time.monotonic() + self.timeout_s):
+            return
+        try:
+            conn = view.connection
+            if conn is self._conn and conn.open:
+                _release(conn, [view.lease_id])
+        finally:
+            self._lock.release()
+
+    # ---- holds (a promise to another process) ----------------------------------------------------
+    def hold(self, keys: Sequence[bytes], ttl_s: float) -> list[int] | None:
+        """Pin each entry for up to ``ttl_s`` seconds, for readers of any process: one token per
+        key (0 for a miss or a refused hold), or None when the server could not be asked.
+
+        A held entry stays readable through :meth:`get_held` after its key is removed or
+        evicted, until :meth:`unhold` (from any client of the namespace) or the TTL.
+        """
+        if not ttl_s > 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
+        if not keys:
+            return []
+        if len(keys) > MAX_BATCH:
+            raise ValueError(f"at most {MAX_BATCH} keys per hold, got {len(keys)}")
+        ttl_ms = min(int(ttl_s * 1000), 0xFFFFFFFF)
+        body = Writer().u32(max(ttl_ms, 1)).keys(keys).body()
+        return self._call(Op.HOLD, body, functools.partial(_tokens_of, n=len(keys)))
+
+    def unhold(self, tokens: Sequence[int]) -> bool:
+        """Drop holds (unknown or expired tokens are ignored); False when it could not be sent."""
+        tokens = [t for t in tokens if t]
+        if not tokens:
+            return True
+        w = Writer().u16(len(tokens))
+        for t in tokens:
+            w.u64(t)
+        frame = w.frame(Op.UNHOLD, 0)
+
+        def send(conn: _Connection, deadline: float) -> bool:
+            conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            conn.sock.sendall(self._stale_grants(conn) + frame)
+            return True
+
+        return self._locked("UNHOLD", send) is True
+
+    def get_held(self, tokens: Sequence[int], alloc: Alloc) -> list[MemoryObj | None] | None:
+        """Each held entry copied into a buffer from ``alloc`` (the caller owns it), None per
+        token that holds nothing (dropped, expired, or held on a server that restarted since)."""
+        if not tokens:
+            return []
+        if len(tokens) > MAX_BATCH:
+            raise ValueError(f"at most {MAX_BATCH} tokens per call, got {len(tokens)}")
+        w = Writer().u16(len(tokens))
+        for t in tokens:
+            w.u64(t)
+        return self._call(Op.GET_HELD, w.body(), functools.partial(self._copy_out, n=len(tokens), alloc=alloc))
 
     def put(self, items: Sequence[tuple[bytes, MemoryObj]]) -> list[bool] | None:
         """Store each payload (copied into granted blocks, then committed): True when stored or
@@ -352,25 +390,10 @@ class ServerClient:
         if not items:
             return []
         metas = [EntryMeta.of(obj.shape, obj.dtype, obj.fmt) for _, obj in items]
-        deadline = time.monotonic() + self.timeout_s
-        if not self._acquire(deadline):
-            return None
-        try:
-            conn = self._ensure(deadline)
-            if conn is None:
-                return None
-            try:
-                out = self._put_locked(conn, items, metas, deadline)
-            except (OSError, ProtocolError, ValueError) as exc:
-                self._fail(f"PUT: {type(exc).__name__}: {exc}")
-                return None
-            self.breaker.success()
-            return out
-        finally:
-            self._lock.release()
+        return self._locked("PUT", functools.partial(self._put_locked, items=items, metas=metas))
 
     def _put_locked(
-        self, conn: _Connection, items: Sequence[tuple[bytes, MemoryObj]], metas: list[EntryMeta], deadline: float
+        self, conn: _Connection, deadline: float, *, items: Sequence[tuple[bytes, MemoryObj]], metas: list[EntryMeta]
     ) -> list[bool]:
         assert conn.mapping is not None
         pre = self._stale_grants(conn)
@@ -465,6 +488,9 @@ class ServerClient:
             "errors": self.errors,
             "skipped": self.skipped,
             "connects": self.connects,
+            "reconnects": self.reconnects,
+            "new_generations": self.new_generations,
+            "stale_views": self.stale_views,
             "connected": self._conn is not None,
             "circuit": self.breaker.state,
         }
@@ -475,34 +501,30 @@ class ServerClient:
         with self._lock:
             conn, self._conn = self._conn, None
         if conn is not None:
-            try:
-                conn.sock.close()
-            except OSError:
-                pass
+            conn.close()
 
 
-def _copy_bytes(t: torch.Tensor, addr: int, pool_view: torch.Tensor, *, out_of_pool: bool) -> None:
-    """Copy between a tensor's bytes and the pool at ``addr`` (``pool_view`` is those bytes).
-
-    A single-threaded ``memmove`` for contiguous CPU tensors: torch's parallel ``copy_`` waits on
-    its worker threads, which costs milliseconds when the cores are busy.
-    """
-    n = pool_view.numel()
-    if t.device.type == "cpu" and t.is_contiguous() and t.numel() * t.element_size() == n:
-        if out_of_pool:
-            ctypes.memmove(t.data_ptr(), addr, n)
-        else:
-            ctypes.memmove(addr, t.data_ptr(), n)
-        return
-    flat = t.reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
-    if out_of_pool:
-        t.copy_(pool_view.view(t.dtype).view(t.shape))
-    else:
-        pool_view.copy_(flat)
+def _release(conn: _Connection, leases: Sequence[int]) -> None:
+    """End leases with one unanswered RELEASE. A send that fails leaves the connection to the
+    next call (which finds it closed and reconnects); the server reclaims the leases of a
+    connection that goes away, so nothing stays pinned."""
+    w = Writer().u16(len(leases))
+    for lid in leases:
+        w.u64(lid)
+    try:
+        conn.sock.sendall(w.frame(Op.RELEASE, 0))
+    except OSError:
+        conn.close()  # a frame may be half sent: this connection cannot be used again
 
 
 def _flags_of(conn: _Connection, r: Reader, n: int) -> list[bool]:
     return _flags(r, n)
+
+
+def _tokens_of(conn: _Connection, r: Reader, n: int) -> list[int]:
+    if r.u16() != n:
+        raise ProtocolError("HOLD answer has the wrong count")
+    return [r.u64() for _ in range(n)]
 
 
 def _flags(r: Reader, n: int) -> list[bool]:

@@ -9,6 +9,11 @@ makes the pool safe to share with the pre-touch thread); nothing here blocks or 
 * A **lease** pins a committed entry's block for one reader (one more reference on the block).
   A leased entry is never evicted; a removed or evicted-while-leased entry's block is freed
   when its last lease ends. Leases end on release, on TTL expiry, or when the client goes away.
+* A **hold** pins a committed entry for the whole namespace under a random token: the block
+  and metadata stay readable through the token (``lease_held``) after the key was removed or
+  evicted, until the hold is dropped (by any client of the namespace) or its TTL passes. Holds
+  outlive the connection that took them (they exist for readers in other processes); the
+  namespace holds at most ``max_leases`` of them.
 * Each client has a cap on leases and on uncommitted grants, so one stuck client cannot pin
   the pool.
 """
@@ -16,6 +21,7 @@ makes the pool safe to share with the pre-touch thread); nothing here blocks or 
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -52,6 +58,15 @@ class Grant:
     """A block granted for writing, not yet committed."""
 
     obj: MemoryObj
+    expires: float
+
+
+@dataclass(slots=True)
+class Hold:
+    """A namespace-wide pin on one committed entry's block (one reference on the block)."""
+
+    obj: MemoryObj
+    meta: EntryMeta
     expires: float
 
 
@@ -92,6 +107,7 @@ class Namespace:
         self._index: OrderedDict[bytes, Entry] = OrderedDict()
         self._ids = itertools.count(1)
         self.clients: dict[int, ClientState] = {}
+        self._holds: dict[int, Hold] = {}
         self.bytes = 0
         self.hits = 0
         self.misses = 0
@@ -104,6 +120,9 @@ class Namespace:
         self.expired_grants = 0
         self.reclaimed_leases = 0
         self.reclaimed_grants = 0
+        self.holds_taken = 0
+        self.refused_holds = 0
+        self.expired_holds = 0
 
     @property
     def generation(self) -> int:
@@ -165,6 +184,49 @@ class Namespace:
             return False
         lease.obj.ref_count_down()
         return True
+
+    # ---- holds -------------------------------------------------------------------------------
+    def hold(self, key: bytes, ttl_s: float) -> int | None:
+        """Pin the entry of ``key`` for ``ttl_s`` seconds: its token (non-zero), or None for a
+        miss or when the namespace already holds ``max_leases`` holds."""
+        entry = self._index.get(key)
+        if entry is None:
+            return None
+        if len(self._holds) >= self.max_leases:
+            self.refused_holds += 1
+            return None
+        token = secrets.randbits(63) | 1
+        while token in self._holds:
+            token = secrets.randbits(63) | 1
+        entry.obj.ref_count_up()
+        self._index.move_to_end(key)
+        self._holds[token] = Hold(entry.obj, entry.meta, self._clock() + ttl_s)
+        self.holds_taken += 1
+        return token
+
+    def unhold(self, token: int) -> bool:
+        """Drop one hold; False when there is no such hold (dropped, expired or never taken)."""
+        h = self._holds.pop(token, None)
+        if h is None:
+            return False
+        h.obj.ref_count_down()
+        return True
+
+    def lease_held(self, st: ClientState, token: int) -> tuple[int, MemoryObj, EntryMeta] | None:
+        """Lease the block of hold ``token`` for ``st`` (as :meth:`lease` does for a key): None
+        when there is no such hold or the client holds its cap of leases."""
+        h = self._holds.get(token)
+        if h is None:
+            self.misses += 1
+            return None
+        if len(st.leases) >= self.max_leases:
+            self.refused_leases += 1
+            return None
+        h.obj.ref_count_up()
+        lid = next(self._ids)
+        st.leases[lid] = Lease(h.obj, self._clock() + self.lease_ttl_s)
+        self.hits += 1
+        return lid, h.obj, h.meta
 
     # ---- writes --------------------------------------------------------------------------------
     def grant(self, st: ClientState, nbytes: int) -> tuple[int, MemoryObj] | None:
@@ -275,11 +337,17 @@ class Namespace:
             for gid in [gid for gid, g in st.grants.items() if g.expires <= now]:
                 st.grants.pop(gid).obj.ref_count_down()
                 self.expired_grants += 1
+        for token in [t for t, h in self._holds.items() if h.expires <= now]:
+            self._holds.pop(token).obj.ref_count_down()
+            self.expired_holds += 1
 
     def close(self) -> None:
         """Reclaim every client's holdings, drop the index and close the pool's descriptor."""
         for st in list(self.clients.values()):
             self.drop_client(st)
+        for h in self._holds.values():
+            h.obj.ref_count_down()
+        self._holds.clear()
         self.clear()
         self.pool.close()
 
@@ -300,6 +368,10 @@ class Namespace:
             "clients": len(self.clients),
             "leases": sum(len(c.leases) for c in self.clients.values()),
             "grants": sum(len(c.grants) for c in self.clients.values()),
+            "holds": len(self._holds),
+            "holds_taken": self.holds_taken,
+            "refused_holds": self.refused_holds,
+            "expired_holds": self.expired_holds,
             "hits": self.hits,
             "misses": self.misses,
             "hit_rate": (self.hits / lookups) if lookups else 0.0,

@@ -11,9 +11,14 @@ Handshake (on the raw socket, before any stream wrapping)::
                       (+ the namespace pool's memfd as SCM_RIGHTS when status is OK and mode CLIENT)
 
 Every later message is a frame ``body_len u32, op u8, seq u32`` followed by the body. Requests
-that expect an answer get a frame with the same ``op`` and ``seq``; ``RELEASE`` and ``UNGRANT``
-are never answered (they ride along in front of the next request). Decoders raise
-:class:`ProtocolError` for anything malformed; the server closes that connection.
+that expect an answer get a frame with the same ``op`` and ``seq``; ``RELEASE``, ``UNGRANT`` and
+``UNHOLD`` are never answered. Decoders raise :class:`ProtocolError` for anything malformed; the
+server closes that connection.
+
+Leases belong to the connection that took them. A **hold** (``HOLD``) belongs to the namespace:
+it pins a committed entry's block and metadata under a random token until ``UNHOLD`` (from any
+client of the namespace) or its TTL, so a process other than the one that promised the entry
+can still read it (``GET_HELD``) after the key was removed or evicted.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ __all__ = [
     "MAGIC",
     "MAX_BATCH",
     "MAX_BODY",
+    "MAX_HOLD_TTL_S",
     "MAX_KEY_BYTES",
     "MAX_NDIM",
     "NO_OFFSET",
@@ -103,10 +109,15 @@ class Op(enum.IntEnum):
     CLEAR = 8
     STATS = 9
     PING = 10
+    HOLD = 11
+    UNHOLD = 12
+    GET_HELD = 13
 
 
 #: Ops the server answers with a frame of the same op and seq.
-ANSWERED = frozenset(op for op in Op if op not in (Op.RELEASE, Op.UNGRANT))
+ANSWERED = frozenset(op for op in Op if op not in (Op.RELEASE, Op.UNGRANT, Op.UNHOLD))
+#: Longest TTL a hold may ask for; longer requests are cut to it.
+MAX_HOLD_TTL_S = 3600.0
 #: Commit outcomes.
 COMMIT_FAILED, COMMIT_STORED, COMMIT_PRESENT = 0, 1, 2
 

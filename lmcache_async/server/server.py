@@ -47,6 +47,7 @@ from lmcache_async.server.protocol import (
     HELLO,
     MAGIC,
     MAX_BODY,
+    MAX_HOLD_TTL_S,
     MAX_NAMESPACE_BYTES,
     MAX_TOKEN_BYTES,
     VERSION,
@@ -485,6 +486,29 @@ class CacheServer:
         elif op is Op.CLEAR:
             r.done()
             ns.clear()
+        elif op is Op.HOLD:
+            ttl_s = min(r.u32() / 1000.0, MAX_HOLD_TTL_S)
+            keys = r.keys()
+            r.done()
+            w.u16(len(keys))
+            for k in keys:
+                w.u64(ns.hold(k, ttl_s) or 0)
+        elif op is Op.UNHOLD:
+            for _ in range(r.count()):
+                ns.unhold(r.u64())
+            r.done()
+            return None
+        elif op is Op.GET_HELD:
+            tokens = [r.u64() for _ in range(r.count())]
+            r.done()
+            w.u16(len(tokens))
+            for token in tokens:
+                got = ns.lease_held(st, token)
+                if got is None:
+                    w.u8(0)
+                    continue
+                lid, obj, meta = got
+                w.u8(1).u64(lid).u64(obj.offset).meta(meta)
         return w.body()
 
     async def _write_through(self, ns: Namespace, key: bytes) -> None:

@@ -112,6 +112,14 @@ class PoolMapping:
         self.data = torch.frombuffer(mm, dtype=torch.uint8, offset=HEADER_BYTES, count=max(pool_bytes, 1))
         self._mm = mm
 
+    def readonly(self, offset: int, nbytes: int) -> memoryview:
+        """A read-only memoryview of ``nbytes`` entry bytes at ``offset`` (``ValueError`` when the
+        range leaves the pool)."""
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.pool_bytes:
+            raise ValueError(f"range {offset}+{nbytes} leaves the pool of {self.pool_bytes} bytes")
+        start = HEADER_BYTES + offset
+        return memoryview(self._mm)[start : start + nbytes].toreadonly()
+
     def header_generation(self) -> int:
         """The generation currently written in the pool's header."""
         gen: int = _HEADER.unpack_from(self._mm, 0)[1]

@@ -7,6 +7,8 @@ Loaded by vLLM with ``ec_connector_module_path="probe_connector"`` (``tests/e2e`
   the time its scheduler hooks took per step;
 * ``delete_promised``: delete the disk records of the items promised this step right after the
   metadata is built (the window between ``has_cache_item`` and the worker's load);
+* ``delete_promised_server``: a cache-server socket; remove the entries of the items promised
+  this step from that server (through a client of its own) right after the metadata is built;
 * ``blocking``: do not forward ``ensure_cache_available`` (the connector then looks items up
   synchronously in ``has_cache_item``, as with vLLM releases without that hook).
 """
@@ -78,6 +80,15 @@ class ProbeECConnector(LMCacheECConnector):
                     self._deleted += 1
                 except OSError:
                     pass
+        server_socket = _SETTINGS.get("delete_promised_server")
+        if server_socket and meta.mm_hashes:
+            from lmcache_async.server.client import ServerClient
+
+            cfg = self.impl.engine.config
+            client = ServerClient(server_socket, cfg.cache_server_namespace or "default", timeout_s=10.0)
+            removed = client.remove([self.impl.engine.key(h).to_string().encode() for h in meta.mm_hashes])
+            self._deleted += sum(bool(r) for r in removed or ())
+            client.close()
         out = _SETTINGS.get("out")
         if out and self.role.name == "SCHEDULER":
             stats = self.impl.stats()

@@ -20,13 +20,14 @@ from lmcache_async.dtypes import dtype_name
 from lmcache_async.engines.encoder_cache import ECCacheEngine
 from lmcache_async.integration.vllm.ec_counters import ECCounters, describe_error
 from lmcache_async.integration.vllm.ec_engines import Handoff, release_entry
+from lmcache_async.integration.vllm.ec_server_leases import server_holds_of
 from lmcache_async.integration.vllm.ec_vllm_objects import (
     ECLoadMetadata,
     item_count,
     item_identifier,
     safe_item_count,
 )
-from lmcache_async.integration.vllm.leases import LeaseDir
+from lmcache_async.integration.vllm.leases import LeaseDir, PromiseLeases
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj
 from lmcache_async.storage_manager import StorageManager
@@ -63,13 +64,17 @@ class _Promise:
         self.requests: set[str] = set()
 
 
-def release_fetched(res: _Fetched) -> None:
-    """Give back what a promotion yielded: its entry reference and its disk lease."""
+def release_fetched(res: _Fetched, leases: PromiseLeases | None = None) -> None:
+    """Give back what a promotion yielded: its entry reference and its lease (a disk lease
+    when ``leases`` is None)."""
     obj, _, lease = res
     if obj is not None:
         release_entry(obj)
     if lease is not None:
-        LeaseDir.drop(lease)
+        if leases is not None:
+            leases.drop(lease)
+        else:
+            LeaseDir.drop(lease)
 
 
 class ECSchedulerSide(ECCounters):
@@ -87,11 +92,16 @@ class ECSchedulerSide(ECCounters):
     _sm: StorageManager
     _cpu_lookup: Callable[[CacheEngineKey], MemoryObj | None] | None
     _has_lower: bool
-    _leases: LeaseDir | None
+    _leases: PromiseLeases | None
     _handoff: Handoff
 
     def _init_scheduler_side(self) -> None:
-        """Empty scheduler-side state: nothing held, promoted, promised or failed."""
+        """Empty scheduler-side state: nothing held, promoted, promised or failed.
+
+        With no disk lease directory and a ``server`` tier, promises to workers in other
+        processes are backed by server holds (:mod:`.ec_server_leases`)."""
+        if self._leases is None:
+            self._leases = server_holds_of(self._sm, self.hold_ttl_s)
         self._ensure_mode = False
         self._ready: dict[str, _Ready] = {}
         self._inflight: dict[str, _Prefetch] = {}
@@ -169,7 +179,7 @@ class ECSchedulerSide(ECCounters):
             if fut.set_running_or_notify_cancel():
                 fut.set_result(res)
             else:
-                release_fetched(res)
+                self._release_fetched(res)
 
         await asyncio.gather(*(one(k, f, le) for k, f, le in batch))
 
@@ -326,9 +336,8 @@ class ECSchedulerSide(ECCounters):
             return
         self._release_fetched(fut.result())
 
-    @staticmethod
-    def _release_fetched(res: _Fetched) -> None:
-        release_fetched(res)
+    def _release_fetched(self, res: _Fetched) -> None:
+        release_fetched(res, self._leases)
 
     def update_state_after_alloc(self, request: Any, index: int) -> None:
         """Queue item ``index`` of ``request`` for loading when ``has_cache_item`` promised it

@@ -18,7 +18,7 @@ from lmcache_async.engines.encoder_cache import ECCacheEngine
 from lmcache_async.integration.vllm.ec_counters import ECCounters, describe_error
 from lmcache_async.integration.vllm.ec_engines import Handoff, release_entry
 from lmcache_async.integration.vllm.ec_vllm_objects import ECLoadMetadata, worker_device
-from lmcache_async.integration.vllm.leases import LeaseDir, read_record
+from lmcache_async.integration.vllm.leases import PromiseLeases
 from lmcache_async.records import RecordError
 
 
@@ -34,7 +34,7 @@ class ECWorkerSide(ECCounters):
     _parent: Any
     _metadata_cls: type[ECLoadMetadata]
     _engine: ECCacheEngine
-    _leases: LeaseDir | None
+    _leases: PromiseLeases | None
     _handoff: Handoff
 
     def _init_worker_side(self) -> None:
@@ -131,7 +131,7 @@ class ECWorkerSide(ECCounters):
             tensor = self._engine.get(mm_hash, device)
         if tensor is None and lease is not None and self._leases is not None and self._leases.owns(lease):
             try:
-                tensor = read_record(lease, self._engine.key(mm_hash)).to(device)
+                tensor = self._leases.read(lease, self._engine.key(mm_hash)).to(device)
                 source = "loaded_from_lease"
             except (OSError, RecordError) as exc:
                 self._log("lease", "encoder-cache connector: lease of %s unreadable: %s", mm_hash, describe_error(exc))

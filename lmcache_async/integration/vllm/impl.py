@@ -15,8 +15,9 @@ read with every check and holds:
   (older vLLM) ``has_cache_item`` reads the entry itself (one verified lookup per item).
 * ``update_state_after_alloc`` moves the held entry into this step's metadata, without asking
   the storage again. A worker in the same process takes the held reference; workers in other
-  processes get a disk lease (:mod:`.leases`), so eviction or deletion after the promise
-  cannot make the load miss.
+  processes get a disk lease (:mod:`.leases`), or a server hold (:mod:`.ec_server_leases`)
+  when the shared tier is the cache server with no disk tier, so eviction or deletion after the
+  promise cannot make the load miss.
 * What can still fail (a promised item only a remote tier holds, loaded by a worker in another
   process, when the remote goes away) gets a zero tensor so the step runs, is counted as a
   ``load_failure`` and its requests are failed through ``take_unavailable_requests``.

@@ -15,6 +15,10 @@ budget while they live, one record each.
 
 Everything here is blocking file work; the connector calls it only where vLLM allows a short
 synchronous step (the promise, the load).
+
+:class:`PromiseLeases` is what the connector needs of a lease kind; :class:`LeaseDir` is the
+disk one, :class:`~lmcache_async.integration.vllm.ec_server_leases.ServerHolds` the one for
+the node cache server.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
+from typing import Protocol
 
 import torch
 
@@ -38,6 +43,25 @@ LEASE_DIR_NAME = ".ec-leases"
 LEASE_SUFFIX = ".lease"
 DEFAULT_MAX_AGE_S = 600.0
 _PROBE = 4096
+
+
+class PromiseLeases(Protocol):
+    """A way to keep a promised entry readable by workers in other processes until they load it.
+
+    ``take`` returns a lease string for the step's metadata (None: the entry cannot be leased,
+    so it must not be promised); ``read`` raises ``OSError`` (or ``RecordError``) when the
+    leased bytes cannot be read; ``drop`` and ``reap`` never raise for storage trouble.
+    """
+
+    def take(self, key: CacheEngineKey) -> str | None: ...
+
+    def drop(self, lease: str) -> bool: ...
+
+    def owns(self, lease: str) -> bool: ...
+
+    def read(self, lease: str, key: CacheEngineKey) -> torch.Tensor: ...
+
+    def reap(self) -> int: ...
 
 
 def _entry_path(root: str, key: CacheEngineKey) -> str:
@@ -88,6 +112,10 @@ class LeaseDir:
             and path.endswith(LEASE_SUFFIX)
             and os.sep not in os.path.basename(path)[:-1]
         )
+
+    def read(self, lease: str, key: CacheEngineKey) -> torch.Tensor:
+        """The entry of ``key`` read from the lease file (see :func:`read_record`)."""
+        return read_record(lease, key)
 
     def reap(self, now: float | None = None) -> int:
         """Remove leases older than ``max_age_s``; how many were removed."""
