@@ -1,6 +1,8 @@
 """One real vLLM engine run for the KV-connector tests: ``python kv_child.py SPEC.json RESULT.json``.
 
 SPEC keys: ``model`` (directory), ``kv`` (``None`` or the ``kv_connector_extra_config`` dict),
+``connector`` (class name, default ``LMCacheKVConnector``), ``speculative`` (vLLM's
+``speculative_config`` dict or None; ``hs_group`` phases read its hidden-state group),
 ``prompts`` (token-id lists), ``phases`` (each ``{"prompts": [indices], "barrier": name or
 None, "hs": None | "save" | "load"}``), ``max_tokens``, ``hs_layers``, ``workdir``.
 Each prompt is generated alone (so its prefill is one forward the hooks see whole) after vLLM's
@@ -56,12 +58,14 @@ def main(spec_path: str, result_path: str) -> int:
             disable_log_stats=False,
             seed=0,
         )
+        if spec.get("speculative"):
+            kwargs["speculative_config"] = spec["speculative"]
         kv = spec.get("kv")
         if kv is not None:
             from vllm.config import KVTransferConfig
 
             kwargs["kv_transfer_config"] = KVTransferConfig(
-                kv_connector="LMCacheKVConnector",
+                kv_connector=spec.get("connector") or "LMCacheKVConnector",
                 kv_connector_module_path="lmcache_async.integration.vllm",
                 kv_role="kv_both",
                 kv_load_failure_policy="recompute",
@@ -111,6 +115,10 @@ def main(spec_path: str, result_path: str) -> int:
                     "ttft_s": ttft,
                 }
                 hs_mode = phase.get("hs")
+                if phase.get("hs_group"):
+                    path = str(workdir / f"hsg-{idx}-{spec['name']}.safetensors")
+                    run["hs_group"] = llm.collective_rpc(kv_rpc.hs_group_rows, args=(path,))[0]
+                    run["hs_group_path"] = path
                 if hs_mode == "save":
                     path = str(workdir / f"hs-{idx}.safetensors")
                     run["hs"] = llm.collective_rpc(kv_rpc.save_hs, args=(prompts[idx], path))[0]

@@ -111,3 +111,18 @@ def chunk_files(obj: Any, prompt: list[int], root: str) -> list[str]:
 
     conn = _connector()
     return [entry_path(root, key_digest(k.to_string())) for k in conn.store.token_database.keys(prompt)]
+
+
+def hs_group_rows(obj: Any, path: str) -> dict[str, Any]:
+    """The rows of vLLM's hidden-state KV-cache group (``extract_hidden_states``) for the
+    latest hidden-state run of the worker's connector (the saved prompt in a store run, the
+    restored prefix in a load run), read from the engine's own cache; written to ``path``."""
+    from safetensors.torch import save_file
+
+    side = _connector().worker_side
+    if side.hs_group is None or not side.recent_hs_runs:
+        return {"kind": None, "start": 0, "end": 0}
+    kind, run = side.recent_hs_runs[-1]
+    rows = side.hs_group.gather(run.block_ids, 0, run.end).to(torch.float32).contiguous()
+    save_file({"rows": rows}, path)
+    return {"kind": kind, "start": run.start, "end": run.end, "shape": list(rows.shape)}

@@ -157,7 +157,7 @@ def test_an_asynchronous_load_scatters_on_the_thread_that_collects_it(
     assert is_async and n == 24
     sched.after_alloc("r2", (DST_BLOCKS,), n)
     worker.load(sched.build_meta(new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n)))
-    _, fut = worker._inflight["r2"]
+    _, fut, _ = worker._inflight["r2"]
     fut.result(timeout=30)  # the records are read ...
     assert scatter_threads == [] and not any(t.any() for t in dst.values())  # ... nothing copied yet
     assert worker.finished_loads() == {"r2"}
@@ -198,7 +198,7 @@ def test_closing_with_an_unapplied_load_releases_its_records(stores: tuple[KVSto
     n, _ = sched.num_new_matched_tokens("r2", PROMPT, 0)
     sched.after_alloc("r2", (DST_BLOCKS,), n)
     worker.load(sched.build_meta(new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n)))
-    _, fut = worker._inflight["r2"]
+    _, fut, _ = worker._inflight["r2"]
     fetched = fut.result(timeout=30)
     assert fetched is not None and all(o is not None for o in fetched.objs)
     objs = list(fetched.objs)

@@ -8,6 +8,9 @@
 * ``LMCacheKVConnector`` — the ``KVConnectorBase_V1`` subclass vLLM loads with
   ``kv_connector_module_path="lmcache_async.integration.vllm"`` (and
   ``LMCacheKVConnectorMetadata``); also imported lazily.
+* ``LMCacheKVHiddenStatesConnector`` — the KV connector for engines run with vLLM's
+  ``extract_hidden_states`` speculative method: it also stores and restores their hidden-state
+  KV-cache group (``SupportsHMA``); loaded the same way, imported lazily.
 """
 
 from __future__ import annotations
@@ -29,12 +32,14 @@ if TYPE_CHECKING:
         LMCacheKVConnector,
         LMCacheKVConnectorMetadata,
     )
+    from lmcache_async.integration.vllm.kv_hs_connector import LMCacheKVHiddenStatesConnector
 
 _LAZY = {
     "LMCacheECConnector": "lmcache_async.integration.vllm.connector",
     "LMCacheECConnectorMetadata": "lmcache_async.integration.vllm.connector",
     "LMCacheKVConnector": "lmcache_async.integration.vllm.kv_connector",
     "LMCacheKVConnectorMetadata": "lmcache_async.integration.vllm.kv_connector",
+    "LMCacheKVHiddenStatesConnector": "lmcache_async.integration.vllm.kv_hs_connector",
 }
 
 
@@ -56,5 +61,6 @@ __all__ = [
     "LMCacheECConnectorMetadata",
     "LMCacheKVConnector",
     "LMCacheKVConnectorMetadata",
+    "LMCacheKVHiddenStatesConnector",
     "load_connector_config",
 ]

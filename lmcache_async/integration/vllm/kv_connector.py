@@ -202,7 +202,12 @@ class LMCacheKVConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         step = self._sched().build_meta(scheduler_output)
         return LMCacheKVConnectorMetadata(
-            loads=step.loads, saves=step.saves, async_loads=step.async_loads, idle=step.idle
+            loads=step.loads,
+            saves=step.saves,
+            async_loads=step.async_loads,
+            idle=step.idle,
+            hs_saves=step.hs_saves,
+            hs_loads=step.hs_loads,
         )
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

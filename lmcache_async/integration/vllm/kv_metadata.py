@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BlockRun", "KVStepMetadata"]
+__all__ = ["BlockRun", "HSRun", "KVStepMetadata"]
 
 _U64 = 1 << 64
 
@@ -96,6 +96,45 @@ class BlockRun:
         return cls(d["req_id"], d["first_block"], d["block_ids"], d["chunk_hashes"])
 
 
+@dataclass(frozen=True)
+class HSRun:
+    """Tokens ``start .. end - 1`` of request ``req_id`` in the hidden-state group.
+
+    ``token_ids`` is the prompt prefix up to ``end`` (the store keys chunks by it);
+    ``block_ids`` are the group's block ids of the request from its first token on."""
+
+    req_id: str
+    token_ids: tuple[int, ...]
+    start: int
+    end: int
+    block_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start <= self.end <= len(self.token_ids):
+            raise ValueError(f"HSRun {self.req_id!r}: tokens {self.start}..{self.end} of {len(self.token_ids)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "req_id": self.req_id,
+            "token_ids": list(self.token_ids),
+            "start": self.start,
+            "end": self.end,
+            "block_ids": list(self.block_ids),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> HSRun:
+        if not isinstance(d, Mapping):
+            raise TypeError(f"a hidden-state run must be a mapping, got {type(d).__name__}")
+        for name in ("token_ids", "block_ids"):
+            values = d.get(name)
+            if not isinstance(values, (list, tuple)) or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in values
+            ):
+                raise TypeError(f"hidden-state run {name} must be a list of ints")
+        return cls(str(d["req_id"]), tuple(d["token_ids"]), int(d["start"]), int(d["end"]), tuple(d["block_ids"]))
+
+
 @dataclass
 class KVStepMetadata:
     """Scheduler → workers for one step: the loads and the saves to do.
@@ -111,6 +150,10 @@ class KVStepMetadata:
     saves: list[BlockRun] = field(default_factory=list)
     async_loads: list[BlockRun] = field(default_factory=list)
     idle: bool = False
+    hs_saves: list[HSRun] = field(default_factory=list)
+    """Hidden-state group rows to store after this step's forward (``extract_hidden_states``)."""
+    hs_loads: list[HSRun] = field(default_factory=list)
+    """Hidden-state group rows to restore with the KV load of the same request."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -118,6 +161,8 @@ class KVStepMetadata:
             "saves": [r.to_dict() for r in self.saves],
             "async_loads": [r.to_dict() for r in self.async_loads],
             "idle": self.idle,
+            "hs_saves": [r.to_dict() for r in self.hs_saves],
+            "hs_loads": [r.to_dict() for r in self.hs_loads],
         }
 
     @classmethod
@@ -133,4 +178,6 @@ class KVStepMetadata:
             [BlockRun.from_dict(r) for r in d.get("saves", ())],
             [BlockRun.from_dict(r) for r in d.get("async_loads", ())],
             idle,
+            [HSRun.from_dict(r) for r in d.get("hs_saves", ())],
+            [HSRun.from_dict(r) for r in d.get("hs_loads", ())],
         )

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lmcache_async.integration.vllm.kv_metadata import BlockRun, KVStepMetadata
+from lmcache_async.integration.vllm.kv_metadata import BlockRun, HSRun, KVStepMetadata
 from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.storage_manager import StorageManager
 from lmcache_async.token_database import ChunkedTokenDatabase
@@ -41,15 +41,19 @@ class _Req:
     prompt_len: int
     block_ids: list[int] = field(default_factory=list)
     saved_chunks: int = 0
+    prompt: tuple[int, ...] = ()
+    """The prompt (kept only with a hidden-state group: its runs carry the tokens)."""
+    hs_block_ids: list[int] = field(default_factory=list)
 
 
-def _first_group(block_ids: Any) -> list[int] | None:
-    """The block ids of KV-cache group 0 from vLLM's per-group tuple (None stays None)."""
+def _group(block_ids: Any, index: int = 0) -> list[int] | None:
+    """The block ids of KV-cache group ``index`` from vLLM's per-group tuple (a flat list is
+    group 0's; None stays None, and so does a tuple without that group)."""
     if block_ids is None:
         return None
     if block_ids and isinstance(block_ids[0], (list, tuple)):
-        return list(block_ids[0])
-    return list(block_ids)
+        return list(block_ids[index]) if index < len(block_ids) else None
+    return list(block_ids) if index == 0 else None
 
 
 class KVSchedulerSide:
@@ -57,6 +61,9 @@ class KVSchedulerSide:
 
     ``manager`` is called for the manager to ask (it may change while the engine runs: a
     worker's store appears in this process after the scheduler's lookup-only one).
+    ``kv_group`` is the index of the attention layers' KV-cache group in vLLM's per-group block
+    ids; ``hs_group`` the index of the hidden-state group of ``extract_hidden_states`` (None:
+    there is none), whose rows are saved and loaded with the KV (:class:`HSRun`).
     """
 
     def __init__(
@@ -65,8 +72,13 @@ class KVSchedulerSide:
         token_database: ChunkedTokenDatabase,
         block_size: int,
         blocks_per_chunk: int,
+        kv_group: int = 0,
+        hs_group: int | None = None,
     ) -> None:
         self._manager = manager
+        self.kv_group = kv_group
+        self.hs_group = hs_group
+        self._hs_loads: dict[str, HSRun] = {}
         self.db = token_database
         self.block_size = block_size
         self.blocks_per_chunk = blocks_per_chunk
@@ -83,7 +95,9 @@ class KVSchedulerSide:
     def _req(self, req_id: str, prompt: Sequence[int]) -> _Req:
         r = self._reqs.get(req_id)
         if r is None or r.prompt_len != len(prompt):
-            r = _Req(self.db.chunk_hashes(list(prompt)), len(prompt))
+            tokens = list(prompt)
+            kept = tuple(tokens) if self.hs_group is not None else ()
+            r = _Req(self.db.chunk_hashes(tokens), len(tokens), prompt=kept)
             self._reqs[req_id] = r
         return r
 
@@ -126,7 +140,7 @@ class KVSchedulerSide:
         local, hit, is_async = lookup
         if local + num_external_tokens != hit:
             local = hit - num_external_tokens
-        blocks = _first_group(block_ids) or []
+        blocks = _group(block_ids, self.kv_group) or []
         first_block = local // self.block_size
         end_block = hit // self.block_size
         if end_block > len(blocks) or local % self.block_size:
@@ -145,6 +159,9 @@ class KVSchedulerSide:
             req_id, first_block, tuple(blocks[first_block:end_block]), tuple(r.hashes[first_chunk : last_chunk + 1])
         )
         self._loads[req_id] = (run, is_async)
+        if self.hs_group is not None:
+            hs_blocks = _group(block_ids, self.hs_group) or []
+            self._hs_loads[req_id] = HSRun(req_id, r.prompt[:hit], local, hit, tuple(hs_blocks))
         r.saved_chunks = max(r.saved_chunks, hit // self.chunk_size)
         self.counters["async_loads_planned" if is_async else "loads_planned"] += 1
 
@@ -157,7 +174,9 @@ class KVSchedulerSide:
             req_id = new.req_id
             prompt = list(getattr(new, "prompt_token_ids", None) or ())
             r = self._req(req_id, prompt)
-            r.block_ids = _first_group(new.block_ids) or []
+            r.block_ids = _group(new.block_ids, self.kv_group) or []
+            if self.hs_group is not None:
+                r.hs_block_ids = _group(new.block_ids, self.hs_group) or []
             self._plan_save(meta, req_id, r, int(new.num_computed_tokens) + int(num_scheduled.get(req_id, 0)))
         cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
         if cached is not None:
@@ -166,14 +185,20 @@ class KVSchedulerSide:
                 known = self._reqs.get(req_id)
                 if known is None:
                     continue
-                new_ids = _first_group(cached.new_block_ids[i])
+                new_ids = _group(cached.new_block_ids[i], self.kv_group)
                 if new_ids is not None:
                     known.block_ids = new_ids if req_id in resumed else known.block_ids + new_ids
+                if self.hs_group is not None:
+                    new_hs = _group(cached.new_block_ids[i], self.hs_group)
+                    if new_hs is not None:
+                        known.hs_block_ids = new_hs if req_id in resumed else known.hs_block_ids + new_hs
                 done = int(cached.num_computed_tokens[i]) + int(num_scheduled.get(req_id, 0))
                 self._plan_save(meta, req_id, known, done)
         for run, is_async in self._loads.values():
             (meta.async_loads if is_async else meta.loads).append(run)
+        meta.hs_loads.extend(self._hs_loads.values())
         self._loads.clear()
+        self._hs_loads.clear()
         return meta
 
     def _plan_save(self, meta: KVStepMetadata, req_id: str, r: _Req, computed_after_step: int) -> None:
@@ -186,6 +211,9 @@ class KVSchedulerSide:
         meta.saves.append(
             BlockRun(req_id, first * bpc, tuple(r.block_ids[first * bpc : ready * bpc]), tuple(r.hashes[first:ready]))
         )
+        if self.hs_group is not None:
+            cs = self.chunk_size
+            meta.hs_saves.append(HSRun(req_id, r.prompt[: ready * cs], first * cs, ready * cs, tuple(r.hs_block_ids)))
         r.saved_chunks = ready
         self.counters["saves_planned"] += 1
 
@@ -194,3 +222,4 @@ class KVSchedulerSide:
         self._reqs.pop(req_id, None)
         self._lookups.pop(req_id, None)
         self._loads.pop(req_id, None)
+        self._hs_loads.pop(req_id, None)

@@ -27,17 +27,20 @@ Every record is ``[num_layers, *blocks of one chunk]`` in the caches' dtype
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from lmcache_async.engines.hidden_states import HiddenStateStore, hs_entry_key
+from lmcache_async.integration.vllm.kv_hs_group import HiddenStateGroup, load_hs_run, save_hs_run
 from lmcache_async.integration.vllm.kv_layout import PagedCaches, gather_blocks, scatter_blocks
-from lmcache_async.integration.vllm.kv_metadata import BlockRun, KVStepMetadata
+from lmcache_async.integration.vllm.kv_metadata import BlockRun, HSRun, KVStepMetadata
 from lmcache_async.memory import MemoryFormat, MemoryObj
 from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.storage_manager import StorageManager
@@ -58,6 +61,9 @@ COUNTER_NAMES = (
     "saved_bytes",
     "save_skipped",
     "save_rejected",
+    "hs_saved_runs",
+    "hs_loaded_tokens",
+    "hs_short_loads",
     "errors",
 )
 
@@ -69,10 +75,14 @@ class _Fetched:
     keys: list[Any]
     chunks: list[tuple[int, int, int, list[int]]]
     objs: list[MemoryObj | None]
+    prefetched: list[MemoryObj | None] = field(default_factory=list)
+    """Published hidden-state records read beside the KV (held so they stay in the CPU tier
+    until the model-runner thread restores them)."""
 
     def release(self) -> None:
         objs, self.objs = self.objs, []
-        for obj in objs:
+        extra, self.prefetched = self.prefetched, []
+        for obj in objs + extra:
             if obj is not None:
                 obj.ref_count_down()
 
@@ -81,9 +91,18 @@ class KVWorkerSide:
     """Worker-side state over ``manager``; call :meth:`register` before loads and saves."""
 
     def __init__(
-        self, manager: StorageManager, token_database: ChunkedTokenDatabase, block_size: int, blocks_per_chunk: int
+        self,
+        manager: StorageManager,
+        token_database: ChunkedTokenDatabase,
+        block_size: int,
+        blocks_per_chunk: int,
+        hidden_state_store: HiddenStateStore | None = None,
     ) -> None:
         self.manager = manager
+        self.hs = hidden_state_store
+        self.hs_group: HiddenStateGroup | None = None
+        self.recent_hs_runs: collections.deque[tuple[str, HSRun]] = collections.deque(maxlen=16)
+        """The latest hidden-state runs done (``("save" | "load", run)``), for inspection."""
         self.db = token_database
         self.block_size = block_size
         self.blocks_per_chunk = blocks_per_chunk
@@ -92,7 +111,7 @@ class KVWorkerSide:
         self._errors: set[int] = set()
         self._lock = threading.Lock()  # errors and counters: the load thread updates them too
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._inflight: dict[str, tuple[BlockRun, concurrent.futures.Future[_Fetched | None]]] = {}
+        self._inflight: dict[str, tuple[BlockRun, concurrent.futures.Future[_Fetched | None], HSRun | None]] = {}
         self._log = RateLimitedLog(logger)
         self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
 
@@ -101,9 +120,16 @@ class KVWorkerSide:
             for k, v in deltas.items():
                 self.counters[k] += v
 
-    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> PagedCaches:
-        """Adopt vLLM's per-layer caches (``ValueError`` for a layout the connector cannot copy)."""
+    def register(
+        self, kv_caches: Mapping[str, torch.Tensor], hs_group: HiddenStateGroup | None = None
+    ) -> PagedCaches:
+        """Adopt vLLM's per-layer caches (``ValueError`` for a layout the connector cannot copy)
+        and, with ``extract_hidden_states``, its hidden-state group (``ValueError`` when there is
+        no hidden-state store to keep it in)."""
+        if hs_group is not None and self.hs is None:
+            raise ValueError("a hidden-state KV-cache group needs enable_hidden_state_cache")
         self.caches = PagedCaches(kv_caches, self.block_size, self.blocks_per_chunk)
+        self.hs_group = hs_group
         if self.caches.device.type == "cuda":
             self._stream = torch.cuda.Stream(self.caches.device)
         return self.caches
@@ -116,21 +142,23 @@ class KVWorkerSide:
     def load(self, meta: KVStepMetadata) -> None:
         """Do this step's synchronous loads and start reading its asynchronous ones; failures
         are recorded for :meth:`take_load_errors`."""
+        hs_runs = {r.req_id: r for r in meta.hs_loads} if self.hs_group is not None else {}
         for run in meta.loads:
             fetched = self._fetch_guarded(run)
             if fetched is not None:
-                self._apply_guarded(run, fetched)
+                self._apply_guarded(run, fetched, hs_runs.get(run.req_id))
         for run in meta.async_loads:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-async-kv-load")
             try:
-                self._inflight[run.req_id] = (run, self._executor.submit(self._fetch_guarded, run))
+                fut = self._executor.submit(self._fetch_guarded, run, hs_runs.get(run.req_id) is not None)
+                self._inflight[run.req_id] = (run, fut, hs_runs.get(run.req_id))
             except RuntimeError as exc:  # shut down: the load is a failure, reported at once
                 self._fault("load", exc)
                 self._fail(run.block_ids)
                 done: concurrent.futures.Future[_Fetched | None] = concurrent.futures.Future()
                 done.set_result(None)
-                self._inflight[run.req_id] = (run, done)
+                self._inflight[run.req_id] = (run, done, None)
 
     def finished_loads(self, wait_s: float = 0.0) -> set[str]:
         """Requests whose asynchronous load ended (loaded or failed) since the last call.
@@ -141,15 +169,15 @@ class KVWorkerSide:
         none has ended, wait up to that long for the first one (the GIL is free meanwhile for
         the threads doing the reads; vLLM would otherwise spin through empty steps)."""
         if wait_s > 0 and self._inflight:
-            futures = [fut for _, fut in self._inflight.values()]
+            futures = [fut for _, fut, _ in self._inflight.values()]
             if not any(f.done() for f in futures):
                 concurrent.futures.wait(futures, timeout=wait_s, return_when=concurrent.futures.FIRST_COMPLETED)
-        done = {req_id for req_id, (_, fut) in self._inflight.items() if fut.done()}
+        done = {req_id for req_id, (_, fut, _) in self._inflight.items() if fut.done()}
         for req_id in done:
-            run, fut = self._inflight.pop(req_id)
+            run, fut, hs_run = self._inflight.pop(req_id)
             fetched = fut.result()  # _fetch_guarded never raises
             if fetched is not None:
-                self._apply_guarded(run, fetched)
+                self._apply_guarded(run, fetched, hs_run)
         return done
 
     def _fail(self, block_ids: Any) -> None:
@@ -160,8 +188,9 @@ class KVWorkerSide:
                 self.counters["failed_blocks"] += len(ids)
                 self._errors.update(ids)
 
-    def _fetch_guarded(self, run: BlockRun) -> _Fetched | None:
-        """Read ``run``'s records (any thread); None when the run failed as a whole (recorded)."""
+    def _fetch_guarded(self, run: BlockRun, with_hidden_states: bool = False) -> _Fetched | None:
+        """Read ``run``'s records (any thread) and, ``with_hidden_states``, the published
+        hidden-state records of its chunks; None when the run failed as a whole (recorded)."""
         caches = self.caches
         if caches is None:
             self._fail(run.block_ids)
@@ -175,18 +204,52 @@ class KVWorkerSide:
             self._fault("load", exc)
             self._fail(run.block_ids)
             return None
-        return _Fetched(keys, chunks, objs)
+        fetched = _Fetched(keys, chunks, objs)
+        group = self.hs_group
+        if with_hidden_states and group is not None:
+            hkeys = [hs_entry_key(k, layer) for k in keys for layer in group.layer_ids]
+            try:
+                fetched.prefetched = self.manager.batched_get_sync(hkeys)
+            except Exception as exc:  # the restore reads them again (and may find them short)
+                self._fault("hidden-state prefetch", exc)
+        return fetched
 
-    def _apply_guarded(self, run: BlockRun, fetched: _Fetched) -> None:
+    def _apply_guarded(self, run: BlockRun, fetched: _Fetched, hs_run: HSRun | None = None) -> None:
         try:
-            self._apply(run, fetched)
+            done = self._apply(run, fetched)
         except Exception as exc:  # a wiring surprise: recompute the whole run
             self._fault("load", exc)
             self._fail(run.block_ids)
+            return
+        if hs_run is not None:
+            self._apply_hidden_states(run, done, hs_run)
 
-    def _apply(self, run: BlockRun, fetched: _Fetched) -> None:
+    def _apply_hidden_states(self, run: BlockRun, done: int, hs_run: HSRun) -> None:
+        """Restore the hidden-state group for the KV blocks loaded (``done`` of the run's); the
+        KV blocks beyond the restored hidden-state prefix are failed (recomputed: the forward
+        then writes their hidden states)."""
+        group, hs = self.hs_group, self.hs
+        if group is None or hs is None:
+            return
+        kv_end = (run.first_block + done) * self.block_size
+        end = min(hs_run.end, kv_end)
+        try:
+            got = load_hs_run(group, hs, self.manager, replace(hs_run, token_ids=hs_run.token_ids[:end], end=end))
+        except Exception as exc:
+            self._fault("hidden-state load", exc)
+            got = hs_run.start
+        got = max(got, hs_run.start)
+        self._add(hs_loaded_tokens=got - hs_run.start)
+        self.recent_hs_runs.append(("load", replace(hs_run, token_ids=hs_run.token_ids[:got], end=got)))
+        if got < kv_end:
+            self._add(hs_short_loads=1)
+            first_bad = max(got // self.block_size - run.first_block, 0)
+            self._fail(run.block_ids[first_bad:done])
+
+    def _apply(self, run: BlockRun, fetched: _Fetched) -> int:
         """Scatter the fetched records (model-runner thread); blocks of the first missing or
-        mismatched chunk and every later one are failed. Releases every record."""
+        mismatched chunk and every later one are failed. Releases every record; returns the
+        blocks loaded."""
         caches = self.caches
         done = 0
         try:
@@ -217,6 +280,7 @@ class KVWorkerSide:
         finally:
             fetched.release()
         self._fail(run.block_ids[done:])
+        return done
 
     def take_load_errors(self) -> set[int]:
         """Block ids whose load failed since the last call (vLLM recomputes them); clears."""
@@ -232,6 +296,16 @@ class KVWorkerSide:
                 self._save_run(run)
             except Exception as exc:
                 self._fault("save", exc)
+        group, hs = self.hs_group, self.hs
+        if group is None or hs is None:
+            return
+        for hs_run in meta.hs_saves:
+            try:
+                save_hs_run(group, hs, self.manager, hs_run)
+                self._add(hs_saved_runs=1)
+                self.recent_hs_runs.append(("save", hs_run))
+            except Exception as exc:
+                self._fault("hidden-state save", exc)
 
     def _save_run(self, run: BlockRun) -> None:
         """Gather every new whole chunk of ``run`` into pool blocks, then put them in one batch
@@ -284,7 +358,7 @@ class KVWorkerSide:
         if executor is not None:
             executor.shutdown(wait=True, cancel_futures=True)
         inflight, self._inflight = self._inflight, {}
-        for _, fut in inflight.values():
+        for _, fut, _ in inflight.values():
             if fut.done() and not fut.cancelled():
                 fetched = fut.result()
                 if fetched is not None:
