@@ -86,16 +86,23 @@ def tests(session: nox.Session) -> None:
 QUICK_MARKERS = "not chaos and not soak and not slow and not redis and not nixl and not mooncake"
 
 
+QUICK_WORKERS = max(1, min(4, os.cpu_count() or 1))
+"""pytest-xdist workers of the fast lane: one per CPU, at most four (each imports torch)."""
+
+
 @nox.session
 def quick(session: nox.Session) -> None:
-    """The fast lane (about 5 minutes on 2 cores): no chaos, soak or slow tests and no tier that
-    needs a server binary, NIXL or Mooncake; the rest of the unit, conformance, engine and disk
-    tests. ``nox -s tests`` stays the full run.
+    """The fast lane (sized for under 2 minutes on an idle 2-core machine): no chaos, soak or slow
+    tests and no tier that needs a server binary, NIXL or Mooncake; the rest of the unit,
+    conformance, engine, disk and encoder-cache tests, spread over ``QUICK_WORKERS`` processes,
+    with few Hypothesis examples (``--hypothesis-profile=quick``, see tests/conftest.py).
+    ``nox -s tests`` stays the full run.
 
     Extra arguments go to pytest, e.g. ``nox -s quick -- tests/core -x``."""
     _install(session, "test")
     session.run(
         "pytest", "-m", QUICK_MARKERS, "-p", "no:cacheprovider", "-q", "-o", "timeout=300",
+        "--hypothesis-profile=quick", "-n", str(QUICK_WORKERS),
         *(session.posargs or ["tests/core", "tests/disk", "tests/ec", "tests/engines"]),
     )  # fmt: skip
 

@@ -16,6 +16,7 @@ from lmcache_async.errors import (
     PoolSizeError,
 )
 from lmcache_async.keys import CacheEngineKey, stable_u64_from_str
+from lmcache_async.lazy_registry import LazyRegistry
 from lmcache_async.memory import MemoryFormat, MemoryObj
 from lmcache_async.metadata import LMCacheEngineMetadata
 from lmcache_async.metrics import serve_metrics
@@ -29,20 +30,21 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-_LAZY = {
-    "LMCacheEngine": "lmcache_async.engines.kv",
-    "HiddenStateStore": "lmcache_async.engines.hidden_states",
-    "ECCacheEngine": "lmcache_async.engines.encoder_cache",
-}
+_LAZY: LazyRegistry[Any] = LazyRegistry(
+    "attribute",
+    {
+        "LMCacheEngine": "lmcache_async.engines.kv:LMCacheEngine",
+        "HiddenStateStore": "lmcache_async.engines.hidden_states:HiddenStateStore",
+        "ECCacheEngine": "lmcache_async.engines.encoder_cache:ECCacheEngine",
+    },
+)
+"""The engines, imported on first access (importing the package does not import them)."""
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
+    if name not in _LAZY:
         raise AttributeError(f"module 'lmcache_async' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
+    value = _LAZY.get(name)
     globals()[name] = value
     return value
 

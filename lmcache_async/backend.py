@@ -43,19 +43,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import enum
-import importlib
 import logging
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
 from lmcache_async.errors import BackendUnavailableError
 from lmcache_async.keys import CacheEngineKey
+from lmcache_async.lazy_registry import LazyRegistry
 from lmcache_async.memory import MemoryFormat, MemoryObj, PoolAllocator
 
 if TYPE_CHECKING:
@@ -343,37 +341,31 @@ _BUILTIN_ENABLED: dict[str, Callable[[LMCacheEngineConfig], bool]] = {
     "nixl": lambda c: bool(c.nixl_path),
     "server": lambda c: bool(c.cache_server_socket),
 }
-_registry: dict[str, BackendFactory | str] = dict(_BUILTINS)
-_registry_lock = threading.Lock()
-_entry_points_loaded = False
+_registry: LazyRegistry[BackendFactory] = LazyRegistry(
+    "backend",
+    _BUILTINS,
+    default_attr="create",
+    entry_point_group=ENTRY_POINT_GROUP,
+    unknown=lambda name, known: BackendUnavailableError(f"unknown backend {name!r}; known: {', '.join(known)}"),
+    import_failed=lambda name, exc: BackendUnavailableError(f"backend {name!r} cannot be imported: {exc}"),
+)
 
 
 def register_backend(name: str, factory: BackendFactory | str, *, replace: bool = False) -> None:
-    """Register a backend factory (or a ``"module:attr"`` path) under ``name``."""
+    """Register a backend factory (or a ``"module:attr"`` path, imported on first use) under
+    ``name``. ValueError for an empty or (unless ``replace``) taken name, TypeError for a
+    factory that is neither callable nor a str."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty str, got {name!r}")
     if not (callable(factory) or isinstance(factory, str)):
         raise TypeError("factory must be callable or a 'module:attr' string")
-    with _registry_lock:
-        if name in _registry and not replace:
-            raise ValueError(f"backend {name!r} is already registered")
-        _registry[name] = factory
-
-
-def _load_entry_points() -> None:
-    global _entry_points_loaded
-    if _entry_points_loaded:
-        return
-    _entry_points_loaded = True
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        with _registry_lock:
-            _registry.setdefault(ep.name, ep.value)
+    _registry.register(name, factory, replace=replace)
 
 
 def known_backends() -> list[str]:
-    """Names that can be used in ``tier_order``."""
-    _load_entry_points()
-    return sorted(_registry)
+    """Names that can be used in ``tier_order`` (entry points of the
+    ``lmcache_async.backends`` group included)."""
+    return _registry.names()
 
 
 def is_configured(name: str, config: LMCacheEngineConfig) -> bool:
@@ -383,20 +375,8 @@ def is_configured(name: str, config: LMCacheEngineConfig) -> bool:
 
 
 def get_backend_factory(name: str) -> BackendFactory:
-    """The factory registered as ``name`` (importing it on first use)."""
-    _load_entry_points()
-    with _registry_lock:
-        entry = _registry.get(name)
-    if entry is None:
-        raise BackendUnavailableError(f"unknown backend {name!r}; known: {', '.join(known_backends())}")
-    if isinstance(entry, str):
-        module_name, _, attr = entry.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise BackendUnavailableError(f"backend {name!r} cannot be imported: {exc}") from exc
-        factory = getattr(module, attr or "create")
-        with _registry_lock:
-            _registry[name] = factory
-        return factory
-    return entry
+    """The factory registered as ``name`` (importing it on first use).
+
+    Raises :class:`BackendUnavailableError` for an unknown name (naming the known ones) and for
+    a factory whose module does not import."""
+    return _registry.get(name)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import importlib
 import json
 import os
 import sys
@@ -21,7 +20,10 @@ import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any, NoReturn
+
+from lmcache_async.lazy_registry import LazyRegistry
 
 BENCH_PACKAGE = "lmcache_async_bench"
 """The benchmark suite: a package installed beside the core (from ``bench/``), imported only by ``bench``."""
@@ -43,6 +45,8 @@ BENCH_SUITES: dict[str, str] = {
 OPT_IN_SUITES: dict[str, str] = {
     "vllm_kv": f"{BENCH_PACKAGE}.vllm_kv",
 }
+_SUITES: LazyRegistry[ModuleType] = LazyRegistry("suite", {**BENCH_SUITES, **OPT_IN_SUITES})
+"""Every suite by name: its module, imported when the suite runs."""
 
 PROG = "lmcache-async"
 ERROR_LOGS_KEPT = 20
@@ -307,7 +311,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     known = {**BENCH_SUITES, **OPT_IN_SUITES}
     names = args.suite or list(BENCH_SUITES)
-    unknown = [n for n in names if n not in known]
+    unknown = [n for n in names if n not in _SUITES]
     if unknown:
         raise UsageError(f"unknown suite(s): {', '.join(unknown)}; known: {', '.join(known)}")
     _require_bench()
@@ -339,7 +343,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         for name in names:
             bar.status(name)
             try:
-                module = importlib.import_module(known[name])
+                module = _SUITES.get(name)
             except ImportError as exc:
                 skipped.append(f"{name}: {one_line(exc)}")
                 progress(f"suite {name} skipped: {one_line(exc)}")

@@ -15,6 +15,25 @@ from lmcache_async.token_database import ChunkedTokenDatabase
 
 _CHAOS_DIR = Path(__file__).resolve().parent / "chaos"
 
+# ``--hypothesis-profile=quick`` (the fast lane, ``nox -s quick``): few examples per property. Tests
+# that choose their own counts cap them at the loaded profile's (``settings.default``), so without
+# the option they run the counts written in them.
+try:
+    from hypothesis import settings
+except ImportError:  # an environment without the test extra (its tests use no Hypothesis)
+    pass
+else:
+    settings.register_profile("quick", max_examples=10, stateful_step_count=20)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Move everything alive after collection (torch, hypothesis, the test modules) to the
+    permanent GC generation: the fixtures' ``gc.collect()`` then walks only what the tests made.
+    Garbage is collected first, so nothing unreachable is kept; what tests create is collected
+    as before."""
+    gc.collect()
+    gc.freeze()
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Everything under ``tests/chaos`` is a chaos test (``-m "not chaos"`` leaves it out)."""

@@ -25,8 +25,6 @@ Registry: built-in schemes map to ``"module:attr"`` factories imported on first 
 from __future__ import annotations
 
 import concurrent.futures
-import importlib
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,6 +32,7 @@ from typing import Any
 
 from lmcache_async.backend import Allocate
 from lmcache_async.errors import BackendUnavailableError
+from lmcache_async.lazy_registry import LazyRegistry
 from lmcache_async.memory import MemoryObj
 
 from .naming import EntryName
@@ -118,65 +117,58 @@ ConnectorFactory = Callable[[str, ConnectorSettings], Connector]
 """Builds a connector for a URL (``ValueError`` for a malformed one)."""
 
 _BUILTIN = "lmcache_async.backends.remote"
-_registry: dict[str, ConnectorFactory | str] = {
-    "redis": f"{_BUILTIN}.redis_conn:create",
-    "rediss": f"{_BUILTIN}.redis_conn:create",
-    "valkey": f"{_BUILTIN}.redis_conn:create",
-    "valkeys": f"{_BUILTIN}.redis_conn:create",
-    "unix": f"{_BUILTIN}.redis_conn:create",
-    "redis+cluster": f"{_BUILTIN}.cluster:create",
-    "rediss+cluster": f"{_BUILTIN}.cluster:create",
-    "valkey+cluster": f"{_BUILTIN}.cluster:create",
-    "valkeys+cluster": f"{_BUILTIN}.cluster:create",
-    "fs": f"{_BUILTIN}.fs:create",
-}
 _TIER_SCHEMES = frozenset({"mooncake"})
 """Schemes served by a tier of their own rather than a connector: ``mooncake://`` is the Mooncake
 Store tier (:mod:`.mooncake`), which the remote tier's factory builds instead of a connector."""
-_lock = threading.Lock()
+
+
+def _unknown_scheme(scheme: str, known: list[str]) -> Exception:
+    if scheme in _TIER_SCHEMES:
+        return ValueError(f"{scheme}:// URLs are served by their own tier, not by a connector")
+    return ValueError(f"remote_url scheme {scheme!r} is not supported (known: {', '.join(known_schemes())})")
+
+
+def _unimportable(scheme: str, exc: ImportError) -> Exception:
+    return BackendUnavailableError(
+        f"the {scheme}:// connector cannot be imported ({exc}); install lmcache-async[redis] for Redis/Valkey URLs"
+    )
+
+
+_registry: LazyRegistry[ConnectorFactory] = LazyRegistry(
+    "connector",
+    {
+        "redis": f"{_BUILTIN}.redis_conn:create",
+        "rediss": f"{_BUILTIN}.redis_conn:create",
+        "valkey": f"{_BUILTIN}.redis_conn:create",
+        "valkeys": f"{_BUILTIN}.redis_conn:create",
+        "unix": f"{_BUILTIN}.redis_conn:create",
+        "redis+cluster": f"{_BUILTIN}.cluster:create",
+        "rediss+cluster": f"{_BUILTIN}.cluster:create",
+        "valkey+cluster": f"{_BUILTIN}.cluster:create",
+        "valkeys+cluster": f"{_BUILTIN}.cluster:create",
+        "fs": f"{_BUILTIN}.fs:create",
+    },
+    normalize=str.lower,
+    unknown=_unknown_scheme,
+    import_failed=_unimportable,
+)
 
 
 def register_connector(scheme: str, factory: ConnectorFactory | str, *, replace: bool = False) -> None:
-    """Make ``scheme://`` URLs use ``factory`` (a callable or a ``"module:attr"`` path)."""
+    """Make ``scheme://`` URLs use ``factory`` (a callable or a ``"module:attr"`` path imported on
+    first use); schemes are case-insensitive. ValueError for a scheme that is not bare or (unless
+    ``replace``) already taken, TypeError for a factory that is neither callable nor a str."""
     if not isinstance(scheme, str) or not scheme or "://" in scheme:
         raise ValueError(f"scheme must be a bare URL scheme such as 'redis', got {scheme!r}")
     if not (callable(factory) or isinstance(factory, str)):
         raise TypeError("factory must be callable or a 'module:attr' string")
-    scheme = scheme.lower()
-    with _lock:
-        if scheme in _registry and not replace:
-            raise ValueError(f"a connector for {scheme}:// is already registered")
-        _registry[scheme] = factory
+    _registry.register(scheme, factory, replace=replace)
 
 
 def known_schemes() -> list[str]:
     """Schemes a ``remote_url`` may use: every registered connector's, and those served by a
     tier of their own (``mooncake``)."""
-    with _lock:
-        return sorted(set(_registry) | _TIER_SCHEMES)
-
-
-def _resolve(scheme: str) -> ConnectorFactory:
-    with _lock:
-        entry = _registry.get(scheme)
-    if entry is None and scheme in _TIER_SCHEMES:
-        raise ValueError(f"{scheme}:// URLs are served by their own tier, not by a connector")
-    if entry is None:
-        raise ValueError(f"remote_url scheme {scheme!r} is not supported (known: {', '.join(known_schemes())})")
-    if isinstance(entry, str):
-        module_name, _, attr = entry.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise BackendUnavailableError(
-                f"the {scheme}:// connector cannot be imported ({exc}); "
-                "install lmcache-async[redis] for Redis/Valkey URLs"
-            ) from exc
-        factory: ConnectorFactory = getattr(module, attr)
-        with _lock:
-            _registry[scheme] = factory
-        return factory
-    return entry
+    return sorted(set(_registry.names()) | _TIER_SCHEMES)
 
 
 def make_connector(url: str, settings: ConnectorSettings) -> Connector:
@@ -186,6 +178,6 @@ def make_connector(url: str, settings: ConnectorSettings) -> Connector:
     scheme, sep, _ = url.strip().partition("://")
     if not sep:
         raise ValueError(f"remote_url {redact(url)!r} is not a URL (expected scheme://...)")
-    conn = _resolve(scheme.lower())(url.strip(), settings)
+    conn = _registry.get(scheme.lower())(url.strip(), settings)
     conn.scheme = scheme.lower()
     return conn

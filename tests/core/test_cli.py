@@ -70,6 +70,7 @@ def test_unreadable_config_file_is_one_line(tmp_path: Path, capsys: pytest.Captu
     assert str(bad) in _one_error_line(proc)
 
 
+@pytest.mark.slow  # a CLI subprocess; test_bad_option_value_is_one_usage_line checks the usage line in-process
 def test_unknown_option_is_one_usage_line(tmp_path: Path) -> None:
     proc = _run("bench", "--no-such-option", tmp=tmp_path)
     assert proc.returncode == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
 import subprocess
 import sys
@@ -116,15 +117,27 @@ def test_chunk_hash_same_for_list_tensor_and_tuple():
     assert db.chunk_hashes(tuple(tokens)) == h
 
 
+@pytest.mark.slow  # two fresh interpreters, each importing torch
 def test_chunk_hashes_equal_across_processes():
     code = (
         "from lmcache_async import ChunkedTokenDatabase;"
         "print(ChunkedTokenDatabase(64, True).chunk_hashes([i*31 % 5000 for i in range(300)]))"
     )
-    outs = {
-        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-        for _ in range(2)
-    }
+    # Different string-hash seeds: the chunk hashes must not depend on Python's hash().
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        )
+        for seed in ("1", "2")
+    ]
+    outs = set()
+    for child in children:
+        out, _ = child.communicate(timeout=120)
+        assert child.returncode == 0
+        outs.add(out)
     assert len(outs) == 1
     assert outs.pop().strip() == str(ChunkedTokenDatabase(64, True).chunk_hashes([i * 31 % 5000 for i in range(300)]))
 

@@ -120,7 +120,13 @@ class CpuOnlyLossy(_Base):
     lossless = False
 
 
-_settings = settings(max_examples=100, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck))
+# 100 runs of 40 steps, or fewer under a smaller profile (``--hypothesis-profile=quick``).
+_settings = settings(
+    max_examples=min(100, settings.default.max_examples),
+    stateful_step_count=min(40, settings.default.stateful_step_count),
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+)
 TestLosslessWithLowerTier = LosslessWithLowerTier.TestCase
 TestLosslessWithLowerTier.settings = _settings
 TestCpuOnlyLossy = CpuOnlyLossy.TestCase

@@ -709,6 +709,7 @@ def test_forked_child_exits_even_if_a_lock_was_held_at_fork(make_manager):
         pytest.fail("forked child hung closing an inherited manager")
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch
 def test_interpreter_exit_flushes_pending_writes(tmp_path):
     import subprocess
     import sys

@@ -22,6 +22,7 @@ from lmcache_async.integration.vllm.impl import (
     LMCacheECConnectorImpl,
     load_connector_config,
 )
+from lmcache_async.lazy_registry import LazyRegistry
 
 if TYPE_CHECKING:
     from lmcache_async.integration.vllm.connector import (
@@ -34,22 +35,24 @@ if TYPE_CHECKING:
     )
     from lmcache_async.integration.vllm.kv_hs_connector import LMCacheKVHiddenStatesConnector
 
-_LAZY = {
-    "LMCacheECConnector": "lmcache_async.integration.vllm.connector",
-    "LMCacheECConnectorMetadata": "lmcache_async.integration.vllm.connector",
-    "LMCacheKVConnector": "lmcache_async.integration.vllm.kv_connector",
-    "LMCacheKVConnectorMetadata": "lmcache_async.integration.vllm.kv_connector",
-    "LMCacheKVHiddenStatesConnector": "lmcache_async.integration.vllm.kv_hs_connector",
-}
+_LAZY: LazyRegistry[Any] = LazyRegistry(
+    "attribute",
+    {
+        "LMCacheECConnector": "lmcache_async.integration.vllm.connector:LMCacheECConnector",
+        "LMCacheECConnectorMetadata": "lmcache_async.integration.vllm.connector:LMCacheECConnectorMetadata",
+        "LMCacheKVConnector": "lmcache_async.integration.vllm.kv_connector:LMCacheKVConnector",
+        "LMCacheKVConnectorMetadata": "lmcache_async.integration.vllm.kv_connector:LMCacheKVConnectorMetadata",
+        "LMCacheKVHiddenStatesConnector": (
+            "lmcache_async.integration.vllm.kv_hs_connector:LMCacheKVHiddenStatesConnector"
+        ),
+    },
+)
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
+    if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
+    value = _LAZY.get(name)
     globals()[name] = value
     return value
 
