@@ -3,6 +3,8 @@
 SPEC keys: ``model`` (directory), ``kv`` (``None`` or the ``kv_connector_extra_config`` dict),
 ``connector`` (class name, default ``LMCacheKVConnector``), ``speculative`` (vLLM's
 ``speculative_config`` dict or None; ``hs_group`` phases read its hidden-state group),
+``executor`` (vLLM's ``distributed_executor_backend``; ``"mp"`` puts the worker in a process of
+its own, so the scheduler's connector sees only the shared tiers),
 ``prompts`` (token-id lists), ``phases`` (each ``{"prompts": [indices], "barrier": name or
 None, "hs": None | "save" | "load"}``), ``max_tokens``, ``hs_layers``, ``workdir``.
 Each prompt is generated alone (so its prefill is one forward the hooks see whole) after vLLM's
@@ -58,6 +60,8 @@ def main(spec_path: str, result_path: str) -> int:
             disable_log_stats=False,
             seed=0,
         )
+        if spec.get("executor"):
+            kwargs["distributed_executor_backend"] = spec["executor"]
         if spec.get("speculative"):
             kwargs["speculative_config"] = spec["speculative"]
         kv = spec.get("kv")

@@ -419,3 +419,23 @@ def test_a_hit_in_this_process_cpu_tier_is_loaded_before_the_forward(tmp_path: P
             assert torch.equal(dst[name][DST_BLOCKS[5]], src[name][SRC_BLOCKS[5]])
     finally:
         store.close()
+
+
+def test_a_store_without_a_cpu_tier_saves_through_host_tensors(tmp_path: Path) -> None:
+    """``tier_order`` without ``cpu`` (the node server alone, here the disk tier): no pool to
+    gather into, so the worker gathers into host tensors the put copies; a new store loads them."""
+    lone = KVStore(config(tmp_path / "disk", tier_order=["disk"]), META)
+    try:
+        assert "cpu" not in lone.storage_manager.tier_names
+        src = store_prompt(lone)
+    finally:
+        lone.close()
+    fresh = KVStore(config(tmp_path / "disk"), META)
+    try:
+        _, worker, dst, n = load_prompt(fresh)
+        assert n == 24 and worker.take_load_errors() == set()
+        for name in src:
+            for s, d in zip(SRC_BLOCKS[:6], DST_BLOCKS[:6], strict=True):
+                assert torch.equal(dst[name][d], src[name][s])
+    finally:
+        fresh.close()

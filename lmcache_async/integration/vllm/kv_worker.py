@@ -16,7 +16,8 @@ Framework-free (no vLLM import). Runs on vLLM's model-runner thread.
   later block of the run are reported by :meth:`take_load_errors`, and vLLM (with
   ``kv_load_failure_policy="recompute"``) recomputes them. Nothing raises into the step.
 * **Save** (:meth:`KVWorkerSide.save`, from ``wait_for_save``): each planned chunk the CPU tier
-  does not already hold is gathered straight into a block of the manager's pool (one copy);
+  does not already hold is gathered straight into a block of the manager's pool (one copy; a
+  manager without a CPU tier, e.g. on the node server alone, gets a host tensor it copies from);
   then the run's chunks are put in one batch (borrowed: no second copy), and lower tiers are
   written through in the background. A full pool stops the run (counted): a later request
   stores the rest.
@@ -315,8 +316,10 @@ class KVWorkerSide:
         if caches is None:
             return
         sm = self.manager
+        pooled = "cpu" in sm.tier_names  # else (e.g. tier_order [server]) records go as tensors
         keys: list[Any] = []
         objs: list[MemoryObj] = []
+        values: list[MemoryObj | torch.Tensor] = []
         try:
             for chunk_hash, _, first, bids in run.chunks(self.blocks_per_chunk):
                 if first != 0 or len(bids) != self.blocks_per_chunk:
@@ -325,18 +328,24 @@ class KVWorkerSide:
                 if sm.holds_locally(key):
                     self._add(save_skipped=1)
                     continue
-                obj = sm.allocate(caches.record_shape, caches.dtype, MemoryFormat.UNDEFINED)
-                if obj is None:
-                    self._add(save_rejected=1)
-                    break
-                objs.append(obj)
-                gather_blocks(caches, bids, obj.tensor, self._stream)
+                if pooled:
+                    obj = sm.allocate(caches.record_shape, caches.dtype, MemoryFormat.UNDEFINED)
+                    if obj is None:
+                        self._add(save_rejected=1)
+                        break
+                    objs.append(obj)
+                    out = obj.tensor
+                    values.append(obj)
+                else:  # no pool to gather into: a fresh host tensor the put copies from
+                    out = torch.empty(caches.record_shape, dtype=caches.dtype)
+                    values.append(out)
+                gather_blocks(caches, bids, out, self._stream)
                 keys.append(key)
             if not keys:
                 return
             if self._stream is not None:
                 self._stream.synchronize()
-            stored = sm.batched_put_sync(keys, objs)
+            stored = sm.batched_put_sync(keys, values)
         finally:
             for obj in objs:
                 obj.ref_count_down()
