@@ -16,7 +16,8 @@ module starts them in order, one at a time, and prints the figures. Each figure 
    disk tier in a shared directory, so run 2 reads what run 1 wrote.
 
 Save time is what the worker spends inside the connector's ``save_kv_layer`` + ``wait_for_save``
-for one prompt, load time inside ``start_load_kv`` + ``wait_for_layer_load`` (the methods are
+for one prompt, load time inside ``start_load_kv`` + ``wait_for_layer_load`` + ``get_finished``
+(our asynchronous loads are scattered, and idle steps wait for them, in ``get_finished``; the methods are
 wrapped on the live worker connector; vLLM calls them by attribute). Our store process flushes
 after each prompt, outside the save time (its disk writes are asynchronous; the flush is shown
 for information). Right after each measured prompt the same process times the **bare

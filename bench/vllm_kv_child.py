@@ -15,8 +15,8 @@
 RESULT: per prompt the TTFT (wall time of a one-token greedy ``generate``), the first token,
 ``num_cached_tokens`` and the seconds the worker spent inside the connector's save calls
 (``save_kv_layer`` + ``wait_for_save``) and load calls (``start_load_kv`` +
-``wait_for_layer_load``) and, for the connector modes, the bare gather and scatter times beside
-it (``bare``); ``error`` is None
+``wait_for_layer_load`` + ``get_finished``, where an asynchronous load is scattered) and, for
+the connector modes, the bare gather and scatter times beside it (``bare``); ``error`` is None
 when the run went through.
 """
 
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 SAVE_METHODS = ("save_kv_layer", "wait_for_save")
-LOAD_METHODS = ("start_load_kv", "wait_for_layer_load")
+LOAD_METHODS = ("start_load_kv", "wait_for_layer_load", "get_finished")
 WARMUP_TOKENS = 256
 """Length of the warm-up prompt each engine generates before anything is timed."""
 BARE_REPS = 3

@@ -175,22 +175,30 @@ def _on_stream(stream: Any) -> Iterator[None]:
         yield
 
 
-def gather_blocks(caches: PagedCaches, block_ids: Sequence[int], out: torch.Tensor, stream: Any = None) -> None:
+def gather_blocks(
+    caches: PagedCaches,
+    block_ids: Sequence[int] | torch.Tensor,
+    out: torch.Tensor,
+    stream: Any = None,
+) -> None:
     """Copy the blocks ``block_ids`` of every layer into ``out`` (``[num_layers, ...]``, the
     record of one chunk or its leading part when fewer blocks are given).
 
-    ``out`` is host memory owned by the caller. On CUDA the copy is issued on ``stream``
-    (after the current stream's work, so this step's KV is complete) and may still be running
-    when this returns: synchronise ``stream`` before reading ``out``.
+    ``block_ids`` may be an index tensor from :meth:`PagedCaches.check_block_ids` (a caller
+    gathering many chunks checks their ids once and passes slices). ``out`` is host memory
+    owned by the caller. On CUDA the copy is issued on ``stream`` (after the current stream's
+    work, so this step's KV is complete) and may still be running when this returns:
+    synchronise ``stream`` before reading ``out``.
     """
-    idx = caches.check_block_ids(block_ids)
+    idx = block_ids if isinstance(block_ids, torch.Tensor) else caches.check_block_ids(block_ids)
     n = idx.numel()
     axis = caches.layout.block_axis
     if out.dim() != len(caches.record_shape) or out.shape[0] != caches.num_layers:
         raise ValueError(f"out has shape {tuple(out.shape)}; expected a record {caches.record_shape}")
     if caches.device.type == "cpu":
-        for layer, cache in enumerate(caches.tensors):
-            torch.index_select(cache, axis, idx, out=out[layer].narrow(axis, 0, n))
+        whole = n == out.shape[axis + 1]
+        for cache, dst in zip(caches.tensors, out.unbind(0), strict=True):
+            torch.index_select(cache, axis, idx, out=dst if whole else dst.narrow(axis, 0, n))
         return
     if stream is not None:
         stream.wait_stream(torch.cuda.current_stream(caches.device))

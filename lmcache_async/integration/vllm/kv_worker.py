@@ -317,13 +317,20 @@ class KVWorkerSide:
             return
         sm = self.manager
         pooled = "cpu" in sm.tier_names  # else (e.g. tier_order [server]) records go as tensors
+        if not pooled and not sm.has_lower_tiers:
+            self._add(save_rejected=1)  # no tier at all could take a record
+            return
         keys: list[Any] = []
         objs: list[MemoryObj] = []
         values: list[MemoryObj | torch.Tensor] = []
+        whole = [(h, bids) for h, _, first, bids in run.chunks(self.blocks_per_chunk) if first == 0]
+        whole = [(h, bids) for h, bids in whole if len(bids) == self.blocks_per_chunk]  # records: whole chunks
+        if not whole:
+            return
+        index = caches.check_block_ids([b for _, bids in whole for b in bids])  # checked once
+        bpc = self.blocks_per_chunk
         try:
-            for chunk_hash, _, first, bids in run.chunks(self.blocks_per_chunk):
-                if first != 0 or len(bids) != self.blocks_per_chunk:
-                    continue  # only whole chunks are records
+            for i, (chunk_hash, _) in enumerate(whole):
                 key = self.db.make_key(chunk_hash)
                 if sm.holds_locally(key):
                     self._add(save_skipped=1)
@@ -339,7 +346,7 @@ class KVWorkerSide:
                 else:  # no pool to gather into: a fresh host tensor the put copies from
                     out = torch.empty(caches.record_shape, dtype=caches.dtype)
                     values.append(out)
-                gather_blocks(caches, bids, out, self._stream)
+                gather_blocks(caches, index[i * bpc : (i + 1) * bpc], out, self._stream)
                 keys.append(key)
             if not keys:
                 return
