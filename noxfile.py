@@ -1,4 +1,4 @@
-"""Developer sessions: tests, quick, ci, lint, typecheck, docs, bench, compare, demo, vllm, e2e.
+"""Developer sessions: tests, quick, ci, lint, typecheck, docs, bench, compare, demo, vllm, e2e, sglang, omni.
 
 Torch is pinned to the CPU build that lies on disk (``torch==2.13.0``) and installed before
 the project so pip never pulls a multi-GB CUDA build.
@@ -196,6 +196,44 @@ def vllm(session: nox.Session) -> None:
         external=True,
         env={"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
     )
+
+
+@nox.session(venv_backend="none")
+def sglang(session: nox.Session) -> None:
+    """The SGLang HiCache storage backend against real SGLang 0.5.23 on CPU (its factory, its
+    host pools).
+
+    ``scripts/sglang_env.sh`` builds (once; reused while its pins match) a venv under
+    ``~/.cache/lmcache-async/`` with ``sglang==0.5.23 --no-deps``, the packages its storage
+    factory and host pools import, and this project; a failed install fails the session.
+    """
+    _ensure_redis(session)
+    out = session.run("bash", "scripts/sglang_env.sh", external=True, silent=True)
+    python = str(out).strip().splitlines()[-1]
+    session.run(
+        python, "-m", "pytest", "tests/sglang", "-p", "no:cacheprovider", "-rs", *session.posargs,
+        external=True,
+        env={"LMCACHE_ASYNC_REQUIRE_SGLANG": "1", "LMCACHE_ASYNC_REQUIRE_SERVERS": "1"},
+    )  # fmt: skip
+
+
+@nox.session(venv_backend="none")
+def omni(session: nox.Session) -> None:
+    """The vLLM-Omni stage connector against real vllm-omni 0.30.0 (with ``vllm==0.30.0``).
+
+    ``scripts/omni_env.sh`` builds (once; reused while its pins match) a venv under
+    ``~/.cache/lmcache-async/`` with both ``--no-deps``, the packages their import needs, and
+    this project; a failed install fails the session.
+    """
+    _ensure_redis(session)
+    out = session.run("bash", "scripts/omni_env.sh", external=True, silent=True)
+    python = str(out).strip().splitlines()[-1]
+    session.run(
+        python, "-m", "pytest", "tests/omni", "-p", "no:cacheprovider", "-rs", *session.posargs,
+        external=True,
+        env={"LMCACHE_ASYNC_REQUIRE_OMNI": "1", "LMCACHE_ASYNC_REQUIRE_SERVERS": "1",
+             "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "WARNING"},
+    )  # fmt: skip
 
 
 @nox.session(venv_backend="none")
