@@ -81,3 +81,13 @@ def run_kv_engine(
             f"TTFT {'-' if ttft is None else f'{ttft:.3f} s'}, generate {run.get('generate_s', 0):.3f} s"
         )
     return result
+
+
+def ok_runs(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The per-prompt runs of an engine child that ran through (assert otherwise, with its log)."""
+    assert result.get("error") is None, (
+        f"{result.get('error')}\n{result.get('traceback', '')}\n{result.get('log_tail', '')}"
+    )
+    assert result["alive"]
+    assert all(r["finished"] for r in result["runs"])
+    return list(result["runs"])

@@ -36,6 +36,7 @@ if importlib.util.find_spec("vllm") is None:
 
 from .engines import Redis
 from .kv_engines import CHUNK, expected_hit, make_prompts, run_kv_engine
+from .kv_engines import ok_runs as _ok
 
 HS_LAYERS = [0, 3]
 DAMAGED, DELETED = 1, 2  # prompts whose records are damaged / deleted after start-up
@@ -122,15 +123,6 @@ def runs(kv_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, kv_redis:
         barriers={"kill": kv_redis.kill},
     )
     return out
-
-
-def _ok(result: dict[str, Any]) -> list[dict[str, Any]]:
-    assert result.get("error") is None, (
-        f"{result.get('error')}\n{result.get('traceback', '')}\n{result.get('log_tail', '')}"
-    )
-    assert result["alive"]
-    assert all(r["finished"] for r in result["runs"])
-    return list(result["runs"])
 
 
 def _tokens(runs: dict[str, Any]) -> dict[int, list[int]]:

@@ -30,6 +30,7 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed here; `nox -s e2e` builds its environment", allow_module_level=True)
 
 from .kv_engines import CHUNK, expected_hit, make_prompts, run_kv_engine
+from .kv_engines import ok_runs as _ok
 
 AUX_LAYERS = [0, 3]
 SPECULATIVE = {
@@ -88,15 +89,6 @@ def hs_runs(kv_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
         barriers={"drop": lambda: os.unlink(missing)},
     )
     return out
-
-
-def _ok(result: dict[str, Any]) -> list[dict[str, Any]]:
-    assert result.get("error") is None, (
-        f"{result.get('error')}\n{result.get('traceback', '')}\n{result.get('log_tail', '')}"
-    )
-    assert result["alive"]
-    assert all(r["finished"] for r in result["runs"])
-    return list(result["runs"])
 
 
 def test_extracting_hidden_states_changes_no_token_and_stores_every_chunk(hs_runs: dict[str, Any]) -> None:

@@ -30,6 +30,7 @@ if importlib.util.find_spec("vllm") is None:
 from .cache_server import CacheServer
 from .engines import child_env
 from .kv_engines import CHUNK, expected_hit, make_prompts, run_kv_engine
+from .kv_engines import ok_runs as _ok
 
 NAMESPACE = "e2e-kv"
 
@@ -70,15 +71,6 @@ def server_runs(kv_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, kv
         env=env,
     )
     return out
-
-
-def _ok(result: dict[str, Any]) -> list[dict[str, Any]]:
-    assert result.get("error") is None, (
-        f"{result.get('error')}\n{result.get('traceback', '')}\n{result.get('log_tail', '')}"
-    )
-    assert result["alive"]
-    assert all(r["finished"] for r in result["runs"])
-    return list(result["runs"])
 
 
 def test_the_worker_process_saves_every_chunk_to_the_server(server_runs: dict[str, Any]) -> None:
