@@ -26,6 +26,7 @@ import functools
 import json
 import logging
 import os
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -41,16 +42,21 @@ from lmcache_async.server.connection import ServerUnavailable
 from lmcache_async.server.connection import connect as _connect
 from lmcache_async.server.connection import copy_bytes as _copy_bytes
 from lmcache_async.server.connection import exchange as _exchange
+from lmcache_async.server.connection import send_frames as _send_frames
 from lmcache_async.server.protocol import (
     COMMIT_FAILED,
     MAX_BATCH,
+    MAX_KEY_BYTES,
     EntryMeta,
     Mode,
     Op,
     ProtocolError,
     Reader,
     Writer,
+    encode_keys,
 )
+from lmcache_async.server.protocol import decode_meta as _decode_meta
+from lmcache_async.server.protocol import encode_meta as _encode_meta
 from lmcache_async.server.views import EntryView
 
 __all__ = ["EntryView", "ServerClient", "ServerUnavailable", "query_status"]
@@ -62,6 +68,25 @@ logger = logging.getLogger(__name__)
 #: Pre-granted blocks kept per block size, and in all (a put into one of them is one round trip).
 PREGRANT_PER_SIZE = 2
 PREGRANT_TOTAL = 16
+
+_U16 = struct.Struct("<H")
+
+
+class _ForkWatch:
+    """This process's pid, kept current across ``fork`` without a system call per request."""
+
+    pid = os.getpid()
+
+    @classmethod
+    def update(cls) -> None:
+        cls.pid = os.getpid()
+
+
+_fork = _ForkWatch
+os.register_at_fork(after_in_child=_ForkWatch.update)
+_HIT = struct.Struct("<BQQ")  # a GET answer's hit: flag 1, lease id, offset (then the metadata)
+_RELEASE_HEAD = struct.Struct("<IBIH")  # frame header of a RELEASE and its count
+_COMMIT_HEAD = struct.Struct("<QH")  # a COMMIT item: grant id, key length (then key, metadata)
 
 Alloc = Callable[[Sequence[int], torch.dtype, Any], "MemoryObj | None"]
 
@@ -100,6 +125,7 @@ class ServerClient:
         self._log = RateLimitedLog(logger)
         self.errors = 0
         self.skipped = 0
+        self.long_keys = 0
         self.connects = 0
         #: Stale connections replaced within a call (the server had stopped or restarted).
         self.reconnects = 0
@@ -112,7 +138,7 @@ class ServerClient:
     # ---- connection management (call with the lock held) -------------------------------------------
     def _ensure(self, deadline: float) -> _Connection | None:
         conn = self._conn
-        if conn is not None and conn.pid != os.getpid():
+        if conn is not None and conn.pid != _fork.pid:
             # A forked child must not speak on its parent's connection: close our copy of the
             # descriptor (the parent's stays open) and connect afresh.
             conn.close()
@@ -125,7 +151,7 @@ class ServerClient:
             self.skipped += 1
             return None
         try:
-            conn = _connect(self.path, self.namespace, self.token, Mode.CLIENT, deadline)
+            conn = _connect(self.path, self.namespace, self.token, Mode.CLIENT, deadline, self.timeout_s)
         except (OSError, ServerUnavailable, ProtocolError, ValueError) as exc:
             self._fail(f"connect: {exc}")
             return None
@@ -149,13 +175,14 @@ class ServerClient:
         self._log.warning("cache server %s: %s (answering misses)", self.path, why, key="fail")
 
     def _acquire(self, deadline: float) -> bool:
-        if self._lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+        lock = self._lock
+        if lock.acquire(False) or lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
             return True
         self.skipped += 1
         return False
 
-    def _locked(self, what: str, fn: Callable[[_Connection, float], T]) -> T | None:
-        """Run ``fn(connection, deadline)`` under the lock; None (counted, logged) on trouble.
+    def _locked(self, what: str, fn: Callable[..., T], *args: Any) -> T | None:
+        """Run ``fn(connection, deadline, *args)`` under the lock; None (counted, logged) on trouble.
 
         A connection that served earlier calls and turns out closed by the server (it stopped
         or restarted since) is replaced once within the same deadline: the call reconnects,
@@ -173,7 +200,7 @@ class ServerClient:
                 if conn is None:
                     return None
                 try:
-                    out = fn(conn, deadline)
+                    out = fn(conn, deadline, *args)
                 except ConnectionError as exc:
                     if reused and not retried and time.monotonic() < deadline:
                         retried = True
@@ -185,7 +212,9 @@ class ServerClient:
                 except (OSError, ProtocolError, ValueError) as exc:
                     self._fail(f"{what}: {type(exc).__name__}: {exc}")
                     return None
-                self.breaker.success()
+                breaker = self.breaker
+                if breaker.failures or breaker.state != breaker.CLOSED:
+                    breaker.success()
                 return out
         finally:
             self._lock.release()
@@ -202,11 +231,17 @@ class ServerClient:
     def _stale_grants(self, conn: _Connection) -> bytes:
         """An UNGRANT frame for cached grants close to their server-side expiry (or b"")."""
         now = time.monotonic()
+        if now < conn.grants_checked_until:
+            return b""
         stale: list[int] = []
+        soonest = float("inf")
         for size, lst in conn.grants.items():
             keep = [g for g in lst if g[2] > now]
             stale.extend(g[0] for g in lst if g[2] <= now)
             conn.grants[size] = keep
+            for g in keep:
+                soonest = min(soonest, g[2])
+        conn.grants_checked_until = soonest
         if not stale:
             return b""
         w = Writer().u16(len(stale))
@@ -216,33 +251,48 @@ class ServerClient:
 
     # ---- operations --------------------------------------------------------------------------------
     def contains(self, keys: Sequence[bytes], touch: bool = False) -> list[bool] | None:
-        """Presence of each key (one round trip for the batch)."""
+        """Presence of each key (one round trip for the batch); a key longer than
+        :data:`MAX_KEY_BYTES` (which no server stores) is absent."""
         if not keys:
             return []
+        if (fit := self._fitting(keys)) is not None:
+            return _spread(fit, self.contains([keys[i] for i in fit], touch), len(keys), False)
+        head = b"\x01" if touch else b"\x00"
+        if len(keys) <= MAX_BATCH:
+            return self._locked("CONTAINS", self._flags_locked, Op.CONTAINS, encode_keys(keys, head), len(keys))
         out: list[bool] = []
         for i in range(0, len(keys), MAX_BATCH):
             part = keys[i : i + MAX_BATCH]
-            body = Writer().u8(int(touch)).keys(part).body()
-            got = self._call(Op.CONTAINS, body, functools.partial(_flags_of, n=len(part)))
+            got = self._locked("CONTAINS", self._flags_locked, Op.CONTAINS, encode_keys(part, head), len(part))
             if got is None:
                 return None
             out.extend(got)
         return out
 
+    def _flags_locked(self, conn: _Connection, deadline: float, op: Op, body: bytes, n: int) -> list[bool]:
+        """One request answered by a u16 count and one u8 flag per key."""
+        v = _exchange(conn, op, body, deadline, self._stale_grants(conn))
+        if len(v) != 2 + n or _U16.unpack_from(v, 0)[0] != n:
+            raise ProtocolError("answer has the wrong count")
+        return [b != 0 for b in v[2:]]
+
     def get(self, keys: Sequence[bytes], alloc: Alloc) -> list[MemoryObj | None] | None:
         """Each entry copied into a buffer from ``alloc`` (the caller owns it), None per miss.
 
         One round trip leases the batch; the copies run on this thread from the mapped pool;
-        one unanswered RELEASE ends the leases. A buffer ``alloc`` cannot provide is a miss.
+        one unanswered RELEASE ends the leases. A buffer ``alloc`` cannot provide is a miss, and
+        so is a key longer than :data:`MAX_KEY_BYTES`.
         """
         if not keys:
             return []
+        if (fit := self._fitting(keys)) is not None:
+            return _spread(fit, self.get([keys[i] for i in fit], alloc), len(keys), None)
+        if len(keys) <= MAX_BATCH:
+            return self._locked("GET", self._get_locked, Op.GET, encode_keys(keys), len(keys), alloc)
         out: list[MemoryObj | None] = []
         for i in range(0, len(keys), MAX_BATCH):
             part = keys[i : i + MAX_BATCH]
-            got = self._call(
-                Op.GET, Writer().keys(part).body(), functools.partial(self._copy_out, n=len(part), alloc=alloc)
-            )
+            got = self._locked("GET", self._get_locked, Op.GET, encode_keys(part), len(part), alloc)
             if got is None:
                 for o in out:
                     if o is not None:
@@ -251,29 +301,46 @@ class ServerClient:
             out.extend(got)
         return out
 
-    def _copy_out(self, conn: _Connection, r: Reader, n: int, alloc: Alloc) -> list[MemoryObj | None]:
-        if r.u16() != n:
+    def _get_locked(
+        self, conn: _Connection, deadline: float, op: Op, body: bytes, n: int, alloc: Alloc
+    ) -> list[MemoryObj | None]:
+        """One leasing request (GET or GET_HELD), each hit copied out, the leases released."""
+        return self._copy_out(conn, _exchange(conn, op, body, deadline, self._stale_grants(conn)), n, alloc)
+
+    def _copy_out(self, conn: _Connection, v: memoryview, n: int, alloc: Alloc) -> list[MemoryObj | None]:
+        """Copy each hit of a leasing answer ``v`` into a buffer from ``alloc``, then release the
+        leases (one unanswered frame); the caller owns the buffers."""
+        if len(v) < 2 or _U16.unpack_from(v, 0)[0] != n:
             raise ProtocolError("GET answer has the wrong count")
         assert conn.mapping is not None
         data = conn.mapping.data
         base = data.data_ptr()
         pool_bytes = conn.mapping.pool_bytes
+        end = len(v)
+        pos = 2
         out: list[MemoryObj | None] = []
         leases: list[int] = []
         try:
             for _ in range(n):
-                if not r.u8():
+                if pos >= end:
+                    raise ProtocolError("message truncated")
+                if not v[pos]:
+                    pos += 1
                     out.append(None)
                     continue
-                lid, off = r.u64(), r.u64()
-                meta = r.meta()
+                if pos + _HIT.size > end:
+                    raise ProtocolError("message truncated")
+                _flag, lid, off = _HIT.unpack_from(v, pos)
+                meta, pos = _decode_meta(v, pos + _HIT.size)
                 leases.append(lid)
                 if off + meta.nbytes > pool_bytes:
                     raise ProtocolError("GET answer points outside the pool")
                 obj = alloc(meta.shape, meta.dtype, meta.fmt)
                 if obj is not None and meta.nbytes:
-                    _copy_bytes(obj.tensor, base + off, data[off : off + meta.nbytes], out_of_pool=True)
+                    _copy_bytes(obj.tensor, base + off, data, off, meta.nbytes, out_of_pool=True)
                 out.append(obj)
+            if pos != end:
+                raise ProtocolError(f"{end - pos} trailing bytes")
         except BaseException:
             for o in out:
                 if o is not None:
@@ -296,7 +363,7 @@ class ServerClient:
         """
         if not isinstance(key, bytes):
             raise TypeError(f"key must be bytes, got {type(key).__name__}")
-        view = self._locked("GET", functools.partial(self._lease_one, key=key))
+        view = self._locked("GET", self._lease_one, key)
         if view is None:
             yield None
             return
@@ -308,9 +375,9 @@ class ServerClient:
             view.close()
             self._end_lease(view)
 
-    def _lease_one(self, conn: _Connection, deadline: float, *, key: bytes) -> EntryView | None:
+    def _lease_one(self, conn: _Connection, deadline: float, key: bytes) -> EntryView | None:
         started = time.monotonic()  # the server's lease TTL starts later than this
-        r = Reader(_exchange(conn, Op.GET, Writer().keys([key]).body(), deadline, self._stale_grants(conn)))
+        r = Reader(_exchange(conn, Op.GET, encode_keys([key]), deadline, self._stale_grants(conn)))
         if r.u16() != 1:
             raise ProtocolError("GET answer has the wrong count")
         if not r.u8():
@@ -351,6 +418,8 @@ class ServerClient:
             return []
         if len(keys) > MAX_BATCH:
             raise ValueError(f"at most {MAX_BATCH} keys per hold, got {len(keys)}")
+        if (fit := self._fitting(keys)) is not None:
+            return _spread(fit, self.hold([keys[i] for i in fit], ttl_s), len(keys), 0)
         ttl_ms = min(int(ttl_s * 1000), 0xFFFFFFFF)
         body = Writer().u32(max(ttl_ms, 1)).keys(keys).body()
         return self._call(Op.HOLD, body, functools.partial(_tokens_of, n=len(keys)))
@@ -366,8 +435,7 @@ class ServerClient:
         frame = w.frame(Op.UNHOLD, 0)
 
         def send(conn: _Connection, deadline: float) -> bool:
-            conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            conn.sock.sendall(self._stale_grants(conn) + frame)
+            _send_frames(conn, self._stale_grants(conn) + frame, deadline)
             return True
 
         return self._locked("UNHOLD", send) is True
@@ -382,18 +450,21 @@ class ServerClient:
         w = Writer().u16(len(tokens))
         for t in tokens:
             w.u64(t)
-        return self._call(Op.GET_HELD, w.body(), functools.partial(self._copy_out, n=len(tokens), alloc=alloc))
+        return self._locked("GET_HELD", self._get_locked, Op.GET_HELD, w.body(), len(tokens), alloc)
 
     def put(self, items: Sequence[tuple[bytes, MemoryObj]]) -> list[bool] | None:
         """Store each payload (copied into granted blocks, then committed): True when stored or
-        already present. A put into a pre-granted block is one round trip; others take two."""
+        already present. A put into a pre-granted block is one round trip; others take two.
+        A key longer than :data:`MAX_KEY_BYTES` is not sent (False)."""
         if not items:
             return []
+        if (fit := self._fitting([k for k, _ in items])) is not None:
+            return _spread(fit, self.put([items[i] for i in fit]), len(items), False)
         metas = [EntryMeta.of(obj.shape, obj.dtype, obj.fmt) for _, obj in items]
-        return self._locked("PUT", functools.partial(self._put_locked, items=items, metas=metas))
+        return self._locked("PUT", self._put_locked, items, metas)
 
     def _put_locked(
-        self, conn: _Connection, deadline: float, *, items: Sequence[tuple[bytes, MemoryObj]], metas: list[EntryMeta]
+        self, conn: _Connection, deadline: float, items: Sequence[tuple[bytes, MemoryObj]], metas: list[EntryMeta]
     ) -> list[bool]:
         assert conn.mapping is not None
         pre = self._stale_grants(conn)
@@ -420,32 +491,48 @@ class ServerClient:
                 blocks[i] = None if g is None else (g[0], g[1])
         data = conn.mapping.data
         base = data.data_ptr()
-        w = Writer()
         committed = [i for i, b in enumerate(blocks) if b is not None]
-        w.u16(len(committed))
+        parts = [_U16.pack(len(committed))]
         for i in committed:
             gid, off = blocks[i]  # type: ignore[misc]
             n = metas[i].nbytes
             if n:
-                _copy_bytes(items[i][1].tensor, base + off, data[off : off + n], out_of_pool=False)
-            w.u64(gid).blob(items[i][0]).meta(metas[i])
+                _copy_bytes(items[i][1].tensor, base + off, data, off, n, out_of_pool=False)
+            key = items[i][0]
+            parts.append(_COMMIT_HEAD.pack(gid, len(key)))
+            parts.append(key)
+            parts.append(_encode_meta(metas[i]))
         refill = self._refill_sizes(conn, [sizes[i] for i in committed])
-        w.u16(len(refill))
-        for s in refill:
-            w.u64(s)
-        r = Reader(_exchange(conn, Op.COMMIT, w.body(), deadline, pre))
+        parts.append(_U16.pack(len(refill)))
+        parts.append(struct.pack(f"<{len(refill)}Q", *refill))
+        r = Reader(_exchange(conn, Op.COMMIT, b"".join(parts), deadline, pre))
         if r.u16() != len(committed):
             raise ProtocolError("COMMIT answer has the wrong count")
         results = [r.u8() for _ in committed]
         now = time.monotonic()
         for s, g in zip(refill, _grants(r, len(refill), conn.mapping.pool_bytes), strict=True):
             if g is not None:
-                conn.grants.setdefault(s, []).append((g[0], g[1], now + conn.ttl_s / 2))
+                expiry = now + conn.ttl_s / 2
+                conn.grants.setdefault(s, []).append((g[0], g[1], expiry))
+                conn.grants_checked_until = min(conn.grants_checked_until, expiry)
         r.done()
         out = [False] * len(items)
         for i, res in zip(committed, results, strict=True):
             out[i] = res != COMMIT_FAILED
         return out
+
+    def _fitting(self, keys: Sequence[bytes]) -> list[int] | None:
+        """None when every key fits the wire's key limit (the common case, one pass); else the
+        indices of those that do, after counting and logging the others."""
+        if max(map(len, keys)) <= MAX_KEY_BYTES:
+            return None
+        fit = [i for i, k in enumerate(keys) if len(k) <= MAX_KEY_BYTES]
+        self.long_keys += len(keys) - len(fit)
+        self._log.warning(
+            "%d key(s) longer than %d bytes are not sent to the cache server (a miss)",
+            len(keys) - len(fit), MAX_KEY_BYTES, key="long-key",
+        )  # fmt: skip
+        return fit
 
     @staticmethod
     def _refill_sizes(conn: _Connection, used: list[int]) -> list[int]:
@@ -461,6 +548,8 @@ class ServerClient:
 
     def remove(self, keys: Sequence[bytes]) -> list[bool] | None:
         """Remove each key; True where something was removed."""
+        if keys and (fit := self._fitting(keys)) is not None:
+            return _spread(fit, self.remove([keys[i] for i in fit]), len(keys), False)
         out: list[bool] = []
         for i in range(0, len(keys), MAX_BATCH):
             part = keys[i : i + MAX_BATCH]
@@ -487,6 +576,7 @@ class ServerClient:
         return {
             "errors": self.errors,
             "skipped": self.skipped,
+            "long_keys": self.long_keys,
             "connects": self.connects,
             "reconnects": self.reconnects,
             "new_generations": self.new_generations,
@@ -508,11 +598,10 @@ def _release(conn: _Connection, leases: Sequence[int]) -> None:
     """End leases with one unanswered RELEASE. A send that fails leaves the connection to the
     next call (which finds it closed and reconnects); the server reclaims the leases of a
     connection that goes away, so nothing stays pinned."""
-    w = Writer().u16(len(leases))
-    for lid in leases:
-        w.u64(lid)
+    n = len(leases)
+    frame = _RELEASE_HEAD.pack(2 + 8 * n, Op.RELEASE, 0, n) + struct.pack(f"<{n}Q", *leases)
     try:
-        conn.sock.sendall(w.frame(Op.RELEASE, 0))
+        conn.sock.sendall(frame)
     except OSError:
         conn.close()  # a frame may be half sent: this connection cannot be used again
 
@@ -570,3 +659,14 @@ def query_status(path: str, *, token: str | None = None, timeout_s: float = 5.0)
         return _json(r)
     finally:
         conn.sock.close()
+
+
+def _spread(fit: list[int], got: list[T] | None, n: int, absent: T) -> list[T] | None:
+    """The answers ``got`` for the keys at indices ``fit``, spread over ``n`` places with
+    ``absent`` at the others; None stays None."""
+    if got is None:
+        return None
+    out = [absent] * n
+    for i, v in zip(fit, got, strict=True):
+        out[i] = v
+    return out

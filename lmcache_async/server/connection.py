@@ -9,6 +9,12 @@ connection); nothing here retries, counts or logs: callers turn the exceptions i
 * :func:`exchange` sends one request (after any unanswered frames) and reads its answer;
   ``ConnectionError`` when the server closed the connection (a server that stopped or
   restarted), ``TimeoutError`` at the deadline, ``ProtocolError`` for an answer of another request.
+
+After the handshake the socket is a plain blocking socket whose waits are bounded by the
+kernel (``SO_RCVTIMEO``/``SO_SNDTIMEO``): a request is one ``send`` and, in the usual case, one
+``recv_into`` of the whole answer, with no ``poll`` and no mode switch per call. The kernel
+timeouts are re-armed only when a call's remaining time differs from them by more than
+:data:`TIMEOUT_SLACK_S`, so a call waits at most that much past its deadline.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import ctypes
 import itertools
 import os
 import socket
+import struct
 import time
 
 import torch
@@ -34,7 +41,14 @@ from lmcache_async.server.protocol import (
 )
 from lmcache_async.server.shm import PoolMapping
 
-__all__ = ["Connection", "ServerUnavailable", "connect", "copy_bytes", "exchange", "recv_into"]
+__all__ = ["TIMEOUT_SLACK_S", "Connection", "ServerUnavailable", "connect", "copy_bytes", "exchange", "send_frames"]
+
+#: How far past its deadline a blocking wait may end (the kernel timeouts are not re-armed
+#: for every call; see the module docstring).
+TIMEOUT_SLACK_S = 0.002
+
+_TIMEVAL = struct.Struct("@ll")
+_HEAD = FRAME.size
 
 
 class ServerUnavailable(ConnectionError):
@@ -44,7 +58,9 @@ class ServerUnavailable(ConnectionError):
 class Connection:
     """One admitted connection and its pool mapping (used under the client's lock)."""
 
-    def __init__(self, sock: socket.socket, mapping: PoolMapping | None, align: int, ttl_s: float) -> None:
+    def __init__(
+        self, sock: socket.socket, mapping: PoolMapping | None, align: int, ttl_s: float, io_timeout_s: float = 2.0
+    ) -> None:
         #: False once the connection was closed (a view taken on it is no longer backed by a lease).
         self.open = True
         self.sock = sock
@@ -54,7 +70,23 @@ class Connection:
         self.seq = itertools.count(1)
         self.pid = os.getpid()
         self.grants: dict[int, list[tuple[int, int, float]]] = {}  # block size -> [(gid, offset, expiry)]
+        #: No cached grant expires before this time (monotonic), so none needs returning yet.
+        self.grants_checked_until = float("inf")
         self.rbuf = bytearray(64 << 10)
+        self.rview = memoryview(self.rbuf)
+        self._armed = [-1.0, -1.0]  # the kernel's receive and send timeouts now set on the socket
+        sock.settimeout(None)  # blocking; every wait bounded by the kernel timeouts armed below
+        self.arm(socket.SO_RCVTIMEO, 0, max(io_timeout_s, 0.001))
+        self.arm(socket.SO_SNDTIMEO, 1, max(io_timeout_s, 0.001))
+
+    def arm(self, opt: int, slot: int, seconds: float) -> None:
+        """Set the kernel timeout ``opt`` to ``seconds`` unless it is within the slack already."""
+        if abs(self._armed[slot] - seconds) <= TIMEOUT_SLACK_S:
+            return
+        sec = int(seconds)
+        usec = max(int((seconds - sec) * 1e6), 1 if sec == 0 else 0)
+        self.sock.setsockopt(socket.SOL_SOCKET, opt, _TIMEVAL.pack(sec, usec))
+        self._armed[slot] = seconds
 
     def block_size(self, nbytes: int) -> int:
         a = self.align
@@ -72,7 +104,14 @@ class Connection:
             pass
 
 
-def connect(path: str, namespace: str, token: str | None, mode: Mode, deadline: float) -> Connection:
+def connect(
+    path: str, namespace: str, token: str | None, mode: Mode, deadline: float, io_timeout_s: float | None = None
+) -> Connection:
+    """Handshake on ``path`` and map the namespace pool (mode CLIENT) before ``deadline``.
+
+    ``io_timeout_s`` bounds each later blocking wait on the connection (default: the time left
+    until ``deadline``); callers pass their per-call timeout.
+    """
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(max(deadline - time.monotonic(), 0.001))
@@ -83,11 +122,16 @@ def connect(path: str, namespace: str, token: str | None, mode: Mode, deadline: 
         sock.settimeout(max(deadline - time.monotonic(), 0.001))
         msg, fds, _flags, _addr = socket.recv_fds(sock, WELCOME.size, 1)
         try:
+            if len(msg) < 6:
+                raise ServerUnavailable("short handshake answer")
+            if msg[:4] != MAGIC:
+                raise ServerUnavailable("not a cache server")
+            version = struct.unpack_from("<H", msg, 4)[0]
+            if version != VERSION:
+                raise ServerUnavailable(f"cache server speaks protocol version {version}, this client {VERSION}")
             if len(msg) != WELCOME.size:
                 raise ServerUnavailable("short handshake answer")
-            magic, version, status, gen, pool_bytes, data_off, align, _ml, _mg, ttl_ms = WELCOME.unpack(msg)
-            if magic != MAGIC or version != VERSION:
-                raise ServerUnavailable("not a cache server of this version")
+            _magic, _version, status, gen, pool_bytes, data_off, align, _ml, _mg, ttl_ms = WELCOME.unpack(msg)
             if status != Status.OK:
                 names = {int(v): v.name for v in Status}
                 raise ServerUnavailable(f"admission refused: {names.get(status, status)}")
@@ -103,59 +147,87 @@ def connect(path: str, namespace: str, token: str | None, mode: Mode, deadline: 
         finally:
             for fd in fds:
                 os.close(fd)
-        return Connection(sock, mapping, align, ttl_ms / 1000.0)
+        left = deadline - time.monotonic()
+        return Connection(sock, mapping, align, ttl_ms / 1000.0, io_timeout_s if io_timeout_s else max(left, 0.001))
     except BaseException:
         sock.close()
         raise
 
 
-def recv_into(conn: Connection, buf: memoryview, deadline: float) -> None:
-    sock = conn.sock
-    got = 0
-    n = len(buf)
-    while got < n:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("cache server did not answer in time")
-        sock.settimeout(remaining)
-        k = sock.recv_into(buf[got:])
-        if k == 0:
-            raise ConnectionError("cache server closed the connection")
-        got += k
+def send_frames(conn: Connection, data: bytes, deadline: float) -> None:
+    """Send ``data`` (whole frames) before ``deadline``; ``TimeoutError`` when the server does
+    not take it in time (the connection must then be dropped: a frame may be half sent)."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError("cache server did not answer in time")
+    conn.arm(socket.SO_SNDTIMEO, 1, remaining)
+    try:
+        conn.sock.sendall(data)
+    except BlockingIOError:
+        raise TimeoutError("cache server did not take the request in time") from None
+
+
+def _recv(conn: Connection, start: int, deadline: float) -> int:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError("cache server did not answer in time")
+    conn.arm(socket.SO_RCVTIMEO, 0, remaining)
+    try:
+        k = conn.sock.recv_into(conn.rview[start:])
+    except BlockingIOError:
+        raise TimeoutError("cache server did not answer in time") from None
+    if k == 0:
+        raise ConnectionError("cache server closed the connection")
+    return k
 
 
 def exchange(conn: Connection, op: int, body: bytes, deadline: float, pre: bytes = b"") -> memoryview:
-    """Send one request (after the unanswered frames in ``pre``) and read its answer's body."""
+    """Send one request (after the unanswered frames in ``pre``) and read its answer's body.
+
+    The answer is a view of the connection's receive buffer, valid until its next exchange.
+    """
     seq = next(conn.seq) & 0xFFFFFFFF
-    conn.sock.settimeout(max(deadline - time.monotonic(), 0.001))
-    conn.sock.sendall(pre + FRAME.pack(len(body), int(op), seq) + body)
-    head = bytearray(FRAME.size)
-    recv_into(conn, memoryview(head), deadline)
-    length, rop, rseq = FRAME.unpack(head)
+    send_frames(conn, pre + FRAME.pack(len(body), op, seq) + body, deadline)
+    got = _recv(conn, 0, deadline)  # usually the whole answer
+    while got < _HEAD:
+        got += _recv(conn, got, deadline)
+    length, rop, rseq = FRAME.unpack_from(conn.rbuf, 0)
     if rop != op or rseq != seq or length > MAX_BODY:
         raise ProtocolError("answer does not match the request")
-    if length > len(conn.rbuf):
-        conn.rbuf = bytearray(length)
-    view = memoryview(conn.rbuf)[:length]
-    recv_into(conn, view, deadline)
-    return view
+    total = _HEAD + length
+    if got != total:
+        if got > total:  # one request is outstanding at a time: nothing else may follow its answer
+            raise ProtocolError("bytes after the answer")
+        if total > len(conn.rbuf):
+            grown = bytearray(total)
+            grown[:got] = conn.rview[:got]
+            conn.rview.release()
+            conn.rbuf = grown
+            conn.rview = memoryview(grown)
+        while got < total:
+            got += _recv(conn, got, deadline)
+        if got != total:
+            raise ProtocolError("bytes after the answer")
+    return conn.rview[_HEAD:total]
 
 
-def copy_bytes(t: torch.Tensor, addr: int, pool_view: torch.Tensor, *, out_of_pool: bool) -> None:
-    """Copy between a tensor's bytes and the pool at ``addr`` (``pool_view`` is those bytes).
+def copy_bytes(t: torch.Tensor, addr: int, data: torch.Tensor, off: int, nbytes: int, *, out_of_pool: bool) -> None:
+    """Copy ``nbytes`` between a tensor's bytes and the pool at ``addr`` (``data[off:]`` as a
+    uint8 tensor, ``addr`` its address): into ``t`` when ``out_of_pool``, else into the pool.
 
-    A single-threaded ``memmove`` for contiguous CPU tensors: torch's parallel ``copy_`` waits on
-    its worker threads, which costs milliseconds when the cores are busy.
+    A single-threaded ``memmove`` for contiguous CPU tensors of exactly that size (torch's
+    parallel ``copy_`` waits on its worker threads, which costs milliseconds when the cores are
+    busy); other tensors go through ``copy_`` on a view of the pool bytes.
     """
-    n = pool_view.numel()
-    if t.device.type == "cpu" and t.is_contiguous() and t.numel() * t.element_size() == n:
+    if t.device.type == "cpu" and t.is_contiguous() and t.numel() * t.element_size() == nbytes:
         if out_of_pool:
-            ctypes.memmove(t.data_ptr(), addr, n)
+            ctypes.memmove(t.data_ptr(), addr, nbytes)
         else:
-            ctypes.memmove(addr, t.data_ptr(), n)
+            ctypes.memmove(addr, t.data_ptr(), nbytes)
         return
-    flat = t.reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
+    pool_view = data[off : off + nbytes]
     if out_of_pool:
         t.copy_(pool_view.view(t.dtype).view(t.shape))
     else:
+        flat = t.reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
         pool_view.copy_(flat)

@@ -16,6 +16,8 @@ makes the pool safe to share with the pre-touch thread); nothing here blocks or 
   namespace holds at most ``max_leases`` of them.
 * Each client has a cap on leases and on uncommitted grants, so one stuck client cannot pin
   the pool.
+* The index is an :class:`~lmcache_async.lru.LruIndex` sized by payload bytes; eviction takes
+  the least recently used entry whose block nobody else references.
 """
 
 from __future__ import annotations
@@ -23,13 +25,13 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from lmcache_async.lru import LruIndex
 from lmcache_async.memory import MemoryObj
 from lmcache_async.server.protocol import COMMIT_FAILED, COMMIT_PRESENT, COMMIT_STORED, EntryMeta
 from lmcache_async.server.shm import SharedPool, new_generation
@@ -43,6 +45,12 @@ class Entry:
 
     obj: MemoryObj
     meta: EntryMeta
+
+
+def _held(_key: bytes, entry: Entry) -> bool:
+    """Eviction's rule: an entry whose block has a reference beside the index's (a lease, a
+    hold, a write-through to a lower tier) is not a victim."""
+    return entry.obj.get_ref_count() != 1
 
 
 @dataclass(slots=True)
@@ -104,11 +112,10 @@ class Namespace:
         self.max_leases = max_leases
         self.max_grants = max_grants
         self._clock = clock
-        self._index: OrderedDict[bytes, Entry] = OrderedDict()
+        self._index: LruIndex[bytes, Entry] = LruIndex()  # sized by payload bytes
         self._ids = itertools.count(1)
         self.clients: dict[int, ClientState] = {}
         self._holds: dict[int, Hold] = {}
-        self.bytes = 0
         self.hits = 0
         self.misses = 0
         self.evictions = 0
@@ -127,6 +134,11 @@ class Namespace:
     @property
     def generation(self) -> int:
         return self.pool.generation
+
+    @property
+    def payload_bytes(self) -> int:
+        """Payload bytes of the committed entries (without block alignment)."""
+        return self._index.bytes
 
     def __len__(self) -> int:
         return len(self._index)
@@ -152,12 +164,9 @@ class Namespace:
     # ---- presence ----------------------------------------------------------------------------
     def contains(self, keys: list[bytes], touch: bool) -> list[bool]:
         idx = self._index
-        out = [k in idx for k in keys]
         if touch:
-            for k, present in zip(keys, out, strict=True):
-                if present:
-                    idx.move_to_end(k)
-        return out
+            return [idx.touch(k) for k in keys]
+        return [k in idx for k in keys]
 
     # ---- reads ---------------------------------------------------------------------------------
     def lease(self, st: ClientState, key: bytes, *, count_miss: bool = True) -> tuple[int, MemoryObj, EntryMeta] | None:
@@ -171,7 +180,7 @@ class Namespace:
             self.refused_leases += 1
             return None
         entry.obj.ref_count_up()
-        self._index.move_to_end(key)
+        self._index.touch(key)
         lid = next(self._ids)
         st.leases[lid] = Lease(entry.obj, self._clock() + self.lease_ttl_s)
         self.hits += 1
@@ -199,7 +208,7 @@ class Namespace:
         while token in self._holds:
             token = secrets.randbits(63) | 1
         entry.obj.ref_count_up()
-        self._index.move_to_end(key)
+        self._index.touch(key)
         self._holds[token] = Hold(entry.obj, entry.meta, self._clock() + ttl_s)
         self.holds_taken += 1
         return token
@@ -248,15 +257,9 @@ class Namespace:
         obj = pool.allocate((max(nbytes, 1),), torch.uint8)
         if obj is not None:
             return obj
-        idx = self._index
-        for key in list(idx):
-            entry = idx[key]
-            if entry.obj.get_ref_count() != 1:  # a reader or a write-through holds it
-                continue
-            del idx[key]
-            self.bytes -= entry.meta.nbytes
+        while (victim := self._index.pop_oldest(_held)) is not None:
             self.evictions += 1
-            entry.obj.ref_count_down()
+            victim[1].obj.ref_count_down()
             obj = pool.allocate((max(nbytes, 1),), torch.uint8)
             if obj is not None:
                 return obj
@@ -271,8 +274,7 @@ class Namespace:
         nothing changed, when ``key`` is already present (the caller keeps its reference)."""
         if key in self._index:
             return False
-        self._index[key] = Entry(obj, meta)
-        self.bytes += meta.nbytes
+        self._index.put(key, Entry(obj, meta), meta.nbytes)
         return True
 
     def entry_view(self, key: bytes) -> tuple[MemoryObj, EntryMeta] | None:
@@ -304,21 +306,18 @@ class Namespace:
         if meta.nbytes > grant.obj.size:
             grant.obj.ref_count_down()
             return COMMIT_FAILED
-        if key in self._index:
+        if self._index.touch(key):
             grant.obj.ref_count_down()
-            self._index.move_to_end(key)
             return COMMIT_PRESENT
-        self._index[key] = Entry(grant.obj, meta)
-        self.bytes += meta.nbytes
+        self._index.put(key, Entry(grant.obj, meta), meta.nbytes)
         self.commits += 1
         return COMMIT_STORED
 
     def remove(self, key: bytes) -> bool:
         """Drop ``key`` from the index; a leased block is freed when its last lease ends."""
-        entry = self._index.pop(key, None)
+        entry = self._index.pop(key)
         if entry is None:
             return False
-        self.bytes -= entry.meta.nbytes
         entry.obj.ref_count_down()
         return True
 
@@ -361,7 +360,7 @@ class Namespace:
         return {
             "generation": self.generation,
             "entries": len(self._index),
-            "bytes": self.bytes,
+            "bytes": self.payload_bytes,
             "pool_capacity_bytes": self.pool.capacity,
             "pool_used_bytes": self.pool.used_bytes,
             "committed_block_bytes": self.committed_block_bytes(),

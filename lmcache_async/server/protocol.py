@@ -52,6 +52,9 @@ __all__ = [
     "Reader",
     "Status",
     "Writer",
+    "decode_meta",
+    "encode_keys",
+    "encode_meta",
 ]
 
 MAGIC = b"LMCS"
@@ -141,6 +144,22 @@ class EntryMeta:
     @staticmethod
     def of(shape: Sequence[int], dtype: torch.dtype, fmt: MemoryFormat) -> EntryMeta:
         """Metadata for an entry of ``shape``/``dtype``; ``ValueError`` for a dtype records cannot carry."""
+        try:
+            ck = (tuple(shape), dtype, fmt)
+            cached = _OF_CACHE.get(ck)
+        except TypeError:  # an unhashable shape: no caching
+            ck, cached = None, None
+        if cached is not None:
+            return cached
+        meta = EntryMeta._of(shape, dtype, fmt)
+        if ck is not None:
+            if len(_OF_CACHE) >= _META_CACHE_MAX:
+                _OF_CACHE.clear()
+            _OF_CACHE[ck] = meta
+        return meta
+
+    @staticmethod
+    def _of(shape: Sequence[int], dtype: torch.dtype, fmt: MemoryFormat) -> EntryMeta:
         if dtype not in DTYPE_TO_CODE:
             raise ValueError(f"dtype {dtype!r} cannot be stored in the cache server")
         shp = tuple(int(d) for d in shape)
@@ -150,6 +169,76 @@ class EntryMeta:
         for d in shp:
             n *= d
         return EntryMeta(n, MemoryFormat(fmt), dtype, shp)
+
+
+#: Decoded metadata by its wire bytes (decoding is a pure function of them); bounded.
+_META_CACHE: dict[bytes, EntryMeta] = {}
+_META_CACHE_MAX = 1024
+#: Encoded metadata by record, and records by (shape, dtype, format): both bounded.
+_ENC_CACHE: dict[EntryMeta, bytes] = {}
+_OF_CACHE: dict[tuple[tuple[int, ...], torch.dtype, MemoryFormat], EntryMeta] = {}
+
+
+def encode_meta(m: EntryMeta) -> bytes:
+    """The wire bytes of ``m`` (what :meth:`Writer.meta` writes)."""
+    b = _ENC_CACHE.get(m)
+    if b is None:
+        b = _META_HEAD.pack(m.nbytes, int(m.fmt), DTYPE_TO_CODE[m.dtype], len(m.shape)) + b"".join(
+            _U64.pack(d) for d in m.shape
+        )
+        if len(_ENC_CACHE) >= _META_CACHE_MAX:
+            _ENC_CACHE.clear()
+        _ENC_CACHE[m] = b
+    return b
+
+
+def decode_meta(buf: bytes | bytearray | memoryview, pos: int) -> tuple[EntryMeta, int]:
+    """The entry metadata at ``pos`` of ``buf`` and the position after it; :class:`ProtocolError`
+    unless it is well formed (known format and dtype, ndim bound, nbytes = prod(shape) * itemsize).
+
+    Decoded records are kept in a small cache keyed by their bytes, so the metadata of entries
+    read again and again is checked once.
+    """
+    end = pos + _META_HEAD.size
+    if end > len(buf):
+        raise ProtocolError("message truncated")
+    nbytes, fmt, code, ndim = _META_HEAD.unpack_from(buf, pos)
+    if ndim > MAX_NDIM:
+        raise ProtocolError(f"ndim {ndim} exceeds {MAX_NDIM}")
+    stop = end + 8 * ndim
+    if stop > len(buf):
+        raise ProtocolError("message truncated")
+    raw = bytes(buf[pos:stop])
+    meta = _META_CACHE.get(raw)
+    if meta is not None:
+        return meta, stop
+    if fmt not in _FMT_VALUES:
+        raise ProtocolError(f"unknown memory format {fmt}")
+    dtype = CODE_TO_DTYPE.get(code)
+    if dtype is None:
+        raise ProtocolError(f"unknown dtype code {code}")
+    shape = struct.unpack_from(f"<{ndim}Q", buf, end)
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+        if n > (1 << 62):
+            raise ProtocolError("shape too large")
+    if n != nbytes:
+        raise ProtocolError(f"nbytes {nbytes} does not match shape {shape} of {dtype}")
+    meta = EntryMeta(nbytes, MemoryFormat(fmt), dtype, tuple(shape))
+    if len(_META_CACHE) >= _META_CACHE_MAX:
+        _META_CACHE.clear()
+    _META_CACHE[raw] = meta
+    return meta, stop
+
+
+def encode_keys(keys: Sequence[bytes], head: bytes = b"") -> bytes:
+    """``head``, then a u16 count and each key as a blob (what :meth:`Writer.keys` writes)."""
+    parts = [head, _U16.pack(len(keys))]
+    for k in keys:
+        parts.append(_U16.pack(len(k)))
+        parts.append(k)
+    return b"".join(parts)
 
 
 class Writer:
@@ -190,9 +279,7 @@ class Writer:
         return self
 
     def meta(self, m: EntryMeta) -> Writer:
-        self._buf += _META_HEAD.pack(m.nbytes, int(m.fmt), DTYPE_TO_CODE[m.dtype], len(m.shape))
-        for d in m.shape:
-            self._buf += _U64.pack(d)
+        self._buf += encode_meta(m)
         return self
 
     def body(self) -> bytes:
@@ -251,32 +338,32 @@ class Reader:
         return n
 
     def keys(self) -> list[bytes]:
-        return [self.blob() for _ in range(self.count())]
+        """A u16 count (at most :data:`MAX_BATCH`) then each key as a blob (at most
+        :data:`MAX_KEY_BYTES` bytes)."""
+        buf = self._buf
+        n = self.count()
+        pos = self._pos
+        size = len(buf)
+        out: list[bytes] = []
+        for _ in range(n):
+            if pos + 2 > size:
+                raise ProtocolError("message truncated")
+            k = buf[pos] | (buf[pos + 1] << 8)
+            if k > MAX_KEY_BYTES:
+                raise ProtocolError(f"field of {k} bytes exceeds {MAX_KEY_BYTES}")
+            pos += 2
+            end = pos + k
+            if end > size:
+                raise ProtocolError("message truncated")
+            out.append(bytes(buf[pos:end]))
+            pos = end
+        self._pos = pos
+        return out
 
     def meta(self) -> EntryMeta:
         """Entry metadata, checked: known format and dtype, ndim bound, nbytes = prod(shape) * itemsize."""
-        pos = self._pos
-        end = pos + _META_HEAD.size
-        if end > len(self._buf):
-            raise ProtocolError("message truncated")
-        nbytes, fmt, code, ndim = _META_HEAD.unpack_from(self._buf, pos)
-        self._pos = end
-        if fmt not in _FMT_VALUES:
-            raise ProtocolError(f"unknown memory format {fmt}")
-        dtype = CODE_TO_DTYPE.get(code)
-        if dtype is None:
-            raise ProtocolError(f"unknown dtype code {code}")
-        if ndim > MAX_NDIM:
-            raise ProtocolError(f"ndim {ndim} exceeds {MAX_NDIM}")
-        shape = tuple(self.u64() for _ in range(ndim))
-        n = dtype.itemsize
-        for d in shape:
-            n *= d
-            if n > (1 << 62):
-                raise ProtocolError("shape too large")
-        if n != nbytes:
-            raise ProtocolError(f"nbytes {nbytes} does not match shape {shape} of {dtype}")
-        return EntryMeta(nbytes, MemoryFormat(fmt), dtype, shape)
+        meta, self._pos = decode_meta(self._buf, self._pos)
+        return meta
 
     def rest(self) -> bytes:
         """Every byte not read yet (consumed)."""

@@ -30,23 +30,22 @@ import socket
 import stat
 import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj
 from lmcache_async.ratelog import RateLimitedLog
+from lmcache_async.server.frames import MAY_WAIT, Conn, FrameProtocol
+from lmcache_async.server.keycheck import checked_key
 from lmcache_async.server.lower import LowerStore, wants_lower_tiers
 from lmcache_async.server.namespace import ClientState, Namespace
 from lmcache_async.server.protocol import (
-    ANSWERED,
     COMMIT_STORED,
-    FRAME,
     HELLO,
     MAGIC,
-    MAX_BODY,
     MAX_HOLD_TTL_S,
     MAX_NAMESPACE_BYTES,
     MAX_TOKEN_BYTES,
@@ -59,11 +58,15 @@ from lmcache_async.server.protocol import (
     Reader,
     Status,
     Writer,
+    encode_meta,
 )
 from lmcache_async.server.shm import HEADER_BYTES
 
 if TYPE_CHECKING:
     from lmcache_async.config import LMCacheEngineConfig
+
+_U16 = struct.Struct("<H")
+_HIT = struct.Struct("<BQQ")  # a leasing answer's hit: flag 1, lease id, offset (then the metadata)
 
 __all__ = ["CacheServer", "prepare_socket_dir"]
 
@@ -117,18 +120,6 @@ def prepare_socket_dir(path: str | os.PathLike[str]) -> Path:
     return sock_path
 
 
-class _Conn:
-    """One admitted connection."""
-
-    def __init__(self, ident: int, ns: Namespace | None, state: ClientState | None, uid: int, pid: int) -> None:
-        self.ident = ident
-        self.ns = ns
-        self.state = state
-        self.uid = uid
-        self.pid = pid
-        self.writer: asyncio.StreamWriter | None = None
-
-
 class CacheServer:
     """Serves namespaces of shared pools over a Unix socket; see the module docstring.
 
@@ -153,7 +144,7 @@ class CacheServer:
         self._reserve = None if config.memory_reserve_size is None else gib_to_bytes(config.memory_reserve_size)
         self.namespaces: dict[str, Namespace] = {}
         self.lower: LowerStore | None = LowerStore(config) if wants_lower_tiers(config) else None
-        self._conns: dict[int, _Conn] = {}
+        self._conns: dict[int, Conn] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._ids = itertools.count(1)
         self._listener: socket.socket | None = None
@@ -246,16 +237,18 @@ class CacheServer:
 
     # ---- one connection --------------------------------------------------------------------------
     async def _handle(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-        conn: _Conn | None = None
+        conn: Conn | None = None
+        proto: FrameProtocol | None = None
         try:
             conn = await asyncio.wait_for(self._handshake(loop, sock), _HANDSHAKE_TIMEOUT_S)
             if conn is None:
                 return
             self.connections_total += 1
             self._conns[conn.ident] = conn
-            reader, writer = await asyncio.open_unix_connection(sock=sock, limit=MAX_BODY + FRAME.size)
-            conn.writer = writer
-            await self._serve_conn(conn, reader, writer)
+            closed: asyncio.Future[None] = loop.create_future()
+            proto = FrameProtocol(self, conn, closed)
+            await loop.connect_accepted_socket(lambda: proto, sock=sock)
+            await closed
         except asyncio.CancelledError:
             raise
         except ProtocolError as exc:
@@ -266,12 +259,12 @@ class CacheServer:
         except Exception as exc:  # never let one connection take the server down
             self._log.warning("cache server: connection failed: %s: %s", type(exc).__name__, exc, key="conn")
         finally:
+            if proto is not None:
+                proto.shut()  # before the reclaim: a request still running must not touch its state
             if conn is not None:
                 self._conns.pop(conn.ident, None)
                 if conn.ns is not None and conn.state is not None:
                     conn.ns.drop_client(conn.state)
-                if conn.writer is not None:
-                    conn.writer.close()
             with contextlib.suppress(OSError):
                 sock.close()
 
@@ -284,7 +277,7 @@ class CacheServer:
             buf += chunk
         return bytes(buf)
 
-    async def _handshake(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> _Conn | None:
+    async def _handshake(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Conn | None:
         uid, pid = self._peer(sock)
         head = await self._recv_exact(loop, sock, HELLO.size)
         magic, version, mode, ns_len, tok_len = HELLO.unpack(head)
@@ -330,7 +323,7 @@ class CacheServer:
             if ns is not None and state is not None:
                 ns.drop_client(state)
             raise
-        return _Conn(ident, ns, state, uid, pid)
+        return Conn(ident, ns, state, uid, pid)
 
     def _new_namespace(self, name: str) -> Namespace | None:
         try:
@@ -382,30 +375,24 @@ class CacheServer:
         else:
             sock.send(msg)
 
-    async def _serve_conn(self, conn: _Conn, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            head = await reader.readexactly(FRAME.size)
-            body_len, op, seq = FRAME.unpack(head)
-            if body_len > MAX_BODY:
-                raise ProtocolError(f"frame of {body_len} bytes exceeds {MAX_BODY}")
-            body = await reader.readexactly(body_len) if body_len else b""
-            try:
-                op_code = Op(op)
-            except ValueError:
-                raise ProtocolError(f"unknown op {op}") from None
-            if conn.ns is None and op_code not in (Op.STATS, Op.PING):
-                raise ProtocolError(f"op {op_code.name} on a status connection")
-            if conn.state is not None:
-                conn.state.requests += 1
-            answer = await self._dispatch(conn, op_code, Reader(body))
-            if op_code in ANSWERED:
-                assert answer is not None
-                writer.write(FRAME.pack(len(answer), op, seq))
-                writer.write(answer)
-                await writer.drain()
+    def dispatch_now(self, conn: Conn, op: Op, r: Reader) -> bytes | None:
+        """:meth:`_dispatch` run to its end on the caller's stack; only for requests that
+        :meth:`needs_task` says never wait (no lower tiers involved)."""
+        coro = self.dispatch(conn, op, r)
+        try:
+            coro.send(None)
+        except StopIteration as stop:
+            answer: bytes | None = stop.value
+            return answer
+        coro.close()
+        raise RuntimeError(f"{op.name} waited on the event loop on the direct path")
+
+    def needs_task(self, op: Op) -> bool:
+        """True when a request of ``op`` may wait (on the lower tiers) and so runs as a task."""
+        return self.lower is not None and op in MAY_WAIT
 
     # ---- operations ---------------------------------------------------------------------------------
-    async def _dispatch(self, conn: _Conn, op: Op, r: Reader) -> bytes | None:
+    async def dispatch(self, conn: Conn, op: Op, r: Reader) -> bytes | None:
         if op is Op.PING:
             r.done()
             return b""
@@ -425,9 +412,7 @@ class CacheServer:
                 found = await self.lower.contains(ns.name, [keys[i] for i in missing])
                 for i, f in zip(missing, found, strict=True):
                     flags[i] = f
-            w.u16(len(flags))
-            for f in flags:
-                w.u8(f)
+            return _U16.pack(len(flags)) + bytes(map(bool, flags))
         elif op is Op.GET:
             keys = r.keys()
             r.done()
@@ -436,13 +421,15 @@ class CacheServer:
                 for i, got in enumerate(leased):
                     if got is None:
                         leased[i] = await self._load(ns, st, keys[i])
-            w.u16(len(keys))
+            parts = [_U16.pack(len(keys))]
             for got in leased:
                 if got is None:
-                    w.u8(0)
+                    parts.append(b"\x00")
                     continue
                 lid, obj, meta = got
-                w.u8(1).u64(lid).u64(obj.offset).meta(meta)
+                parts.append(_HIT.pack(1, lid, obj.offset))
+                parts.append(encode_meta(meta))
+            return b"".join(parts)
         elif op is Op.RELEASE:
             for _ in range(r.count()):
                 ns.release(st, r.u64())
@@ -459,7 +446,7 @@ class CacheServer:
                 gid = r.u64()
                 key = r.blob()
                 meta = r.meta()
-                commits.append((gid, _checked_key(key), meta))
+                commits.append((gid, checked_key(key), meta))
             sizes = [r.u64() for _ in range(r.count())]
             r.done()
             w.u16(len(commits))
@@ -574,19 +561,11 @@ class CacheServer:
         }
 
 
-def _checked_key(raw: bytes) -> bytes:
-    """``raw`` when it is a canonical key string (:mod:`lmcache_async.keys` grammar)."""
-    try:
-        CacheEngineKey.from_string(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, TypeError) as exc:
-        raise ProtocolError(f"invalid key: {exc}") from None
-    return raw
-
-
 def run_server(config: LMCacheEngineConfig, socket_path: str | os.PathLike[str]) -> int:
     """Run a server in the foreground until SIGTERM or SIGINT; returns the exit status (0).
 
-    Uses uvloop when it is installed. Logs go to the root logger (stderr under the CLI).
+    Uses uvloop when it is installed, unless ``LMCACHE_ASYNC_SERVER_LOOP=asyncio``
+    (``uvloop`` there requires it). Logs go to the root logger (stderr under the CLI).
     """
     server = CacheServer(config, socket_path)
     server.bind()
@@ -604,11 +583,28 @@ def run_server(config: LMCacheEngineConfig, socket_path: str | os.PathLike[str])
         await server.serve()
         logger.warning("cache server stopped")
 
+    factory = event_loop_factory(os.environ.get(LOOP_ENV, "auto"))
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(main())
+    return 0
+
+
+LOOP_ENV = "LMCACHE_ASYNC_SERVER_LOOP"
+"""Which event loop ``lmcache-async serve`` runs: ``auto`` (uvloop when installed), ``uvloop``
+or ``asyncio``."""
+
+
+def event_loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The loop factory for ``kind`` (None: asyncio's default loop). ``ValueError`` naming
+    :data:`LOOP_ENV` for another value, or for ``uvloop`` when it is not installed."""
+    if kind not in ("auto", "uvloop", "asyncio"):
+        raise ValueError(f"{LOOP_ENV} must be auto, uvloop or asyncio, got {kind!r}")
+    if kind == "asyncio":
+        return None
     try:
         import uvloop
     except ImportError:
-        asyncio.run(main())
-    else:  # pragma: no cover - depends on the environment
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(main())
-    return 0
+        if kind == "uvloop":
+            raise ValueError(f"{LOOP_ENV}=uvloop but uvloop is not installed") from None
+        return None
+    return cast("Callable[[], asyncio.AbstractEventLoop]", uvloop.new_event_loop)

@@ -53,12 +53,8 @@ class EntryView:
         self._closed = False
         self._poll = select.poll()
         self._poll.register(conn.sock.fileno(), select.POLLIN | getattr(select, "POLLRDHUP", 0))
-        n = meta.nbytes
-        if n:
-            self._tensor = mapping.data[offset : offset + n].view(meta.dtype).view(meta.shape)
-        else:
-            self._tensor = torch.empty(meta.shape, dtype=meta.dtype)
-        self._buffer: memoryview | None = mapping.readonly(offset, n)
+        self._tensor: torch.Tensor | None = None  # made on first use (readers of ``buffer`` need none)
+        self._buffer: memoryview | None = mapping.readonly(offset, meta.nbytes)
 
     @property
     def connection(self) -> Connection:
@@ -78,7 +74,19 @@ class EntryView:
     def tensor(self) -> torch.Tensor | None:
         """The entry as a tensor over the shared pool (zero copy; do not write), or None when
         the lease is lost (:meth:`valid` is False)."""
-        return self._tensor if self.valid() else None
+        if not self.valid():
+            return None
+        t = self._tensor
+        if t is None:
+            meta = self.meta
+            mapping = self._conn.mapping
+            assert mapping is not None
+            if meta.nbytes:
+                t = mapping.data[self.offset : self.offset + meta.nbytes].view(meta.dtype).view(meta.shape)
+            else:
+                t = torch.empty(meta.shape, dtype=meta.dtype)
+            self._tensor = t
+        return t
 
     @property
     def buffer(self) -> memoryview | None:
