@@ -14,8 +14,12 @@ Two surfaces:
 
 A read copies the entry out of the shared pool into a buffer from the read allocator (the
 manager's staging area unless the caller passes one) and ends its lease at once; the caller
-owns that buffer. Holds (:meth:`ServerTier.hold`) pin entries for readers in other processes
-(the encoder-cache connector backs its promises to workers with them).
+owns that buffer. A write from the manager's put path (:meth:`ServerTier.put_direct`, the
+:class:`~lmcache_async.put_path.DirectPutTier` call, used when there is no CPU tier) copies
+the caller's tensor straight into the block the server granted: one copy, on the caller's
+thread, readable by every client when it returns. Holds (:meth:`ServerTier.hold`) pin entries
+for readers in other processes (the encoder-cache connector backs its promises to workers with
+them).
 
 Trouble (server down, restarted, slow, malformed answer) is a miss/False, counted in
 ``stats()``; the client's circuit breaker skips the server while it is down and the first call
@@ -33,14 +37,25 @@ import torch
 
 from lmcache_async.backend import Allocate, BackendContext, StorageBackend
 from lmcache_async.keys import CacheEngineKey
-from lmcache_async.memory import MemoryObj
+from lmcache_async.memory import HeapAllocator, MemoryFormat, MemoryObj
 from lmcache_async.server.client import ServerClient
+from lmcache_async.server.protocol import MAX_BATCH
 
 __all__ = ["ServerTier", "create"]
 
 
 def _kb(key: CacheEngineKey) -> bytes:
     return key.to_string().encode("utf-8")
+
+
+_BORROWED = HeapAllocator("server-tier borrowed tensors", pin=False)
+"""The nominal allocator of :func:`_borrow`'s objects: it owns none of their memory."""
+
+
+def _borrow(tensor: torch.Tensor, fmt: MemoryFormat) -> MemoryObj:
+    """The caller's ``tensor`` as a :class:`MemoryObj` for the length of one put: it reserves
+    nothing (size 0), so dropping it frees nothing; the caller keeps the tensor."""
+    return MemoryObj(_BORROWED, 0, 0, tensor, tuple(tensor.shape), tensor.dtype, fmt)
 
 
 class ServerTier(StorageBackend):
@@ -53,6 +68,10 @@ class ServerTier(StorageBackend):
         self._staging: Allocate = ctx.staging
         self._loop = ctx.loop
         self._executor = ctx.executor
+        #: Direct puts stored, and those refused or unanswered (caller threads; a race may
+        #: miss an increment).
+        self.direct_puts = 0
+        self.direct_put_failures = 0
 
     # ---- capabilities ----------------------------------------------------------------------------
     @property
@@ -69,6 +88,12 @@ class ServerTier(StorageBackend):
         return True
 
     # ---- caller-thread surface (LocalTier) --------------------------------------------------------
+    @property
+    def call_timeout_s(self) -> float:
+        """The bound on one caller-thread call (``remote_timeout_s``; the wait for the
+        connection, shared by threads, included)."""
+        return self.client.timeout_s
+
     def lookup(self, key: CacheEngineKey) -> MemoryObj | None:
         """The entry copied into a staging buffer the caller owns, or None (miss or trouble)."""
         got = self.client.get([_kb(key)], self._staging)
@@ -110,6 +135,31 @@ class ServerTier(StorageBackend):
         """Store each payload on the caller's thread; False per item not stored (or trouble)."""
         got = self.client.put([(_kb(k), o) for k, o in items])
         return [False] * len(items) if got is None else got
+
+    def put_direct(
+        self, items: Sequence[tuple[CacheEngineKey, torch.Tensor | MemoryObj]], fmt: MemoryFormat
+    ) -> list[bool] | None:
+        """Store each value (borrowed for the call) straight into a block granted by the server:
+        one copy from the caller's memory (a single ``memmove`` for a contiguous CPU tensor),
+        then one commit publishes the batch to every client. Per item True: stored or already
+        present; False: the server had no room. None: it could not be asked. Caller's thread,
+        bounded by ``remote_timeout_s`` per :data:`MAX_BATCH` items; see
+        :class:`~lmcache_async.put_path.DirectPutTier`."""
+        out: list[bool] = []
+        for i in range(0, len(items), MAX_BATCH):
+            part = [(_kb(k), v if isinstance(v, MemoryObj) else _borrow(v, fmt)) for k, v in items[i : i + MAX_BATCH]]
+            got = self.client.put(part)
+            if got is None:
+                if not out:
+                    self.direct_put_failures += len(items)
+                    return None
+                out.extend([False] * (len(items) - len(out)))  # the rest was not asked
+                break
+            out.extend(got)
+        stored = sum(out)
+        self.direct_puts += stored
+        self.direct_put_failures += len(out) - stored
+        return out
 
     @property
     def generation(self) -> int:
@@ -199,6 +249,8 @@ class ServerTier(StorageBackend):
             "connected": int(st["connected"]),
             "circuit_open": int(st["circuit"] != "closed"),
             "generation": self.client.generation,
+            "direct_puts": self.direct_puts,
+            "direct_put_failures": self.direct_put_failures,
         }
 
 

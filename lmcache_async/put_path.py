@@ -2,14 +2,21 @@
 
 :class:`PutPath` copies a put into the pool tier (or borrows a pool block it is given), takes
 the write-through reference and queues it; when the pool tier is full of entries nobody may
-evict, or there is none, a staging block carries the entry to the lower tiers instead. Nothing
+evict, or there is none, a staging block carries the entry to the lower tiers instead.
+
+Without a pool tier, when the first lower tier is a :class:`DirectPutTier` (the node server's
+client tier), a put is written straight into that tier on the caller's thread: one copy, from
+the caller's tensor into the tier's own storage, and readable by every process sharing it when
+the put returns. Lower tiers after it still get the entry through a staging block. Nothing
 here waits for the loop.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -24,7 +31,52 @@ from lmcache_async.tensor_checks import check_storable_layout, check_storable_te
 from lmcache_async.tier_guard import LOG_BURST_S
 from lmcache_async.write_through import WriteThrough
 
-__all__ = ["PutPath", "check_put_batch"]
+__all__ = ["DirectPutTier", "PutPath", "check_put_batch", "copy_payload"]
+
+
+@runtime_checkable
+class DirectPutTier(Protocol):
+    """A lower tier that stores a put on the caller's thread, copying the payload once, from
+    the caller's buffer straight into the tier's own storage (no staging block, no loop hop).
+
+    :meth:`put_direct` runs on caller threads (never the manager's loop thread), concurrently
+    with itself and with the tier's coroutines; it is bounded by the tier's own timeout and
+    never raises for storage trouble.
+    """
+
+    #: The registry name (the tier's identity).
+    name: str
+
+    def put_direct(
+        self, items: Sequence[tuple[CacheEngineKey, torch.Tensor | MemoryObj]], fmt: MemoryFormat
+    ) -> list[bool] | None:
+        """Store each value (borrowed: read during the call, never kept) under its key with its
+        own shape and dtype, and the format ``fmt`` for a tensor (a MemoryObj carries its own).
+        One flag per item: True when stored, or already held (entries are content-addressed),
+        and readable by every client of the tier now; False when refused (no room). None: the
+        tier could not be asked (down, slow, circuit open)."""
+        ...
+
+
+def copy_payload(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy ``src`` into ``dst`` (same shape and dtype): one single-threaded ``memmove`` when
+    both are contiguous CPU tensors, else ``dst.copy_(src)``. torch's parallel ``copy_`` waits
+    on its worker threads, which costs milliseconds per large copy when the cores are busy."""
+    n = src.numel() * src.element_size()
+    if (
+        dst.device.type == "cpu"
+        and src.device.type == "cpu"
+        and dst.dtype == src.dtype
+        and dst.numel() == src.numel()
+        and dst.is_contiguous()
+        and src.is_contiguous()
+        and not src.is_conj()
+        and not src.is_neg()
+    ):
+        if n:
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
+        return
+    dst.copy_(src)
 
 
 def check_put_batch(keys: Sequence[CacheEngineKey], values: Sequence[torch.Tensor | MemoryObj]) -> None:
@@ -50,7 +102,9 @@ class PutPath:
 
     Any thread but the loop's. Counters (``put_rejected``, ``put_too_large``) are written by
     caller threads; their figures may miss an increment under a race, never gain one.
-    :meth:`detach` drops the tiers once the manager is closed.
+    :meth:`detach` drops the tiers once the manager is closed. :attr:`direct` is the first
+    lower tier when there is no CPU tier and that tier is a :class:`DirectPutTier` (see the
+    module docstring), else None.
     """
 
     def __init__(
@@ -71,10 +125,16 @@ class PutPath:
         self.put_rejected = 0
         self.put_too_large = 0
         self._refuse_log = RateLimitedLog(log, LOG_BURST_S)
+        guards = tiers.guards
+        first = guards[0].backend if guards else None
+        self.direct: DirectPutTier | None = first if cpu is None and isinstance(first, DirectPutTier) else None
+        #: Write-through targets of a direct put: the lower tiers after the direct one.
+        self._after_direct_targets = tuple(range(1, len(guards)))
 
     def detach(self) -> None:
-        """Let go of the pool tier (after close)."""
+        """Let go of the pool tier and the direct tier (after close)."""
         self.cpu = None
+        self.direct = None
 
     def put(
         self, key: CacheEngineKey, value: torch.Tensor | MemoryObj, fmt: MemoryFormat, checked: bool = False
@@ -103,6 +163,10 @@ class PutPath:
         if cpu is None:
             if key in self._pending:  # a lower tier's unverified "present" does not count (below)
                 return True
+            direct = self.direct
+            if direct is not None:
+                flags = direct.put_direct([(key, value)], fmt)
+                return self._after_direct(direct, None if flags is None else flags[0], key, tensor, shape, dtype, fmt)
             return self._stage_write(key, tensor, shape, dtype, fmt)
         # Only what this manager holds itself makes a put the content-addressed no-op. A lower
         # tier's "present" is unverified (an index entry, a file's size) and may stand for a
@@ -150,12 +214,84 @@ class PutPath:
         )
         return False
 
+    def put_batch(
+        self, keys: Sequence[CacheEngineKey], values: Sequence[torch.Tensor | MemoryObj], fmt: MemoryFormat
+    ) -> list[bool]:
+        """:meth:`put` of each pair, validated already (:func:`check_put_batch`); one result per
+        key. With a direct tier the batch is one call of that tier (one round trip to the node
+        server for all of it) instead of one per pair."""
+        direct = self.direct
+        if direct is None or self.cpu is not None or len(keys) < 2:
+            return [self.put(k, v, fmt, checked=True) for k, v in zip(keys, values, strict=True)]
+        if not isinstance(fmt, MemoryFormat):
+            raise TypeError(f"fmt must be a MemoryFormat, got {type(fmt).__name__}")
+        out = [True] * len(keys)
+        todo = [i for i, k in enumerate(keys) if k not in self._pending]
+        got = direct.put_direct([(keys[i], values[i]) for i in todo], fmt) if todo else []
+        for j, i in enumerate(todo):
+            v = values[i]
+            if isinstance(v, MemoryObj):
+                tensor, shape, dtype, vfmt = v.tensor, v.shape, v.dtype, v.fmt
+            else:
+                tensor, shape, dtype, vfmt = v, tuple(v.shape), v.dtype, fmt
+            out[i] = self._after_direct(direct, None if got is None else got[j], keys[i], tensor, shape, dtype, vfmt)
+        return out
+
+    def _after_direct(
+        self,
+        direct: DirectPutTier,
+        stored: bool | None,
+        key: CacheEngineKey,
+        tensor: torch.Tensor,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        fmt: MemoryFormat,
+    ) -> bool:
+        """The outcome of a put the direct tier answered with ``stored`` (None: not asked).
+        Stored: the lower tiers after it get it through a staging block (when the staging area
+        cannot carry it right now, only the direct tier holds it: logged once per burst). When
+        the direct tier refused the put or could not be asked, the lower tiers after it still
+        may take it (staged, as without a direct tier); with none, the put is refused: False,
+        counted in ``put_rejected`` and logged once per burst."""
+        rest = self._after_direct_targets
+        nbytes = dtype.itemsize * _numel(shape)
+        if stored:
+            if rest and not self._carry(key, tensor, shape, dtype, fmt, nbytes, rest):
+                self._refuse_log.warning(
+                    "StorageManager %r: an entry of %d bytes (%s) is in tier %s only: no staging room "
+                    "to carry it to the tiers after it",
+                    self._name,
+                    nbytes,
+                    key.to_string()[:200],
+                    direct.name,
+                )
+            return True
+        if rest:
+            return self._stage_write(key, tensor, shape, dtype, fmt, rest)
+        self.put_rejected += 1
+        self._refuse_log.warning(
+            "StorageManager %r: refused an entry of %d bytes (%s): tier %s %s",
+            self._name,
+            nbytes,
+            key.to_string()[:200],
+            direct.name,
+            "had no room for it" if stored is False else "could not be reached",
+        )
+        return False
+
     def _stage_write(
-        self, key: CacheEngineKey, tensor: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, fmt: MemoryFormat
+        self,
+        key: CacheEngineKey,
+        tensor: torch.Tensor,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        fmt: MemoryFormat,
+        targets: tuple[int, ...] | None = None,
     ) -> bool:
         """Write-through without a CPU-tier copy: a staging block (a one-off buffer for an entry
-        larger than the whole staging area) carries the bytes until the lower tiers have them;
-        the pending map serves reads meanwhile.
+        larger than the whole staging area) carries the bytes until the lower tiers ``targets``
+        (indexes into the lower tiers; None: all) have them; the pending map serves reads
+        meanwhile.
 
         False (counted in ``put_rejected``) when there is no lower tier, when no lower tier could
         ever hold the record (also counted in ``put_too_large`` when the CPU tier could not
@@ -178,15 +314,38 @@ class PutPath:
                 return self._refuse_too_large(key, n)
             self.put_rejected += 1  # the CPU tier could, but is full of held entries right now
             return False
-        staged = self._staging.allocate_write(shape, dtype, fmt, n)
-        if staged is None:
+        if not self._carry(key, tensor, shape, dtype, fmt, n, targets):
             self.put_rejected += 1
             return False
+        return True
+
+    def _carry(
+        self,
+        key: CacheEngineKey,
+        tensor: torch.Tensor,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        fmt: MemoryFormat,
+        nbytes: int,
+        targets: tuple[int, ...] | None,
+    ) -> bool:
+        """Copy ``tensor`` into a staging block and queue it for the lower tiers ``targets``;
+        False (nothing queued, nothing counted) when the staging area has no block right now."""
+        staged = self._staging.allocate_write(shape, dtype, fmt, nbytes)
+        if staged is None:
+            return False
         try:
-            staged.tensor.copy_(tensor)
+            copy_payload(staged.tensor, tensor)
         except BaseException:
             staged.ref_count_down()
             raise
-        if not self._wt.enqueue(key, staged, None, only_if_new=True):
+        if not self._wt.enqueue(key, staged, targets, only_if_new=True):
             staged.ref_count_down()
         return True
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

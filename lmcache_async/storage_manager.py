@@ -276,9 +276,10 @@ class StorageManager(Lifecycle):
         (the caller keeps its reference). A key the CPU tier holds, or whose write-through is
         queued, is a no-op returning True; a key only a lower tier claims to hold is stored
         again (that tier's record is unverified until read: it keeps it when intact). True
-        means readable now (CPU tier or queued write-through) and, after :meth:`flush`, in every
-        lower tier that accepted the write. Lower tiers are written in the background; the
-        caller's thread never waits for them.
+        means readable now (CPU tier, queued write-through, or a direct tier: with no CPU tier
+        and the node server first, the payload is written into its block on the caller's
+        thread) and, after :meth:`flush`, in every lower tier that accepted the write. Other
+        lower tiers are written in the background; the caller's thread never waits for them.
 
         False at once, counted in ``stats()["put_rejected"]``: transient pressure (the CPU tier
         and staging area hold only entries nobody may evict), or an entry larger than every tier
@@ -302,9 +303,8 @@ class StorageManager(Lifecycle):
         name ``keys[i]``/``values[i]``), so a caller mistake stores nothing."""
         self._check_usable()
         check_put_batch(keys, values)
-        put = self._put.put
         with self._wt.deferred_wake():  # one wake-up of the write-through for the whole batch
-            return [put(k, v, fmt, checked=True) for k, v in zip(keys, values, strict=True)]
+            return self._put.put_batch(keys, values, fmt)
 
     put_sync = sync_twin(put)
     batched_put_sync = sync_twin(batched_put)

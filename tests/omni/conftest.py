@@ -49,7 +49,12 @@ def omni() -> None:
         pytest.skip(why)
 
 
-SMALL: dict[str, Any] = {"max_local_cpu_size": 1 / 32, "staging_size": 1 / 64, "blocking_timeout_secs": 10}
+SMALL: dict[str, Any] = {
+    "max_local_cpu_size": 1 / 32,
+    "staging_size": 1 / 64,
+    "blocking_timeout_secs": 10,
+    "payload_buffer_size": 1 / 64,
+}
 
 
 @pytest.fixture

@@ -20,7 +20,9 @@ The tree codec keeps tensor bytes raw: the skeleton is JSON in which a tensor is
 ``bytes`` ``{"$b": segment}``, a tuple ``{"$tuple": [...]}`` and a dict whose keys are not all
 strings (or one starts with ``$``) ``{"$d": [[key, value], ...]}``. Encoding copies each tensor
 once, straight from its device into the record; decoding copies each tensor once into a fresh
-tensor the caller owns. A reader trusts nothing it has not checked: a bad magic, version, codec,
+tensor the caller owns (from the ``empty`` allocator a reader passes, else ``torch.empty``).
+Copies between contiguous CPU buffers are single-threaded ``memmove`` calls
+(:func:`~lmcache_async.put_path.copy_payload`). A reader trusts nothing it has not checked: a bad magic, version, codec,
 table entry or skeleton is :class:`CorruptPayload`.
 """
 
@@ -35,12 +37,14 @@ from typing import Any
 import torch
 
 from lmcache_async.dtypes import DTYPE_TO_NAME, NAME_TO_DTYPE
+from lmcache_async.put_path import copy_payload
 
 __all__ = [
     "CODEC_BYTES",
     "CODEC_OMNI",
     "CODEC_TREE",
     "CorruptPayload",
+    "EmptyTensor",
     "EncodedPayload",
     "decode_record",
     "encode_record",
@@ -56,6 +60,10 @@ _HEAD = struct.Struct("<4sBBHII")
 _SEG = struct.Struct("<QQ")
 MAX_DEPTH = 64
 """Nesting deeper than this is refused (encode: ``TypeError``; decode: corrupt)."""
+
+EmptyTensor = Callable[[list[int], torch.dtype], torch.Tensor]
+"""Where a decoded tensor goes: ``(shape, dtype)`` -> an uninitialised contiguous CPU tensor the
+caller will own."""
 
 OmniCodec = tuple[Callable[[Any], bytes], Callable[[memoryview], Any]]
 """Omni's serializer as ``(serialize, deserialize)``
@@ -94,7 +102,7 @@ class EncodedPayload:
             if not n:
                 continue
             if isinstance(seg, torch.Tensor):
-                buf[off : off + n].view(seg.dtype).view(seg.shape).copy_(seg)
+                copy_payload(buf[off : off + n].view(seg.dtype).view(seg.shape), seg)
             else:
                 mv[off : off + n] = seg
 
@@ -187,9 +195,10 @@ def encode_record(data: Any, omni: OmniCodec | None = None, prefer_omni: bool = 
 
 
 class _Decoder:
-    def __init__(self, buf: torch.Tensor, table: list[tuple[int, int]]) -> None:
+    def __init__(self, buf: torch.Tensor, table: list[tuple[int, int]], empty: EmptyTensor) -> None:
         self.buf = buf
         self.table = table
+        self.empty = empty
 
     def span(self, idx: object) -> torch.Tensor:
         if not isinstance(idx, int) or isinstance(idx, bool) or not 0 <= idx < len(self.table):
@@ -212,8 +221,8 @@ class _Decoder:
             raise CorruptPayload(f"tensor of {n} bytes in a segment of {raw.numel()}")
         if n == 0:
             return torch.empty(shape, dtype=dtype)
-        out = torch.empty(shape, dtype=dtype)
-        out.view(-1).view(torch.uint8).copy_(raw)
+        out = self.empty(shape, dtype)
+        copy_payload(out.view(-1).view(torch.uint8), raw)
         return out
 
     def ndarray(self, spec: object) -> Any:
@@ -271,11 +280,15 @@ class _Decoder:
         return {k: self.walk(v, depth + 1) for k, v in node.items()}
 
 
-def decode_record(buf: torch.Tensor, omni: OmniCodec | None = None) -> Any:
+def _torch_empty(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+def decode_record(buf: torch.Tensor, omni: OmniCodec | None = None, empty: EmptyTensor | None = None) -> Any:
     """Decode the record in ``buf`` (CPU uint8, 1-D): tensors and bytes come back as fresh
-    objects the caller owns (``buf`` may be released right after). :class:`CorruptPayload`
-    for anything that does not check out, including an Omni-serialized record when ``omni``
-    is None."""
+    objects the caller owns (``buf`` may be released right after); tensors are allocated by
+    ``empty`` (default ``torch.empty``). :class:`CorruptPayload` for anything that does not
+    check out, including an Omni-serialized record when ``omni`` is None."""
     total = buf.numel()
     if buf.dtype != torch.uint8 or buf.dim() != 1 or total < _HEAD.size:
         raise CorruptPayload("not a stage payload record")
@@ -291,7 +304,7 @@ def decode_record(buf: torch.Tensor, omni: OmniCodec | None = None) -> Any:
     for off, n in table:
         if off < table_end + slen or off + n > total:
             raise CorruptPayload(f"segment ({off}, {n}) outside the record")
-    dec = _Decoder(buf, table)
+    dec = _Decoder(buf, table, empty or _torch_empty)
     if codec == CODEC_BYTES:
         if nseg != 1:
             raise CorruptPayload("bytes record without exactly one segment")

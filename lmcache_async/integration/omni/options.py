@@ -39,6 +39,7 @@ CONNECTOR_DEFAULTS: dict[str, Any] = {
     "consume_on_get": True,
     "poll_interval_s": 0.005,
     "max_tracked_keys": 65536,
+    "payload_buffer_size": 0.125,
 }
 """The connector's own ``extra`` keys and their defaults (see :class:`StageOptions`)."""
 
@@ -63,7 +64,10 @@ class StageOptions:
       deletes what it read, so no process has to remember keys it never saw);
     * ``poll_interval_s``: longest sleep between two polls of ``get_with_deadline``;
     * ``max_tracked_keys``: bound on the keys remembered for ``cleanup`` (oldest forgotten first;
-      forgetting never deletes an entry).
+      forgetting never deletes an entry);
+    * ``payload_buffer_size``: GiB of pre-touched memory per store for the records a put
+      encodes and the tensors a get returns (their memory returns when the caller frees them;
+      see :mod:`~lmcache_async.integration.omni.buffers`); 0 allocates every buffer afresh.
     """
 
     namespace: str = "omni"
@@ -71,6 +75,7 @@ class StageOptions:
     consume_on_get: bool = True
     poll_interval_s: float = 0.005
     max_tracked_keys: int = 65536
+    payload_buffer_size: float = 0.125
 
     def __post_init__(self) -> None:
         if not isinstance(self.namespace, str) or not self.namespace:
@@ -87,6 +92,11 @@ class StageOptions:
             raise TypeError(f"max_tracked_keys must be an int, got {type(self.max_tracked_keys).__name__}")
         if self.max_tracked_keys < 1:
             raise ValueError(f"max_tracked_keys must be >= 1, got {self.max_tracked_keys}")
+        size = self.payload_buffer_size
+        if isinstance(size, bool) or not isinstance(size, (int, float)):
+            raise TypeError(f"payload_buffer_size must be a number (GiB), got {type(size).__name__}")
+        if not 0 <= size <= 64:
+            raise ValueError(f"payload_buffer_size must be in [0, 64] GiB, got {size!r}")
 
 
 def load_stage_options(extra: Mapping[str, Any] | None) -> tuple[LMCacheEngineConfig, StageOptions]:

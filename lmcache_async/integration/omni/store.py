@@ -13,6 +13,12 @@ Values. A tensor is stored as itself (its dtype and shape kept by the tier's rec
 back as a fresh CPU tensor; every other payload is one pickle-free record
 (:mod:`~lmcache_async.integration.omni.codec`), stored as ``MemoryFormat.BINARY``.
 
+Copies. With the node server as the only tier, a tensor put is one copy (the manager's put path
+writes it straight into the server's block) and so is a get (out of the server's pool straight
+into the buffer that becomes the returned tensor). Records are encoded into, and returned
+tensors live in, pre-touched memory (:mod:`~lmcache_async.integration.omni.buffers`,
+``payload_buffer_size``), so a large payload pays no page faults.
+
 Visibility. ``put`` returns once the entry is readable by every process sharing a tier: with
 lower tiers configured it waits for the write-through (``flush``). ``get`` reads through every
 tier (a consumer in another process finds the entry in the shared tier).
@@ -38,26 +44,33 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from lmcache_async.backend import Allocate
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.errors import ManagerClosedError
+from lmcache_async.integration.omni.buffers import PayloadBuffers
 from lmcache_async.integration.omni.codec import CorruptPayload, OmniCodec, decode_record, encode_record
 from lmcache_async.integration.omni.options import StageOptions, omni_serializer
 from lmcache_async.keys import TAG_PREFIX, CacheEngineKey, stable_u64_from_str
-from lmcache_async.memory import MemoryFormat, MemoryObj
+from lmcache_async.memory import MemoryFormat, MemoryObj, gib_to_bytes
+from lmcache_async.put_path import DirectPutTier
 from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.storage_manager import StorageManager
 
-__all__ = ["OmniStageStore", "stage_key"]
+__all__ = ["OmniStageStore", "ReadsInto", "stage_key"]
 
 logger = logging.getLogger(__name__)
 
 KEY_TAG = TAG_PREFIX + "omni_key"
 MAX_TAG_CHARS = 128
 FIRST_POLL_S = 0.0005
+INLINE_MARGIN_S = 0.1
+"""A poll runs on the caller's thread only when the tier's bound on one call plus this margin
+(decoding included) ends before the deadline."""
 REAP_BATCH = 16
 
 Fetched = tuple[Any, int]
@@ -78,6 +91,33 @@ def _check_put_key(value: object, name: str) -> str:
     if not value:
         raise ValueError(f"{name} must be non-empty")
     return value
+
+
+@runtime_checkable
+class ReadsInto(Protocol):
+    """A tier that reads entries on the caller's thread into buffers the caller supplies (the
+    node server's client tier): one copy out of the tier. ``lookup_many`` returns one entry
+    per key (a buffer from ``alloc`` with one reference the caller owns) or None per miss or
+    trouble; it never raises for storage trouble and never runs on the manager's loop."""
+
+    name: str
+
+    @property
+    def call_timeout_s(self) -> float:
+        """The longest one caller-thread call takes (waiting for the tier's connection included)."""
+        ...
+
+    def lookup_many(self, keys: Sequence[CacheEngineKey], alloc: Allocate | None = None) -> list[MemoryObj | None]: ...
+
+
+def _sole_reader(manager: StorageManager) -> ReadsInto | None:
+    """The manager's tier when it is its only one and a :class:`ReadsInto` (no CPU tier, so
+    the manager's own read would ask just that tier, on the caller's thread), else None."""
+    names = manager.tier_names
+    if len(names) != 1:
+        return None
+    tier = manager.backend(names[0])
+    return tier if isinstance(tier, ReadsInto) and manager.pool is None else None
 
 
 def stage_key(namespace: str, from_stage: str, to_stage: str, put_key: str) -> CacheEngineKey:
@@ -115,6 +155,14 @@ class OmniStageStore:
         if options.serializer == "omni" and self._omni is None:
             raise ValueError("serializer 'omni' needs vllm_omni, which does not import here")
         self.manager = StorageManager(config, None, name="omni")
+        try:
+            self._buffers = PayloadBuffers(gib_to_bytes(options.payload_buffer_size), "omni payload buffers")
+        except BaseException:
+            self.manager.close_sync()
+            raise
+        self._reader = _sole_reader(self.manager)
+        #: The manager's puts land in its only tier on the caller's thread (no write-through).
+        self._direct_only = isinstance(self._reader, DirectPutTier)
         self._shared = self.manager.has_lower_tiers
         self._lock = threading.Lock()
         self._tracked: OrderedDict[str, set[CacheEngineKey]] = OrderedDict()
@@ -191,7 +239,9 @@ class OmniStageStore:
                     raise TypeError("data cannot be encoded by the tree codec (serializer 'lmcache')")
                 nbytes = enc.nbytes
                 ok = self._put_record(key, enc)
-            if ok and self._shared:
+            # A put the direct tier took is readable everywhere already: nothing to wait for
+            # unless the write is still queued (to the tiers after it).
+            if ok and self._shared and not (self._direct_only and not sm.holds_locally(key)):
                 sm.flush_sync()
         except TimeoutError:
             self._count(timeouts=1, put_failures=1)
@@ -207,13 +257,11 @@ class OmniStageStore:
 
     def _put_record(self, key: CacheEngineKey, enc: Any) -> bool:
         """Write the record straight into a CPU-pool block when there is one (the put borrows
-        it: one copy), else into a fresh buffer the manager copies."""
+        it: one copy), else into a payload buffer that the manager's put path copies from."""
         sm = self.manager
         obj = sm.allocate([enc.nbytes], torch.uint8, MemoryFormat.BINARY)
         if obj is None:
-            buf = torch.empty(enc.nbytes, dtype=torch.uint8)
-            enc.write_into(buf)
-            return sm.put_sync(key, buf, MemoryFormat.BINARY)
+            obj = self._buffers.allocate([enc.nbytes], torch.uint8, MemoryFormat.BINARY)
         try:
             enc.write_into(obj.tensor)
             return sm.put_sync(key, obj)
@@ -221,20 +269,35 @@ class OmniStageStore:
             obj.ref_count_down()
 
     # ---- get ----------------------------------------------------------------------------------
+    def _read(self, key: CacheEngineKey) -> MemoryObj | None:
+        """The entry with one reference the caller owns, or None. With the manager's only tier
+        answering on this thread (the node server's), the entry is read from it straight into
+        a payload buffer, unless this process's own write of it is still queued."""
+        sm = self.manager
+        reader = self._reader
+        if reader is not None and not sm.holds_locally(key):
+            return reader.lookup_many([key], self._buffers.allocate)[0]
+        return sm.get_sync(key)
+
     def _fetch(self, key: CacheEngineKey, get_key: str) -> Fetched | None:
         """One read, decoded into objects the caller owns; None on a miss or trouble."""
         if key in self._consuming:
             return None
         try:
-            obj = self.manager.get_sync(key)
+            obj = self._read(key)
         except TimeoutError:
             self._count(timeouts=1)
             self._log.warning("Omni get of %r timed out (blocking_timeout_secs)", get_key, key="get-timeout")
             return None
         if obj is None:
             return None
+        nbytes = obj.nbytes
+        if obj.fmt != MemoryFormat.BINARY:
+            return self._buffers.take(obj), nbytes  # the tensor now holds the reference
         try:
-            return self._decode(obj), obj.nbytes
+            if obj.dtype != torch.uint8:
+                raise CorruptPayload(f"a BINARY entry of dtype {obj.dtype}")
+            return decode_record(obj.raw, self._omni, self._buffers.empty), nbytes
         except CorruptPayload as exc:
             self._count(corrupt=1)
             self._log.warning("Omni payload %r is corrupt and was dropped: %s", get_key, exc, key="corrupt")
@@ -242,13 +305,6 @@ class OmniStageStore:
             obj.ref_count_down()
         self._remove_quietly(key)
         return None
-
-    def _decode(self, obj: MemoryObj) -> Any:
-        if obj.fmt != MemoryFormat.BINARY:
-            return obj.tensor.clone()
-        if obj.dtype != torch.uint8:
-            raise CorruptPayload(f"a BINARY entry of dtype {obj.dtype}")
-        return decode_record(obj.raw, self._omni)
 
     def _got(self, key: CacheEngineKey, get_key: str, edge: tuple[str, str], got: Fetched | None) -> Fetched | None:
         if got is None:
@@ -294,23 +350,29 @@ class OmniStageStore:
         """Like :meth:`get`, polling until the entry appears or ``deadline`` (a
         ``time.monotonic()`` instant) passes; then None. Returns by the deadline even when a
         tier hangs: each poll runs on a worker thread and is abandoned (its result dropped,
-        the entry left in place) when the deadline comes first. Polls back off from 0.5 ms to
-        ``poll_interval_s``."""
+        the entry left in place) when the deadline comes first, except a poll of a
+        :class:`ReadsInto` tier whose own bound on a call ends well before the deadline, which
+        runs on this thread. Polls back off from 0.5 ms to ``poll_interval_s``."""
         self._check_open()
         if isinstance(deadline, bool) or not isinstance(deadline, (int, float)):
             raise TypeError(f"deadline must be a time.monotonic() value, got {type(deadline).__name__}")
         key = self.key(from_stage, to_stage, get_key)
         edge = (str(from_stage), str(to_stage))
         pause = FIRST_POLL_S
+        reader = self._reader
+        inline_s = None if reader is None else reader.call_timeout_s + INLINE_MARGIN_S
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            fut = self._workers.submit(self._fetch, key, get_key)
-            try:
-                got = fut.result(timeout=left)
-            except concurrent.futures.TimeoutError:
-                break  # the late answer is dropped; the entry (if any) stays for the next reader
+            if inline_s is not None and left > inline_s:
+                got = self._fetch(key, get_key)  # bounded by the tier's own timeout
+            else:
+                fut = self._workers.submit(self._fetch, key, get_key)
+                try:
+                    got = fut.result(timeout=left)
+                except concurrent.futures.TimeoutError:
+                    break  # the late answer is dropped; the entry (if any) stays for the next reader
             if got is not None:
                 return self._got(key, get_key, edge, got)
             left = deadline - time.monotonic()
@@ -377,11 +439,13 @@ class OmniStageStore:
     # ---- health and lifecycle -------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
         """``status`` (``"healthy"``, ``"degraded"`` while a lower tier's circuit is open, or
-        ``"closed"``), the store's counters, the number of remembered put keys, and per tier
-        the manager's figures. Any thread; never raises."""
+        ``"closed"``), the store's counters, the number of remembered put keys, the payload
+        buffers' figures (``payload_buffers``: capacity, free bytes, tensors served from them
+        and allocated afresh) and per tier the manager's figures. Any thread; never raises."""
         with self._lock:
             out: dict[str, Any] = dict(self._counts)
             out["tracked_keys"] = len(self._tracked)
+        out["payload_buffers"] = self._buffers.stats()
         if self._closed:
             out["status"] = "closed"
             return out
