@@ -8,14 +8,19 @@ Runs in the SGLang environment (``bash scripts/sglang_env.sh`` prints its python
 The host pool is SGLang's own ``MHATokenToKVPoolHost`` built on CPU
 (:func:`lmcache_async.integration.sglang.cpu_pool.build_cpu_host_pool`), filled with random bits,
 for the layouts ``page_first`` and ``layer_first``. Every timed call moves 64 pages; each figure
-is the median of ``reps`` (>= 5) warmed repetitions, figure and floor alternated (A B B A ...)
-so drift hits both.
+is the median of ``reps`` (>= 5; >= ``CPU_REPS`` on the CPU tier) warmed repetitions, figure
+and floor alternated (A B B A ...) so drift hits both.
 
 * **CPU tier** — ours: ``batch_set_v1`` of 64 new page hashes (a gather from the host pool into
   our CPU pool, keys, the index), ``batch_get_v1`` of 64 stored pages (a scatter back into the
   host pool). Floor: a bare ``torch.index_select(paged, page_axis, ids, out=...)`` of the same
   pages into pre-touched buffers rotating over >= 128 MiB, and ``index_copy_`` of rotating
   sources back into the same pages. Target: ours >= 0.8 x the floor's throughput.
+  Both sides cycle through the same memory: our CPU pool holds exactly as many batches as the
+  floor rotates buffers (``_Setup.cycle``), so each set writes into the blocks of the batch it
+  evicts, and the gets rotate over that many stored batches. (A server's last-level cache can
+  hold several batches — 480 MiB on a 2-core cloud VM — so a side that cycles through less
+  memory reads and writes partly in cache and measures faster for that reason alone.)
 * **disk tier** — ours without a CPU tier (``local_cpu: false``, ``local_disk``): set is
   ``batch_set_v1`` + ``flush`` (the records are on disk, header + xxh3 checksum); get is
   ``batch_get_v1`` reading every record from its file, checking header, key and checksum on every
@@ -48,6 +53,9 @@ from .common import BenchOptions, MiB, Result, alternate, format_table
 
 SUITE = "sglang"
 PAGES = 64
+CPU_REPS = 15
+"""Repetitions of a CPU-tier figure at least (each call takes tens of milliseconds; more
+samples keep its median steady on a loaded host)."""
 FACTORY_KEYS = {
     "backend_name": "lmcache_async",
     "module_path": "lmcache_async.integration.sglang",
@@ -95,6 +103,9 @@ class _Setup:
         self.src_idx = torch.cat([torch.arange(q * p, (q + 1) * p) for q in self.src_ids])
         self.dst_idx = torch.cat([torch.arange(q * p, (q + 1) * p) for q in self.dst_ids])
         self.batch_bytes = self.pages.record_bytes * PAGES
+        self.cycle = max(2, -(-128 * MiB // self.batch_bytes))
+        """Batches each side of a CPU-tier figure cycles through: the floor's rotating buffers,
+        our CPU pool's capacity (in batches) and the stored batches the gets rotate over."""
         self._n = itertools.count()
 
     def fresh_keys(self) -> list[str]:
@@ -105,7 +116,7 @@ class _Setup:
 def _floor_cpu(s: _Setup) -> tuple[Callable[[], float], Callable[[], float]]:
     """Bare index_select / index_copy_ of the same pages, rotating over >= 128 MiB."""
     paged, axis = s.pages.paged, s.pages.page_axis
-    n_bufs = max(2, -(-128 * MiB // s.batch_bytes))
+    n_bufs = s.cycle
     shape = list(paged.shape)
     shape[axis] = PAGES
     bufs = [torch.empty(shape, dtype=paged.dtype) for _ in range(n_bufs)]
@@ -128,14 +139,17 @@ def _cpu_tier(opts: BenchOptions, layout: str, layers: int) -> list[Result]:
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
     s = _Setup(layout, layers)
-    # Room for three batches: LRU then reuses blocks the warm-up rounds touched (first touch of
-    # fresh memory is ~300 us/MiB here and would otherwise be what is measured).
-    gib = (3 * s.batch_bytes + 16 * MiB) / (1 << 30)
+    # Room for exactly ``cycle`` batches (the slack is less than one page): in steady state each
+    # set evicts the oldest batch and writes into its blocks, all touched by the warm-up rounds
+    # (first touch of fresh memory is ~300 us/MiB here and would otherwise be what is measured),
+    # cycling through the same bytes as the floor's rotating buffers.
+    gib = (s.cycle * s.batch_bytes + s.pages.record_bytes // 2) / (1 << 30)
     extra = {**FACTORY_KEYS, "max_local_cpu_size": gib, "staging_size": 1 / 64}
     backend = StorageBackendFactory.create_backend("dynamic", _storage_config(extra), s.pool)
     backend.register_mem_pool_host(s.pool)
     try:
         stored: list[list[str]] = []
+        turn = itertools.count()
 
         def ours_set() -> None:
             keys = s.fresh_keys()
@@ -143,15 +157,16 @@ def _cpu_tier(opts: BenchOptions, layout: str, layers: int) -> list[Result]:
                 raise RuntimeError("batch_set_v1 refused pages (CPU pool too small?)")
             stored.append(keys)
 
-        def ours_get() -> None:
-            if not all(backend.batch_get_v1(stored[-1], s.dst_idx)):
+        def ours_get() -> None:  # the last ``cycle`` batches, all still in the pool
+            if not all(backend.batch_get_v1(stored[-1 - next(turn) % s.cycle], s.dst_idx)):
                 raise RuntimeError("batch_get_v1 missed pages it just stored")
 
         floor_set, floor_get = _floor_cpu(s)
-        for _ in range(4):  # touch every block of the CPU pool once
+        for _ in range(s.cycle + 2):  # touch every block of the CPU pool once
             ours_set()
-        t_set, t_floor_set = alternate([_timed(ours_set), floor_set], reps=opts.reps, warmup=max(1, opts.warmup))
-        t_get, t_floor_get = alternate([_timed(ours_get), floor_get], reps=opts.reps, warmup=max(1, opts.warmup))
+        reps, warm = max(opts.reps, CPU_REPS), max(1, opts.warmup)
+        t_set, t_floor_set = alternate([_timed(ours_set), floor_set], reps=reps, warmup=warm)
+        t_get, t_floor_get = alternate([_timed(ours_get), floor_get], reps=reps, warmup=warm)
     finally:
         backend.close()
     params = {"size": s.pages.record_bytes, "entries": PAGES, "layout": layout, "panel": "sglang cpu tier"}

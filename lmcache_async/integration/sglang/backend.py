@@ -226,31 +226,32 @@ class LMCacheHiCacheStorage(HiCacheStorage):
         todo: list[int] = []
         direct: list[int] = []
         values: list[MemoryObj] = []
-        held: list[MemoryObj] = []
         try:
-            for i, (key, pid) in enumerate(zip(keys, page_ids, strict=True)):
+            # Blocks first, then one gather for all of them: blocks the pool hands out one after
+            # another move in one index_select (see HostPoolPages.gather_many).
+            for i, key in enumerate(keys):
                 if sm.holds_locally(key):
                     results[i] = True
                     continue
                 obj = sm.allocate(pages.record_shape, pages.dtype, MemoryFormat.UNDEFINED)
                 if obj is None:
-                    # No CPU tier (or it holds only entries in use): gather into this thread's
-                    # scratch page, which put copies into the manager's staging area at once.
-                    scratch = self._scratch(pages)
-                    pages.gather(pid, scratch)
-                    results[i] = bool(sm.put_sync(key, scratch, MemoryFormat.UNDEFINED))
                     direct.append(i)
                     continue
-                held.append(obj)
-                pages.gather(pid, obj.tensor)
                 values.append(obj)
                 todo.append(i)
             if todo:
+                pages.gather_many([page_ids[i] for i in todo], [obj.tensor for obj in values])
                 oks = sm.batched_put_sync([keys[i] for i in todo], values, MemoryFormat.UNDEFINED)
                 for i, ok in zip(todo, oks, strict=True):
                     results[i] = bool(ok)
+            # No CPU tier (or it holds only entries in use): gather into this thread's scratch
+            # page, which put copies into the manager's staging area at once.
+            for i in direct:
+                scratch = self._scratch(pages)
+                pages.gather(page_ids[i], scratch)
+                results[i] = bool(sm.put_sync(keys[i], scratch, MemoryFormat.UNDEFINED))
         finally:
-            for obj in held:
+            for obj in values:
                 obj.ref_count_down()
         tried = todo + direct
         stored = sum(1 for i in tried if results[i])

@@ -38,6 +38,7 @@ SGLang's prefetch and backup threads may run at once (they touch disjoint pages)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +65,15 @@ class PageRun:
     """Pool pages named by one call's ``host_indices``: ``page_ids[i]`` is key ``i``'s page."""
 
     page_ids: list[int]
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides: list[int] = []
+    acc = 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= d
+    return tuple(reversed(strides))
 
 
 def _int_attr(pool: Any, name: str) -> int:
@@ -210,25 +220,75 @@ class HostPoolPages:
         return self.paged.select(self.page_axis, page_id)
 
     # A page is ``rows`` contiguous runs of the pool (one per index of the axes before the page
-    # axis: K/V, and layers in layer_first); both copies move it run by run. A single copy_ of
-    # the strided page view, or a one-page index_select/index_copy_, measured 7-100x slower here
-    # (one large strided kernel, or one parallel region per page on an oversubscribed host).
-    def _runs(self, page_id: int) -> torch.Tensor:
-        return self.paged.select(self.page_axis, page_id).view(self.rows, -1)
-
+    # axis: K/V, and layers in layer_first). A single page moves in one ``copy_`` of its strided
+    # view (one kernel over its ``rows`` runs); copying run by run from Python costs a dispatch
+    # and two views per run (16 per page for 8 layers). Many pages whose records lie at one
+    # stride in one buffer (blocks a pool allocator handed out one after another) move in one
+    # ``index_select`` along the page axis into a strided view over those records: the same
+    # kernel, slice after slice, as a bare ``index_select`` of those pages.
     def gather(self, page_id: int, out: torch.Tensor) -> None:
-        """Copy pool page ``page_id`` into ``out`` (a contiguous record-shaped tensor the caller owns)."""
-        src = self._runs(page_id)
-        dst = out.view(self.rows, -1)
-        for j in range(self.rows):
-            dst[j].copy_(src[j])
+        """Copy pool page ``page_id`` into ``out`` (a contiguous record-shaped tensor the caller
+        owns); the calling thread, one ``copy_``."""
+        out.view(self.record_shape).copy_(self.paged.select(self.page_axis, page_id))
+
+    def gather_many(self, page_ids: Sequence[int], outs: Sequence[torch.Tensor]) -> int:
+        """Copy pool page ``page_ids[i]`` into ``outs[i]`` for every ``i`` (contiguous
+        record-shaped tensors the caller owns, not overlapping each other); the calling thread.
+
+        Consecutive ``outs`` that lie at one stride (at least a record) in one storage are
+        filled by one ``index_select`` each, any others one ``copy_`` each. Returns the number
+        of copy calls made (for tests and stats).
+        """
+        if len(page_ids) != len(outs):
+            raise ValueError(f"{len(page_ids)} page ids for {len(outs)} records")
+        calls = 0
+        i, n = 0, len(outs)
+        while i < n:
+            j, step = self._run_end(outs, i)
+            if j - i == 1:
+                self.gather(page_ids[i], outs[i])
+            else:
+                first = outs[i]
+                stride = (step // first.element_size(), *_contiguous_strides(self.record_shape))
+                view = first.as_strided((j - i, *self.record_shape), stride, first.storage_offset())
+                ids = torch.tensor(page_ids[i:j], dtype=torch.int64)
+                torch.index_select(self.paged, self.page_axis, ids, out=view.movedim(0, self.page_axis))
+            calls += 1
+            i = j
+        return calls
+
+    def _run_end(self, outs: Sequence[torch.Tensor], i: int) -> tuple[int, int]:
+        """End (exclusive) of the run of ``outs`` from ``i`` at one stride in one storage, and
+        that stride in bytes (0 for a run of one)."""
+        first = outs[i]
+        if i + 1 >= len(outs) or not self._whole_record(first):
+            return i + 1, 0
+        storage = first.untyped_storage().data_ptr()
+        step = outs[i + 1].data_ptr() - first.data_ptr()
+        if step < self.record_bytes or step % first.element_size():
+            return i + 1, 0
+        j = i + 1
+        while (
+            j < len(outs)
+            and outs[j].data_ptr() - outs[j - 1].data_ptr() == step
+            and self._whole_record(outs[j])
+            and outs[j].untyped_storage().data_ptr() == storage
+        ):
+            j += 1
+        return j, step if j - i > 1 else 0
+
+    def _whole_record(self, t: torch.Tensor) -> bool:
+        return (
+            t.dtype == self.dtype
+            and t.device == self.device
+            and t.numel() * t.element_size() == self.record_bytes
+            and t.is_contiguous()
+        )
 
     def scatter(self, page_id: int, record: torch.Tensor) -> None:
-        """Copy ``record`` (record-shaped, contiguous, only read) into pool page ``page_id``."""
-        dst = self._runs(page_id)
-        src = record.reshape(self.rows, -1)
-        for j in range(self.rows):
-            dst[j].copy_(src[j])
+        """Copy ``record`` (record-shaped or flat with the record's element count, contiguous,
+        only read) into pool page ``page_id``; the calling thread, one ``copy_``."""
+        self.paged.select(self.page_axis, page_id).copy_(record.reshape(self.record_shape))
 
     def fits(self, record: torch.Tensor) -> bool:
         """True when ``record`` has this pool's record shape and dtype."""
