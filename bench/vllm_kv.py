@@ -16,16 +16,20 @@ module starts them in order, one at a time, and prints the figures. Each figure 
    disk tier in a shared directory, so run 2 reads what run 1 wrote.
 
 Save time is what the worker spends inside the connector's ``save_kv_layer`` + ``wait_for_save``
-for one prompt, load time inside ``start_load_kv`` + ``wait_for_layer_load`` + ``get_finished``
-(our asynchronous loads are scattered, and idle steps wait for them, in ``get_finished``; the methods are
-wrapped on the live worker connector; vLLM calls them by attribute). Our store process flushes
-after each prompt, outside the save time (its disk writes are asynchronous; the flush is shown
-for information). Right after each measured prompt the same process times the **bare
-gather/scatter** baseline: as many blocks as that prompt saved (all but the last token, in whole
-blocks) or loaded, in every layer's paged cache (``[num_blocks, kv_heads, block_size,
-2*head_size]`` on CPU), gathered with ``torch.index_select(out=)`` into pre-touched staging
-tensors and scattered back with ``index_copy_``. Saves are compared with the store process's
-gathers, loads with the load process's scatters.
+for one prompt. Load time is what the request waits for its load: for an asynchronous load (ours,
+from a lower tier) the wall time from the first load call (``start_load_kv``) to the end of the
+``get_finished`` that reports the load finished, idle steps and vLLM's own work between them
+included, plus the load calls after it; for a synchronous one (``ExampleConnector``) the seconds
+inside ``start_load_kv`` + ``wait_for_layer_load`` + ``get_finished`` (the methods are wrapped on
+the live worker connector; vLLM calls them by attribute). Our store process flushes after each
+prompt, outside the save time (its disk writes are asynchronous; the flush is shown for
+information). Right after each measured prompt the same process times the **bare gather/scatter**
+baseline: as many blocks as that prompt saved (all but the last token, in whole blocks) or
+loaded, in every layer's paged cache (``[num_blocks, kv_heads, block_size, 2*head_size]`` on
+CPU), gathered into pre-touched staging tensors and scattered back, both with torch
+(``index_select(out=)``, ``index_copy_``) and with one ``memmove`` per block; the faster median
+of the two is the baseline. Saves are compared with the store process's gathers, loads with the
+load process's scatters.
 
 Run it with the Python of the vLLM environment (``bash scripts/e2e_env.sh`` prints it)::
 

@@ -13,15 +13,18 @@
   ``flush`` (call the worker connector's ``flush()`` after each prompt, outside the timing).
 
 RESULT: per prompt the TTFT (wall time of a one-token greedy ``generate``), the first token,
-``num_cached_tokens`` and the seconds the worker spent inside the connector's save calls
-(``save_kv_layer`` + ``wait_for_save``) and load calls (``start_load_kv`` +
-``wait_for_layer_load`` + ``get_finished``, where an asynchronous load is scattered) and, for
-the connector modes, the bare gather and scatter times beside it (``bare``); ``error`` is None
-when the run went through.
+``num_cached_tokens``, the seconds the worker spent inside the connector's save calls
+(``save_kv_layer`` + ``wait_for_save``), the load time (``load``: for an asynchronous load the
+wall time from the first load call to the ``get_finished`` that reports it, i.e. what the request
+waited, plus later load calls; else the seconds inside ``start_load_kv`` +
+``wait_for_layer_load`` + ``get_finished``, also given as ``load_calls``) and, for the connector
+modes, the bare gather and scatter times beside it (``bare``); ``error`` is None when the run
+went through.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import random
@@ -58,7 +61,11 @@ def _worker(obj: Any) -> Any:
 def install_connector_timers(obj: Any) -> bool:
     """Wrap the worker connector's save and load methods (on the instance) so the seconds spent
     inside them accumulate; runs in the worker (through ``LLM.collective_rpc``). False when the
-    worker has no KV connector."""
+    worker has no KV connector.
+
+    An asynchronous load is also timed as the engine waits for it: from the start of the first
+    load call after the last reset to the end of the ``get_finished`` that reports the request's
+    load finished (``finished_recving``), idle steps and vLLM's own work between them included."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     if not has_kv_transfer_group():
@@ -66,15 +73,26 @@ def install_connector_timers(obj: Any) -> bool:
     conn = get_kv_transfer_group()
     if getattr(conn, "_bench_seconds", None) is not None:
         return True
-    seconds = {"save": 0.0, "load": 0.0}
+    seconds: dict[str, Any] = {"save": 0.0, "load": 0.0, "load_first": None, "load_reported": None, "load_after": 0.0}
 
     def timed(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
+            if kind == "load" and seconds["load_first"] is None:
+                seconds["load_first"] = t0
+            out: Any = None
             try:
-                return fn(*args, **kwargs)
+                out = fn(*args, **kwargs)
+                return out
             finally:
-                seconds[kind] += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                seconds[kind] += t1 - t0
+                if kind == "load":
+                    if seconds["load_reported"] is not None:
+                        seconds["load_after"] += t1 - t0
+                    if fn.__name__ == "get_finished" and isinstance(out, tuple) and len(out) > 1 and out[1]:
+                        seconds["load_reported"] = t1
+                        seconds["load_after"] = 0.0
 
         return call
 
@@ -87,13 +105,18 @@ def install_connector_timers(obj: Any) -> bool:
 
 
 def take_connector_seconds(obj: Any) -> dict[str, float]:
-    """The accumulated save/load seconds since the last call (then reset to zero)."""
+    """The save/load seconds since the last call (then reset). ``load`` is the wall time an
+    asynchronous load kept the request waiting (see :func:`install_connector_timers`) plus the
+    load calls after it, else the seconds inside the load calls; ``load_calls`` is always the
+    latter."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    seconds: dict[str, float] = get_kv_transfer_group()._bench_seconds
-    out = dict(seconds)
-    for k in seconds:
-        seconds[k] = 0.0
+    seconds: dict[str, Any] = get_kv_transfer_group()._bench_seconds
+    out = {"save": float(seconds["save"]), "load_calls": float(seconds["load"])}
+    first, reported = seconds["load_first"], seconds["load_reported"]
+    out["load"] = reported - first + seconds["load_after"] if reported is not None else out["load_calls"]
+    out["load_async"] = reported is not None
+    seconds.update(save=0.0, load=0.0, load_first=None, load_reported=None, load_after=0.0)
     return out
 
 
@@ -113,9 +136,11 @@ def bare_gather_scatter(obj: Any, num_blocks: int, reps: int, seed: int) -> dict
     """Median seconds of a bare block gather and scatter over the worker's paged caches.
 
     Per repetition a different seeded set of ``num_blocks`` block ids (so the blocks are not
-    cache-hot from the previous repetition) is gathered from every layer with
-    ``torch.index_select(out=)`` into pre-touched staging tensors, then scattered back with
-    ``index_copy_`` (the same bytes go back, so the engine's cache is unchanged).
+    cache-hot from the previous repetition) is gathered from every layer into pre-touched
+    staging tensors, then scattered back (the same bytes go back, so the engine's cache is
+    unchanged), two ways: torch (``index_select(out=)`` / ``index_copy_``) and one ``memmove``
+    per block (single-threaded, no OpenMP team). ``gather_s``/``scatter_s`` are the faster of
+    the two medians, so the baseline is the best bare copy of those blocks.
     """
     caches = [c for c in _worker(obj).model_runner.kv_caches if isinstance(c, torch.Tensor)]
     if not caches or num_blocks <= 0:
@@ -123,9 +148,11 @@ def bare_gather_scatter(obj: Any, num_blocks: int, reps: int, seed: int) -> dict
     total = caches[0].shape[0]
     num_blocks = min(num_blocks, total)
     staging = [torch.empty((num_blocks, *c.shape[1:]), dtype=c.dtype).fill_(0) for c in caches]
+    block_bytes = staging[0][0].numel() * staging[0].element_size()
+    host = all(c.is_contiguous() and c.device.type == "cpu" for c in caches)
     rng = random.Random(seed)
-    gathers, scatters = [], []
-    for _ in range(reps + 1):  # the first repetition warms up and is not recorded
+    times: dict[str, list[float]] = {k: [] for k in ("torch_gather", "torch_scatter", "mm_gather", "mm_scatter")}
+    for rep in range(reps + 1):  # the first repetition warms up and is not recorded
         ids = torch.tensor(sorted(rng.sample(range(total), num_blocks)), dtype=torch.long)
         t0 = time.perf_counter()
         for c, s in zip(caches, staging, strict=True):
@@ -134,12 +161,32 @@ def bare_gather_scatter(obj: Any, num_blocks: int, reps: int, seed: int) -> dict
         for c, s in zip(caches, staging, strict=True):
             c.index_copy_(0, ids, s)
         t2 = time.perf_counter()
-        gathers.append(t1 - t0)
-        scatters.append(t2 - t1)
+        if rep:
+            times["torch_gather"].append(t1 - t0)
+            times["torch_scatter"].append(t2 - t1)
+        if not host:
+            continue
+        il = ids.tolist()
+        t0 = time.perf_counter()
+        for c, s in zip(caches, staging, strict=True):
+            base, dst = c.data_ptr(), s.data_ptr()
+            for i, b in enumerate(il):
+                ctypes.memmove(dst + i * block_bytes, base + b * block_bytes, block_bytes)
+        t1 = time.perf_counter()
+        for c, s in zip(caches, staging, strict=True):
+            base, src = c.data_ptr(), s.data_ptr()
+            for i, b in enumerate(il):
+                ctypes.memmove(base + b * block_bytes, src + i * block_bytes, block_bytes)
+        t2 = time.perf_counter()
+        if rep:
+            times["mm_gather"].append(t1 - t0)
+            times["mm_scatter"].append(t2 - t1)
+    med = {k: statistics.median(v) if v else None for k, v in times.items()}
     nbytes = sum(s.numel() * s.element_size() for s in staging)
     return {
-        "gather_s": statistics.median(gathers[1:]),
-        "scatter_s": statistics.median(scatters[1:]),
+        "gather_s": min(v for v in (med["torch_gather"], med["mm_gather"]) if v is not None),
+        "scatter_s": min(v for v in (med["torch_scatter"], med["mm_scatter"]) if v is not None),
+        **{f"{k}_s": v for k, v in med.items()},
         "layers": len(caches),
         "blocks": num_blocks,
         "layout": list(caches[0].shape),

@@ -179,3 +179,44 @@ def test_flash_attention_round_trip_through_pinned_host_records_on_a_side_stream
     scatter_blocks(PagedCaches(dst, BS, 2), [2, 3], record, stream=stream)
     for s, d in zip(src.values(), dst.values(), strict=True):
         assert torch.equal(d[:, 2], s[:, 6]) and torch.equal(d[:, 3], s[:, 0])
+
+
+@pytest.mark.parametrize("layout", ["cpu", "flash_attn"])
+def test_host_copies_match_the_torch_copies_byte_for_byte(layout: str) -> None:
+    """Contiguous host caches are copied with ``memmove`` (runs of consecutive ids merged);
+    the same caches made non-contiguous go through torch: both give the same bytes."""
+    fixed = FLASH_ATTN_LAYOUT if layout == "flash_attn" else None
+    src = flash_caches() if fixed else cpu_caches()
+    host = PagedCaches(src, BS, 3, layout=fixed)
+    assert host.host_copy
+    strided = {k: v.transpose(-1, -2).contiguous().transpose(-1, -2) for k, v in src.items()}
+    assert not any(v.is_contiguous() for v in strided.values())
+    torch_side = PagedCaches(strided, BS, 3, layout=fixed)
+    assert not torch_side.host_copy
+    for ids in ([2, 3, 4], [6, 1, 2], [0]):
+        a, b = torch.zeros(host.record_shape), torch.zeros(host.record_shape)
+        gather_blocks(host, ids, a)
+        gather_blocks(torch_side, torch.tensor(ids), b)
+        assert torch.equal(a, b) and a.any()
+        zeros = flash_caches(fill=False) if fixed else cpu_caches(fill=False)
+        dst_host = PagedCaches(zeros, BS, 3, layout=fixed)
+        scatter_blocks(dst_host, [7, 5, 6][: len(ids)], a, first=3 - len(ids) if len(ids) < 3 else 0)
+        dst_torch = {k: v.transpose(-1, -2).contiguous().transpose(-1, -2) for k, v in zeros.items()}
+        for t in dst_torch.values():
+            t.zero_()
+        scatter_blocks(
+            PagedCaches(dst_torch, BS, 3, layout=fixed),
+            [7, 5, 6][: len(ids)],
+            b,
+            first=3 - len(ids) if len(ids) < 3 else 0,
+        )
+        for x, y in zip(zeros.values(), dst_torch.values(), strict=True):
+            assert torch.equal(x, y)
+
+
+def test_a_host_copy_outside_the_chunk_is_refused_before_any_copy() -> None:
+    caches = PagedCaches(cpu_caches(), BS, 2)
+    record = torch.zeros(caches.record_shape)
+    with pytest.raises(ValueError, match="outside the chunk"):
+        gather_blocks(caches, [0, 1, 2], record)
+    assert not record.any()
