@@ -2,9 +2,9 @@
 
 * **kv astore / hs aretrieve, CPU tier**: ``await eng.astore(...)`` and
   ``await hs.aretrieve_hidden_states(...)`` timed inside a running loop, each beside the sync
-  call (timed from a thread without a loop) in the same run, below the off-loop threshold (the
-  copy runs on the caller's thread) and above it (the copy runs on the engine copy executor).
-  Target <= 1.2.
+  call (timed on the same thread while no loop runs), alternating call by call in the same run,
+  below the off-loop threshold (the copy runs on the caller's thread) and above it (the copy
+  runs on the engine copy executor). Target <= 1.2.
 * **off-loop threshold**: the copy executor's round trip (``await run_off_loop(noop)``) beside
   a rotating 1 MiB ``copy_``; the note gives the copy size at which the hop costs 20% of the
   copy, the figure :data:`~lmcache_async.engines._offload.OFF_LOOP_COPY_BYTES` is set from.
@@ -25,74 +25,76 @@ import torch
 from lmcache_async.engines import _offload
 from lmcache_async.engines.kv import LMCacheEngine
 
-from .common import BenchOptions, CopyBaseline, MiB, Result, alternate, median_of
+from .common import BenchOptions, CopyBaseline, MiB, Result, median_of
 
 SUITE = "kv_hs"
 CHUNK = 256
 _TARGET = 1.2
 
 
-class _Sync:
-    """``fn(i)`` called ``inner`` times per repetition after ``setup()`` (untimed); returns
-    seconds per call. The last result stays referenced while the next call runs."""
-
-    def __init__(self, fn: Callable[[int], Any], inner: int, setup: Callable[[], None] | None = None) -> None:
-        self.fn, self.inner, self.setup = fn, inner, setup
-        self.i = 0
-        self.last: Any = None
-
-    def __call__(self) -> float:
-        if self.setup is not None:
-            self.setup()
-        total = 0.0
-        for _ in range(self.inner):
-            i = self.i
-            self.i = i + 1
-            t0 = time.perf_counter()
-            r = self.fn(i)
-            total += time.perf_counter() - t0
-            self.last = r
-        return total / self.inner
-
-
-class _Async(_Sync):
-    """Like :class:`_Sync` for a coroutine function, each ``await`` timed inside ``loop``."""
+class _Pair:
+    """``await afn(i)`` (timed inside ``loop``) beside ``sfn(i)`` (timed on this thread, which
+    runs no loop between the awaited calls), call by call: each repetition runs ``setup()``
+    (untimed), then ``inner`` pairs, the order inside a pair alternating, so load that comes and
+    goes hits both sides alike. Each side keeps its last result referenced while its next call
+    runs ("results kept")."""
 
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
-        fn: Callable[[int], Awaitable[Any]],
+        afn: Callable[[int], Awaitable[Any]],
+        sfn: Callable[[int], Any],
         inner: int,
         setup: Callable[[], None] | None = None,
     ) -> None:
-        super().__init__(lambda i: None, inner, setup)
-        self.loop, self.afn = loop, fn
+        self.loop, self.afn, self.sfn, self.inner, self.setup = loop, afn, sfn, inner, setup
+        self.i = 0
+        self.last_a: Any = None
+        self.last_s: Any = None
 
-    def __call__(self) -> float:
+    async def _timed(self, i: int) -> tuple[float, Any]:
+        t0 = time.perf_counter()
+        r = await self.afn(i)
+        return time.perf_counter() - t0, r
+
+    def _one_async(self, i: int) -> float:
+        dt, self.last_a = self.loop.run_until_complete(self._timed(i))
+        return dt
+
+    def _one_sync(self, i: int) -> float:
+        t0 = time.perf_counter()
+        r = self.sfn(i)
+        dt = time.perf_counter() - t0
+        self.last_s = r
+        return dt
+
+    def rep(self) -> tuple[float, float]:
+        """Seconds per call of each side over one repetition."""
         if self.setup is not None:
             self.setup()
-
-        async def rep() -> float:
-            total = 0.0
-            for _ in range(self.inner):
-                i = self.i
-                self.i = i + 1
-                t0 = time.perf_counter()
-                r = await self.afn(i)
-                total += time.perf_counter() - t0
-                self.last = r
-            return total / self.inner
-
-        return self.loop.run_until_complete(rep())
+        ta = ts = 0.0
+        for j in range(self.inner):
+            i = self.i
+            self.i = i + 1
+            if j % 2:
+                ta += self._one_async(i)
+                ts += self._one_sync(i)
+            else:
+                ts += self._one_sync(i)
+                ta += self._one_async(i)
+        return ta / self.inner, ts / self.inner
 
 
-def _pair(a: _Sync, b: _Sync, reps: int, warmup: int) -> tuple[float, float]:
+def _pair(pair: _Pair, reps: int, warmup: int) -> tuple[float, float]:
+    """Medians over ``reps`` repetitions (after ``warmup``) of the awaited and the sync side."""
     try:
-        ta, tb = alternate([a, b], reps=reps, warmup=warmup)
+        for _ in range(warmup):
+            pair.rep()
+        samples = [pair.rep() for _ in range(reps)]
     finally:
-        a.last = b.last = None
+        pair.last_a = pair.last_s = None
         gc.collect()
-    return ta, tb
+    return median_of([a for a, _s in samples]), median_of([s for _a, s in samples])
 
 
 def _ratio(name: str, ta: float, tb: float, base: str) -> Result:
@@ -130,7 +132,7 @@ def kv_astore(
         counts.append(eng.store(prompts_s[i], kv))
 
     opts.say(f"kv astore vs store, {nbytes // MiB} MiB")
-    ta, tb = _pair(_Async(loop, astore, inner, clear), _Sync(store, inner, clear), reps, warmup)
+    ta, tb = _pair(_Pair(loop, astore, store, inner, clear), reps, warmup)
     assert counts and all(c == tokens // CHUNK for c in counts), f"stored {set(counts)} chunks"
     label = f"{tokens} tokens x [2,{layers},*,{hidden}] bf16 ({nbytes / MiB:g} MiB, {_where(nbytes)})"
     return _ratio(f"await kv.astore, CPU tier, {label}", ta, tb, "kv.store (sync) same run")
@@ -150,9 +152,7 @@ def hs_aretrieve(
         return await hs.aretrieve_hidden_states(prompt)
 
     opts.say(f"hs aretrieve vs retrieve, {nbytes // MiB} MiB")
-    ta, tb = _pair(
-        _Async(loop, aretrieve, inner), _Sync(lambda i: hs.retrieve_hidden_states(prompt), inner), reps, warmup
-    )
+    ta, tb = _pair(_Pair(loop, aretrieve, lambda i: hs.retrieve_hidden_states(prompt), inner), reps, warmup)
     got = loop.run_until_complete(aretrieve(0))
     assert got is not None and got.shape == (len(prompt), hidden)
     label = f"{len(prompt)}x{hidden} f32 ({nbytes / MiB:g} MiB, {_where(nbytes)})"

@@ -23,6 +23,10 @@ _U64_MAX = (1 << 64) - 1
 # Characters that are escaped in the model name and in tag values.
 _ESCAPE = frozenset("%@/") | frozenset(chr(c) for c in range(0x20)) | {"\x7f"}
 
+# Tag names :meth:`CacheEngineKey.with_tag` has checked already (a handful in practice; bounded).
+_CHECKED_TAGS: set[str] = set()
+_CHECKED_TAGS_MAX = 256
+
 
 def _check_text(value: str, what: str) -> None:
     try:
@@ -225,6 +229,44 @@ class CacheEngineKey:
             s += "@" + "@".join(f"{k}%{_escape(v)}" for k, v in self.tags)
         object.__setattr__(self, "_str", s)
         return s
+
+    def with_tag(self, tag: str, value: str) -> CacheEngineKey:
+        """This key with the tag ``tag`` (a name without :data:`TAG_PREFIX`) set to ``value``.
+
+        Equal (same hash, same string form) to the key built from this key's fields with
+        ``{**request_configs, TAG_PREFIX + tag: value}``: a tag the key has keeps its place and
+        takes the new value, a new tag comes last. Only the tag is checked, not the fields
+        already checked when this key was built, so it costs a fraction of the constructor (the
+        hidden-state store derives one key per chunk this way). ``TypeError`` for a non-str
+        ``tag`` or ``value``; ``ValueError`` for a tag name that is empty or holds ``%``, ``@``,
+        ``/`` or a control character, and for a value that is not valid Unicode text."""
+        if type(tag) is not str or type(value) is not str:
+            raise TypeError(f"tag and value must be str, got {type(tag).__name__} and {type(value).__name__}")
+        if tag not in _CHECKED_TAGS:
+            if not tag or any(c in _ESCAPE for c in tag):
+                raise ValueError(f"tag name {tag!r} must be non-empty and free of '%', '@', '/' and control characters")
+            if len(_CHECKED_TAGS) < _CHECKED_TAGS_MAX:
+                _CHECKED_TAGS.add(tag)
+        _check_text(value, f"the value of tag {tag!r}")
+        old = self.tags
+        if old is None:
+            tags: tuple[tuple[str, str], ...] = ((tag, value),)
+        elif any(name == tag for name, _v in old):
+            tags = tuple((name, value) if name == tag else (name, v) for name, v in old)
+        else:
+            tags = (*old, (tag, value))
+        k = object.__new__(CacheEngineKey)
+        _set_model_name(k, self.model_name)
+        _set_world_size(k, self.world_size)
+        _set_worker_id(k, self.worker_id)
+        _set_chunk_hash(k, self.chunk_hash)
+        _set_dtype(k, self.dtype)
+        _set_tags(k, tags)
+        _set_hash(
+            k, hash((self.model_name, self.world_size, self.worker_id, self.chunk_hash, dtype_name(self.dtype), tags))
+        )
+        _set_str(k, None)
+        return k
 
     def with_chunk_hash(self, chunk_hash: int) -> CacheEngineKey:
         """A copy of this key with another ``chunk_hash``."""

@@ -479,6 +479,11 @@ class PoolAllocator(_AllocatorBase):
         n = numel * itemsize
         align = self.align
         units = -(-n // align) or 1
+        if units * align > self.capacity - self.used_bytes:
+            # Fewer free bytes than the block needs, read without the lock (an int read is
+            # atomic): no block fits at this moment. Callers that evict and retry (the CPU tier
+            # under churn) fail here at once instead of searching the free lists.
+            return None
         with self.lock:
             start = self._take(units)
             if start is None:

@@ -52,7 +52,8 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-HS_LAYER_TAG = TAG_PREFIX + "hs_layer"
+_HS_LAYER = "hs_layer"
+HS_LAYER_TAG = TAG_PREFIX + _HS_LAYER
 """``request_configs`` key of the tag that turns a KV chunk key into an HS entry key."""
 
 _STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -64,11 +65,7 @@ def hs_entry_key(kv_key: CacheEngineKey, layer_idx: int) -> CacheEngineKey:
     It is ``kv_key`` with the tag ``hs_layer=<layer_idx>`` added (string form
     ``<kv key>@hs_layer%<layer_idx>``); KV keys never carry that tag, so the two never collide.
     """
-    rc = kv_key.request_configs or {}
-    rc[HS_LAYER_TAG] = str(layer_idx)
-    return CacheEngineKey(
-        kv_key.model_name, kv_key.world_size, kv_key.worker_id, kv_key.chunk_hash, kv_key.dtype, rc
-    )
+    return kv_key.with_tag(_HS_LAYER, str(layer_idx))
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,13 +139,9 @@ class HiddenStateStore:
         if token_database is None:
             token_database = ChunkedTokenDatabase(config.chunk_size, config.save_unfull_chunk, metadata)
         elif not isinstance(token_database, ChunkedTokenDatabase):
-            raise TypeError(
-                f"token_database must be a ChunkedTokenDatabase, got {type(token_database).__name__}"
-            )
+            raise TypeError(f"token_database must be a ChunkedTokenDatabase, got {type(token_database).__name__}")
         if kv_storage_manager is not None and not isinstance(kv_storage_manager, StorageManager):
-            raise TypeError(
-                f"kv_storage_manager must be a StorageManager, got {type(kv_storage_manager).__name__}"
-            )
+            raise TypeError(f"kv_storage_manager must be a StorageManager, got {type(kv_storage_manager).__name__}")
         self.token_database = token_database
         self.kv_storage_manager = kv_storage_manager
         self.storage_dtype: torch.dtype = _STORAGE_DTYPES[config.hidden_state_storage_dtype]
@@ -267,8 +260,7 @@ class HiddenStateStore:
         hidden_states = check_storable_tensor(hidden_states, "hidden_states")
         if hidden_states.dim() != 2:
             raise ValueError(
-                "hidden_states must be 2-D [num_tokens, hidden_dim], got shape "
-                f"{tuple(hidden_states.shape)}"
+                f"hidden_states must be 2-D [num_tokens, hidden_dim], got shape {tuple(hidden_states.shape)}"
             )
         if not hidden_states.dtype.is_floating_point:
             raise TypeError(f"hidden_states must be a floating-point tensor, got {hidden_states.dtype}")
@@ -413,9 +405,7 @@ class HiddenStateStore:
             if not isinstance(out, torch.Tensor):
                 raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
             if out.dtype != torch.float32 or out.dim() != 2:
-                raise ValueError(
-                    f"out must be a 2-D float32 tensor, got {out.dtype} of shape {tuple(out.shape)}"
-                )
+                raise ValueError(f"out must be a 2-D float32 tensor, got {out.dtype} of shape {tuple(out.shape)}")
 
     @staticmethod
     def _well_shaped(plan: ChunkPlan, objs: list[MemoryObj | None]) -> list[MemoryObj]:

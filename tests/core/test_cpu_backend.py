@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from lmcache_async.backend import BackendContext
@@ -76,3 +77,42 @@ def test_clear_returns_pool_to_zero():
     cpu.clear_nowait()
     assert pool.used_bytes == 0
     assert cpu.bytes == 0
+
+
+def test_allocate_checks_its_arguments_whether_or_not_the_pool_has_room():
+    pool = PoolAllocator(4 * 4096, name="t", pretouch=False, align=256)
+    cpu = CPUBackend(pool, "LRU")
+    for key in range(4):
+        _fill(cpu, make_key(key))  # the pool is full
+    for _ in range(2):
+        with pytest.raises(TypeError, match="dtype"):
+            cpu.allocate((4,), "float32")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="negative"):
+            cpu.allocate((-1, 4), torch.float32)
+        with pytest.raises(TypeError, match="ints"):
+            cpu.allocate((2.5,), torch.float32)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="tuple of ints"):
+            cpu.allocate("abc", torch.float32)  # type: ignore[arg-type]
+        cpu.clear_nowait()
+
+
+def test_allocate_into_a_full_pool_evicts_only_what_it_needs():
+    pool = PoolAllocator(4 * 4096, name="t", pretouch=False, align=256)
+    cpu = CPUBackend(pool, "LRU")
+    keys = [make_key(i) for i in range(4)]
+    for k in keys:
+        _fill(cpu, k)
+    assert pool.free_bytes == 0
+    assert cpu.allocate((1024,), torch.float32, evict=False) is None  # no room, nothing evicted
+    assert cpu.evictions == 0 and len(cpu) == 4
+    obj = cpu.allocate((512,), torch.float32)  # half a block: the oldest entry goes
+    assert obj is not None
+    assert cpu.evictions == 1
+    assert not cpu.contains_nowait(keys[0]) and all(cpu.contains_nowait(k) for k in keys[1:])
+    again = cpu.allocate((512,), torch.float32)  # fits in what that eviction freed
+    assert again is not None
+    assert cpu.evictions == 1
+    obj.ref_count_down()
+    again.ref_count_down()
+    assert cpu.allocate((64 * 1024,), torch.float32) is None  # can never fit: nothing evicted
+    assert cpu.evictions == 1

@@ -204,3 +204,48 @@ def test_database_keys_equal_validated_keys():
         ref = CacheEngineKey("mdl", 2, 1, h, torch.float16)
         assert k == ref and hash(k) == hash(ref) and k.to_string() == ref.to_string()
         assert CacheEngineKey.from_string(k.to_string()) == k
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        ("m", 1, 0, 5, torch.bfloat16, None),
+        ("org/model 100%", 4, 3, (1 << 64) - 1, torch.float16, {"lmcache.tag.user": "alice", "other": 7}),
+        ("m", 2, 1, 9, torch.float32, {"lmcache.tag.hs_layer": "1", "lmcache.tag.z": "q@/%"}),
+    ],
+)
+@pytest.mark.parametrize(("tag", "value"), [("hs_layer", "3"), ("user", "bob@x/%"), ("new", "")])
+def test_with_tag_equals_the_constructor(fields, tag, value):
+    model, world, worker, chunk, dtype, rc = fields
+    key = CacheEngineKey(model, world, worker, chunk, dtype, rc)
+    want_rc = dict(key.request_configs or {})
+    want_rc["lmcache.tag." + tag] = value
+    want = CacheEngineKey(model, world, worker, chunk, dtype, want_rc)
+    got = key.with_tag(tag, value)
+    assert got == want
+    assert hash(got) == hash(want)
+    assert got.tags == want.tags
+    assert got.to_string() == want.to_string()
+    assert CacheEngineKey.from_string(got.to_string()) == got
+    assert key.tags == (CacheEngineKey(model, world, worker, chunk, dtype, rc).tags)  # unchanged
+
+
+@pytest.mark.parametrize(
+    ("tag", "value", "exc"),
+    [
+        ("", "1", ValueError),
+        ("a@b", "1", ValueError),
+        ("a/b", "1", ValueError),
+        ("a%b", "1", ValueError),
+        ("a\nb", "1", ValueError),
+        ("ok", "lone \ud800 surrogate", ValueError),
+        (1, "1", TypeError),
+        ("ok", 1, TypeError),
+    ],
+)
+def test_with_tag_checks_the_tag(tag, value, exc):
+    key = CacheEngineKey("m", 1, 0, 5, torch.bfloat16)
+    with pytest.raises(exc):
+        key.with_tag(tag, value)
+    with pytest.raises(exc):  # a second time too (checked names are remembered only when valid)
+        key.with_tag(tag, value)
