@@ -82,7 +82,16 @@ def tests(session: nox.Session) -> None:
     }
     # tests/omni runs whole in the omni session (its venv has vLLM-Omni; its store tests start
     # processes for minutes, so they are not run twice); tests/sglang skips here with its reason.
-    session.run("pytest", "--ignore=tests/omni", *session.posargs, env=env)  # includes a bounded atheris run
+    # Two xdist workers on a 2-core machine: every server a test starts takes a free port, so
+    # workers never share one.
+    session.run(
+        "pytest", "--ignore=tests/omni", "-n", str(TEST_WORKERS), *session.posargs, env=env
+    )  # includes a bounded atheris run  # fmt: skip
+
+
+TEST_WORKERS = max(1, min(2, os.cpu_count() or 1))
+"""pytest-xdist workers of the full run: one per CPU, at most two (the real-server tests start
+processes of their own)."""
 
 
 QUICK_MARKERS = "not chaos and not soak and not slow and not redis and not nixl and not mooncake"

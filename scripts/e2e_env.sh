@@ -15,21 +15,7 @@
 # Env:   LMCACHE_E2E_VENV overrides the venv directory; LMCACHE_E2E_REBUILD=1 forces a rebuild.
 set -euo pipefail
 
-# pip prints a long dependency-resolver block for packages installed on purpose without their
-# pinned dependencies (torchvision, this project); one line says so instead. Every other line and
-# pip's exit status (pipefail) pass through.
-resolver_filter() {
-  awk '
-    /^ERROR: pip.s dependency resolver does not currently take into account/ { block = 1; next }
-    block && / requires | has requirement / { n++; next }
-    { if (block) { flush() }; print; fflush() }
-    function flush() {
-      printf "note: pip lists %d unmet pins of packages installed with --no-deps (expected; the import check below decides)\n", n
-      block = 0; n = 0
-    }
-    END { if (block) flush() }
-  '
-}
+source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/pip_filter.sh"  # resolver_filter
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 PY="${PYTHON:-python3}"

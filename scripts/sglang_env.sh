@@ -43,23 +43,7 @@ VPY="$VENV/bin/python"
 start=$SECONDS
 log() { echo "[sglang_env] $*" >&2; }
 
-# SGLang is installed with --no-deps on purpose, so every later install makes pip's resolver print
-# a block ("ERROR: pip's dependency resolver does not currently take into account ...") listing
-# SGLang's pins that are absent or differ. pip still exits 0 for it. This filter replaces that
-# block with one line; every other line of pip's stderr, and pip's exit status, pass through
-# unchanged (pipefail), so real failures stay visible and fatal.
-resolver_filter() {
-  awk '
-    /^ERROR: pip.s dependency resolver does not currently take into account/ { block = 1; next }
-    block && / requires | has requirement / { n++; next }
-    { if (block) { flush() }; print; fflush() }
-    function flush() {
-      printf "note: pip lists %d unmet pins of packages installed with --no-deps (expected; the import check below decides)\n", n
-      block = 0; n = 0
-    }
-    END { if (block) flush() }
-  '
-}
+source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/pip_filter.sh"  # resolver_filter
 pip_install() {
   "$VPY" -m pip install -q "$@" 2>&1 | resolver_filter >&2
 }

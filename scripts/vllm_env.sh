@@ -28,23 +28,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP=("$VENV/bin/python" -m pip install -q)
 
-# vLLM is installed with --no-deps on purpose, so every later install makes pip's resolver
-# print a block ("ERROR: pip's dependency resolver does not currently take into account ...")
-# listing vLLM's CUDA pins that are absent or differ. pip still exits 0 for it. This filter
-# replaces that block with one line; every other line of pip's stderr, and pip's exit status,
-# pass through unchanged (pipefail), so real failures stay visible and fatal.
-resolver_filter() {
-  awk '
-    /^ERROR: pip.s dependency resolver does not currently take into account/ { block = 1; next }
-    block && / requires | has requirement / { n++; next }
-    { if (block) { flush() }; print; fflush() }
-    function flush() {
-      printf "note: pip lists %d unmet pins of packages installed with --no-deps (expected; the import check below decides)\n", n
-      block = 0; n = 0
-    }
-    END { if (block) flush() }
-  '
-}
+source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/pip_filter.sh"  # resolver_filter
 pip_install() {
   { "${PIP[@]}" "$@" 2>&1 1>&3 3>&- | resolver_filter >&2; } 3>&1
 }
