@@ -1,7 +1,8 @@
 """Node cache server figures, measured from a client process against same-run baselines.
 
-The suite starts ``lmcache-async serve`` and a bare Unix-socket echo server (same event loop
-kind: uvloop when installed, else asyncio) as child processes; this process is the client.
+The suite starts ``lmcache-async serve`` and a bare Unix-socket echo server (the same event loop
+for both: uvloop when installed, else asyncio; ``LMCACHE_ASYNC_SERVER_LOOP`` picks one) as child
+processes; this process is the client.
 
 * **contains** of one key vs one echo round trip of a same-sized message; target <= 1.5x;
 * **1 MiB get, copied out** (lease, copy from the mapped pool into a pre-touched staging block,
@@ -17,7 +18,8 @@ kind: uvloop when installed, else asyncio) as child processes; this process is t
   started for the run, one at a time): throughput ratios; target >= 3 (skipped without a
   redis/valkey binary).
 
-Rounds alternate figure and baseline so background noise hits both; each figure is the median of
+All processes run on one CPU (see ``_one_cpu``). Rounds alternate figure and baseline so
+background noise hits both; each figure is the median of
 ``reps`` rounds, and each round's figure the median of its calls, each timed alone. Run
 ``python -m lmcache_async_bench.server [--quick]``.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import ctypes
 import itertools
 import mmap
@@ -36,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -67,11 +70,9 @@ async def main(path):
     srv = await asyncio.start_unix_server(handle, path)
     async with srv:
         await srv.serve_forever()
-try:
-    import uvloop
-    uvloop.run(main(sys.argv[1]))
-except ImportError:
-    asyncio.run(main(sys.argv[1]))
+from lmcache_async.server.server import LOOP_ENV, event_loop_factory
+with asyncio.Runner(loop_factory=event_loop_factory(os.environ.get(LOOP_ENV, "auto"))) as runner:
+    runner.run(main(sys.argv[1]))
 """
 
 
@@ -387,15 +388,45 @@ def _redis_figures(opts: BenchOptions, client: ServerClient, url: str) -> list[R
 
 
 def _loop_kind() -> str:
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        return "asyncio"
-    return "uvloop"
+    """The event loop both servers run (see :func:`~lmcache_async.server.server.event_loop_factory`)."""
+    from lmcache_async.server.server import LOOP_ENV, event_loop_factory
+
+    return "asyncio" if event_loop_factory(os.environ.get(LOOP_ENV, "auto")) is None else "uvloop"
 
 
 def run(opts: BenchOptions) -> list[Result]:
-    """Every server figure (see the module docstring)."""
+    """Every server figure (see the module docstring), with this process and the servers it
+    starts on one CPU (:func:`_one_cpu`)."""
+    with _one_cpu():
+        return _run(opts)
+
+
+@contextlib.contextmanager
+def _one_cpu() -> Iterator[None]:
+    """Run this process, and the children it starts meanwhile, on one CPU (the last it may use).
+
+    A round trip between processes on two otherwise idle vCPUs of this VM waits for the other
+    vCPU to wake: 10 µs one run, 70 µs the next, whichever of the echo and the cache server got
+    the far CPU. On one CPU both pay the same context switch, so the ratio measures the
+    protocol. torch runs one intra-op thread meanwhile (a second one on the same CPU would only
+    wait for a time slice: a 1 MiB ``clone`` then takes milliseconds), so the in-process EC
+    ``get`` copies on one thread, as the client does. ``LMCACHE_ASYNC_BENCH_PIN=0`` leaves the
+    placement and torch's threads as they are."""
+    before = os.sched_getaffinity(0)
+    if os.environ.get("LMCACHE_ASYNC_BENCH_PIN", "1") == "0" or len(before) < 2:
+        yield
+        return
+    threads = torch.get_num_threads()
+    os.sched_setaffinity(0, {max(before)})
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        os.sched_setaffinity(0, before)
+
+
+def _run(opts: BenchOptions) -> list[Result]:
     # A Unix socket path is limited to 107 bytes: the sockets live in a short directory under
     # the system temp dir, whatever the work dir is.
     with tempfile.TemporaryDirectory(prefix="lmc-bench-srv-") as tmp:
