@@ -132,104 +132,19 @@ def test_a_stored_prompt_is_restored_block_for_block_by_another_store(stores: tu
         assert not dst[name][DST_BLOCKS[6:]].any()
 
 
-def strided_caches() -> dict[str, torch.Tensor]:
-    """Zeroed caches of the CPU layout that are not contiguous: copied with torch operators,
-    on the model-runner thread (as CUDA caches are), not by the load thread."""
-    return {f"l{i}": torch.zeros(NB, HEADS, 2 * HEAD, BS).transpose(2, 3) for i in range(LAYERS)}
-
-
-def test_an_asynchronous_load_into_host_caches_is_copied_by_the_load_thread_and_reported_once(
+def test_an_asynchronous_load_scatters_on_the_thread_that_collects_it(
     stores: tuple[KVStore, KVStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Host caches: the load thread reads the records in pieces (on the reader thread) and
-    copies each into vLLM's blocks with ``memmove`` (no torch operator, so no OpenMP team
-    beside the compute thread's); ``finished_loads`` reports the request, blocks filled."""
+    """The load thread only reads records; the copy into vLLM's blocks runs in
+    ``finished_loads`` (vLLM's model-runner thread), and the cache is untouched before it."""
     import threading
 
-    from lmcache_async.integration.vllm import kv_layout, kv_worker
-
-    src = store_prompt(stores[0])
-    sched, worker = sides(stores[1])
-    dst = caches(seed=None)
-    assert worker.register(dst).host_copy
-    copy_threads: list[str] = []
-    read_threads: list[str] = []
-    real_copy = kv_layout._host_copy
-    real_get = stores[1].storage_manager.batched_get_sync
-
-    def recording_copy(*args: Any, **kwargs: Any) -> None:
-        copy_threads.append(threading.current_thread().name)
-        real_copy(*args, **kwargs)
-
-    def recording_get(keys: Any) -> Any:
-        read_threads.append(threading.current_thread().name)
-        return real_get(keys)
-
-    def no_torch_scatter(*args: Any, **kwargs: Any) -> None:
-        raise AssertionError("a torch copy ran for host caches")
-
-    monkeypatch.setattr(kv_layout, "_host_copy", recording_copy)
-    monkeypatch.setattr(kv_layout.torch.Tensor, "index_copy_", no_torch_scatter)
-    monkeypatch.setattr(stores[1].storage_manager, "batched_get_sync", recording_get)
-    monkeypatch.setattr(kv_worker, "LOAD_PIECE_BYTES", 1)  # one chunk per piece: 3 pieces
-    n, is_async = sched.num_new_matched_tokens("r2", PROMPT, 0)
-    assert is_async and n == 24
-    sched.after_alloc("r2", (DST_BLOCKS,), n)
-    worker.load(sched.build_meta(new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n)))
-    _, fut, _ = worker._inflight["r2"]
-    fetched = fut.result(timeout=30)
-    assert fetched is not None and fetched.done == 6 and fetched.objs == []  # copied, released
-    assert len(copy_threads) == 3 and all(t.startswith("lmcache-async-kv-load") for t in copy_threads)
-    assert len(read_threads) == 3 and all(t.startswith("lmcache-async-kv-read") for t in read_threads)
-    for name in src:
-        for s, d in zip(SRC_BLOCKS[:6], DST_BLOCKS[:6], strict=True):
-            assert torch.equal(dst[name][d], src[name][s])
-    assert worker.finished_loads() == {"r2"}
-    assert worker.take_load_errors() == set()
-    assert worker.counters["loaded_blocks"] == 6
-
-
-def test_a_failed_piece_of_a_pipelined_load_fails_its_blocks_and_later_ones_when_reported(
-    stores: tuple[KVStore, KVStore], monkeypatch: pytest.MonkeyPatch
-) -> None:
     from lmcache_async.integration.vllm import kv_worker
 
     src = store_prompt(stores[0])
     sched, worker = sides(stores[1])
     dst = caches(seed=None)
     worker.register(dst)
-    monkeypatch.setattr(kv_worker, "LOAD_PIECE_BYTES", 1)
-    n, _ = sched.num_new_matched_tokens("r2", PROMPT, 0)
-    sched.after_alloc("r2", (DST_BLOCKS,), n)
-    meta = sched.build_meta(new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n))
-    key = stores[1].token_database.keys(PROMPT)[1]
-    stores[0].storage_manager.remove_sync(key)
-    stores[1].storage_manager.remove_sync(key)
-    worker.load(meta)
-    _, fut, _ = worker._inflight["r2"]
-    fut.result(timeout=30)
-    assert worker.take_load_errors() == set()  # nothing is reported before the request
-    wait_loads(worker, {"r2"})
-    assert worker.take_load_errors() == set(DST_BLOCKS[2:6])
-    for name in src:
-        assert torch.equal(dst[name][DST_BLOCKS[1]], src[name][SRC_BLOCKS[1]])
-        assert not dst[name][DST_BLOCKS[2:]].any()  # nothing copied past the missing chunk
-
-
-def test_an_asynchronous_load_into_other_caches_scatters_on_the_thread_that_collects_it(
-    stores: tuple[KVStore, KVStore], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Caches the load thread does not copy into (torch operators: CUDA, or host tensors that
-    are not contiguous): the load thread only reads records; the copy into vLLM's blocks runs
-    in ``finished_loads`` (vLLM's model-runner thread), and the cache is untouched before it."""
-    import threading
-
-    from lmcache_async.integration.vllm import kv_worker
-
-    src = store_prompt(stores[0])
-    sched, worker = sides(stores[1])
-    dst = strided_caches()
-    assert not worker.register(dst).host_copy
     scatter_threads: list[str] = []
     real_scatter = kv_worker.scatter_blocks
 
@@ -279,7 +194,7 @@ def test_an_idle_step_waits_for_a_load_in_flight(stores: tuple[KVStore, KVStore]
 def test_closing_with_an_unapplied_load_releases_its_records(stores: tuple[KVStore, KVStore]) -> None:
     store_prompt(stores[0])
     sched, worker = sides(stores[1])
-    worker.register(strided_caches())  # records wait for the model-runner thread's scatter
+    worker.register(caches(seed=None))
     n, _ = sched.num_new_matched_tokens("r2", PROMPT, 0)
     sched.after_alloc("r2", (DST_BLOCKS,), n)
     worker.load(sched.build_meta(new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n)))

@@ -15,13 +15,6 @@ layout, record layer ``l`` is ``cache_l.index_select(block_axis, block_ids)`` an
 inverse ``cache_l.index_copy_(block_axis, block_ids, record[l])``: the bytes of a block move
 unchanged, so the layout never has to be decoded.
 
-**Host caches** (CPU tensors, each contiguous, which is how vLLM's CPU backend allocates them)
-are copied with one ``memmove`` per block slab (a block of one layer, or of one K/V half in the
-flash layout), merged over consecutive block ids, into or out of a contiguous record: no torch
-operator, so no OpenMP team (a parallel torch copy waits on its worker threads, which costs
-tens to hundreds of milliseconds on a loaded host) and the GIL is released during each copy, so
-any thread may run it. Any other tensor goes through ``index_select``/``index_copy_``.
-
 On CUDA the record lives in host memory (pinned when the pool is): :func:`gather_blocks` gathers
 on the device into a staging tensor and copies it to the host on the given stream; the caller
 synchronises that stream before it publishes the record. :func:`scatter_blocks` copies the
@@ -31,8 +24,6 @@ record to a device staging tensor and scatters it there, on the given stream.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -161,13 +152,6 @@ class PagedCaches:
             *self.layout.record_layer_shape(first, blocks_per_chunk),
         )
         self.record_bytes = first.element_size() * int(torch.Size(self.record_shape).numel())
-        axis = self.layout.block_axis
-        self.host_copy = self.device.type == "cpu" and all(t.is_contiguous() for t in self.tensors)
-        """Whether blocks are copied with ``memmove`` (contiguous host tensors; see the module
-        docstring): safe on any thread then, since no torch operator runs."""
-        self.slabs_per_block = math.prod(first.shape[:axis])
-        """Contiguous slabs one block has in one layer (1 on CPU; K and V in the flash layout)."""
-        self.slab_bytes = first.element_size() * math.prod(first.shape[axis + 1 :])
 
     @property
     def num_layers(self) -> int:
@@ -191,46 +175,6 @@ def _on_stream(stream: Any) -> Iterator[None]:
         yield
 
 
-def _fits_host_copy(caches: PagedCaches, record: torch.Tensor) -> bool:
-    return (
-        caches.host_copy
-        and record.device.type == "cpu"
-        and record.dtype == caches.dtype
-        and tuple(record.shape) == caches.record_shape
-        and record.is_contiguous()
-    )
-
-
-def _host_copy(caches: PagedCaches, ids: list[int], record: torch.Tensor, first: int, to_record: bool) -> None:
-    """``memmove`` blocks ``ids`` of every layer to (``to_record``) or from record blocks
-    ``first ..``; ``record`` must pass :func:`_fits_host_copy`. ``ValueError`` before any copy
-    for an id outside the cache or blocks outside the chunk (never copy outside a tensor)."""
-    nb, bpc = caches.num_blocks, caches.blocks_per_chunk
-    if ids and (min(ids) < 0 or max(ids) >= nb):
-        raise ValueError(f"block_ids {ids} outside [0, {nb})")
-    if first < 0 or first + len(ids) > bpc:
-        raise ValueError(f"blocks {first}..{first + len(ids)} outside the chunk's {bpc} blocks")
-    runs: list[list[int]] = []  # [record block, cache block, count]: consecutive ids merged
-    for j, b in enumerate(ids, first):
-        if runs and runs[-1][1] + runs[-1][2] == b:
-            runs[-1][2] += 1
-        else:
-            runs.append([j, b, 1])
-    slab, outer = caches.slab_bytes, caches.slabs_per_block
-    rec = record.data_ptr()
-    move = ctypes.memmove
-    for layer, cache in enumerate(caches.tensors):
-        base = cache.data_ptr()
-        for o in range(outer):
-            r0 = rec + (layer * outer + o) * bpc * slab
-            c0 = base + o * nb * slab
-            for j, b, n in runs:
-                if to_record:
-                    move(r0 + j * slab, c0 + b * slab, n * slab)
-                else:
-                    move(c0 + b * slab, r0 + j * slab, n * slab)
-
-
 def gather_blocks(
     caches: PagedCaches,
     block_ids: Sequence[int] | torch.Tensor,
@@ -244,13 +188,8 @@ def gather_blocks(
     gathering many chunks checks their ids once and passes slices). ``out`` is host memory
     owned by the caller. On CUDA the copy is issued on ``stream`` (after the current stream's
     work, so this step's KV is complete) and may still be running when this returns:
-    synchronise ``stream`` before reading ``out``. Host caches and a contiguous record-shaped
-    ``out`` are copied with ``memmove`` (any thread; see the module docstring).
+    synchronise ``stream`` before reading ``out``.
     """
-    if _fits_host_copy(caches, out):
-        ids = block_ids.tolist() if isinstance(block_ids, torch.Tensor) else [int(b) for b in block_ids]
-        _host_copy(caches, ids, out, 0, to_record=True)
-        return
     idx = block_ids if isinstance(block_ids, torch.Tensor) else caches.check_block_ids(block_ids)
     n = idx.numel()
     axis = caches.layout.block_axis
@@ -277,12 +216,8 @@ def scatter_blocks(
 
     On CUDA the copies run on ``stream`` (the current one when None); this returns once the
     host-to-device copies are done (``record`` may then be released) and the current stream
-    is ordered after the scatter, so the forward that follows sees the loaded KV. Host caches
-    are written with ``memmove`` (any thread; see the module docstring).
+    is ordered after the scatter, so the forward that follows sees the loaded KV.
     """
-    if _fits_host_copy(caches, record):
-        _host_copy(caches, [int(b) for b in block_ids], record, first, to_record=False)
-        return
     idx = caches.check_block_ids(block_ids)
     n = idx.numel()
     axis = caches.layout.block_axis

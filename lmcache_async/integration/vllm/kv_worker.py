@@ -4,16 +4,14 @@ Framework-free (no vLLM import). Runs on vLLM's model-runner thread.
 
 * **Load** (:meth:`KVWorkerSide.load`, from ``start_load_kv``): one batched read of the chunk
   records of every load run, then whole-block scatters into every layer. Synchronous runs are
-  done before the forward. Asynchronous ones (lower-tier hits) run on the connector's load
-  thread (``lmcache-async-kv-load``). Into host caches (vLLM's CPU backend) that thread also
-  copies the blocks, pipelined with the reads: the records are read in pieces of about
-  :data:`LOAD_PIECE_BYTES` on a reader thread (``lmcache-async-kv-read``) while the load thread
-  copies the previous piece (``memmove``) into the blocks vLLM keeps for the request (no torch
-  operator, so no second OpenMP team competes with the compute thread, and the GIL is free
-  during each copy; see :mod:`.kv_layout`). Into any other cache (CUDA) the load thread only
-  reads, and the scatter runs on the model-runner thread, in :meth:`finished_loads`. Either
-  way a request is reported by :meth:`finished_loads` (from ``get_finished``) only once its
-  blocks are filled, and its failed blocks are reported in that same call. A chunk whose record
+  done before the forward. Asynchronous ones (lower-tier hits) read their records on the
+  connector's load thread (``lmcache-async-kv-load``: only I/O there); the scatter into the
+  blocks vLLM keeps for the request runs on the model-runner thread, in
+  :meth:`finished_loads` (from ``get_finished``, after the step's forward), before the request
+  is reported. The copies so stay on the thread vLLM configured for compute (one torch
+  thread): a torch copy on another thread runs an OpenMP team of its own that competes with
+  the compute thread for the cores (a 22 MB copy took 0.35-0.45 s that way on this 2-core
+  host under load, 40-90 ms with one thread). A chunk whose record
   is missing, unreadable, or of another shape or dtype stops that run: its blocks and every
   later block of the run are reported by :meth:`take_load_errors`, and vLLM (with
   ``kv_load_failure_policy="recompute"``) recomputes them. Nothing raises into the step.
@@ -51,11 +49,7 @@ from lmcache_async.token_database import ChunkedTokenDatabase
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LOAD_PIECE_BYTES", "KVWorkerSide"]
-
-LOAD_PIECE_BYTES = 8 << 20
-"""Bytes of records an asynchronous load into host caches reads per piece (at least one chunk):
-the load thread copies a piece into the blocks while the reader thread reads the next."""
+__all__ = ["KVWorkerSide"]
 
 COUNTER_NAMES = (
     "load_runs",
@@ -85,9 +79,6 @@ class _Fetched:
     prefetched: list[MemoryObj | None] = field(default_factory=list)
     """Published hidden-state records read beside the KV (held so they stay in the CPU tier
     until the model-runner thread restores them)."""
-    done: int | None = None
-    """Blocks of the run already copied into the caches (by the load thread, in order from the
-    run's first block; the rest failed); None: not copied yet, ``objs`` hold the records."""
 
     def release(self) -> None:
         objs, self.objs = self.objs, []
@@ -121,7 +112,6 @@ class KVWorkerSide:
         self._errors: set[int] = set()
         self._lock = threading.Lock()  # errors and counters: the load thread updates them too
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._reader: concurrent.futures.ThreadPoolExecutor | None = None
         self._inflight: dict[str, tuple[BlockRun, concurrent.futures.Future[_Fetched | None], HSRun | None]] = {}
         self._log = RateLimitedLog(logger)
         self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
@@ -131,7 +121,9 @@ class KVWorkerSide:
             for k, v in deltas.items():
                 self.counters[k] += v
 
-    def register(self, kv_caches: Mapping[str, torch.Tensor], hs_group: HiddenStateGroup | None = None) -> PagedCaches:
+    def register(
+        self, kv_caches: Mapping[str, torch.Tensor], hs_group: HiddenStateGroup | None = None
+    ) -> PagedCaches:
         """Adopt vLLM's per-layer caches (``ValueError`` for a layout the connector cannot copy)
         and, with ``extract_hidden_states``, its hidden-state group (``ValueError`` when there is
         no hidden-state store to keep it in)."""
@@ -149,18 +141,18 @@ class KVWorkerSide:
 
     # ---- load ----
     def load(self, meta: KVStepMetadata) -> None:
-        """Do this step's synchronous loads and start its asynchronous ones; failures are
-        recorded for :meth:`take_load_errors`."""
+        """Do this step's synchronous loads and start reading its asynchronous ones; failures
+        are recorded for :meth:`take_load_errors`."""
         hs_runs = {r.req_id: r for r in meta.hs_loads} if self.hs_group is not None else {}
         for run in meta.loads:
             fetched = self._fetch_guarded(run)
             if fetched is not None:
-                self._finish(run, fetched, hs_runs.get(run.req_id))
+                self._apply_guarded(run, fetched, hs_runs.get(run.req_id))
         for run in meta.async_loads:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-async-kv-load")
             try:
-                fut = self._executor.submit(self._fetch_guarded, run, hs_runs.get(run.req_id) is not None, True)
+                fut = self._executor.submit(self._fetch_guarded, run, hs_runs.get(run.req_id) is not None)
                 self._inflight[run.req_id] = (run, fut, hs_runs.get(run.req_id))
             except RuntimeError as exc:  # shut down: the load is a failure, reported at once
                 self._fault("load", exc)
@@ -172,12 +164,11 @@ class KVWorkerSide:
     def finished_loads(self, wait_s: float = 0.0) -> set[str]:
         """Requests whose asynchronous load ended (loaded or failed) since the last call.
 
-        Model-runner thread. A reported request's blocks are filled (by the load thread, or
-        here for caches the load thread does not copy into) and its failed blocks are in
-        :meth:`take_load_errors` from this call on. ``wait_s`` > 0 (an idle step): when loads
-        are in flight and none has ended, wait up to that long for the first one (the GIL is
-        free meanwhile for the threads doing the reads; vLLM would otherwise spin through
-        empty steps)."""
+        Model-runner thread: the records read by the load thread are scattered here, so a
+        reported request's blocks are filled and its failed blocks are already in
+        :meth:`take_load_errors`. ``wait_s`` > 0 (an idle step): when loads are in flight and
+        none has ended, wait up to that long for the first one (the GIL is free meanwhile for
+        the threads doing the reads; vLLM would otherwise spin through empty steps)."""
         if wait_s > 0 and self._inflight:
             futures = [fut for _, fut, _ in self._inflight.values()]
             if not any(f.done() for f in futures):
@@ -187,22 +178,8 @@ class KVWorkerSide:
             run, fut, hs_run = self._inflight.pop(req_id)
             fetched = fut.result()  # _fetch_guarded never raises
             if fetched is not None:
-                self._finish(run, fetched, hs_run)
+                self._apply_guarded(run, fetched, hs_run)
         return done
-
-    def _finish(self, run: BlockRun, fetched: _Fetched, hs_run: HSRun | None) -> None:
-        """Model-runner thread: scatter ``fetched`` unless the load thread did, record the
-        run's failed blocks, restore its hidden-state rows; releases every record."""
-        if fetched.done is None:
-            self._apply_guarded(run, fetched, hs_run)
-            return
-        done = fetched.done
-        self._fail(run.block_ids[done:])
-        try:
-            if hs_run is not None:
-                self._apply_hidden_states(run, done, hs_run)
-        finally:
-            fetched.release()
 
     def _fail(self, block_ids: Any) -> None:
         ids = list(block_ids)
@@ -212,111 +189,31 @@ class KVWorkerSide:
                 self.counters["failed_blocks"] += len(ids)
                 self._errors.update(ids)
 
-    def _fetch_guarded(
-        self, run: BlockRun, with_hidden_states: bool = False, pipelined: bool = False
-    ) -> _Fetched | None:
+    def _fetch_guarded(self, run: BlockRun, with_hidden_states: bool = False) -> _Fetched | None:
         """Read ``run``'s records (any thread) and, ``with_hidden_states``, the published
-        hidden-state records of its chunks; None when the run failed as a whole (recorded).
-
-        Into host caches the blocks are copied here too (``done`` set; with ``pipelined``, the
-        reads go in pieces on the reader thread, overlapping the copies); a failure is then
-        not recorded here but left to :meth:`_finish` (so it is reported with the request)."""
+        hidden-state records of its chunks; None when the run failed as a whole (recorded)."""
         caches = self.caches
         if caches is None:
             self._fail(run.block_ids)
             return None
-        if caches.host_copy:
-            fetched = self._read_and_copy(caches, run, pipelined)
-        else:
-            try:
-                self._add(load_runs=1)
-                chunks = run.chunks(self.blocks_per_chunk)
-                keys = self.db.make_keys([c[0] for c in chunks])
-                objs: list[MemoryObj | None] = self.manager.batched_get_sync(keys)
-            except Exception as exc:  # timeout, closed tier, wiring: the whole run is recomputed
-                self._fault("load", exc)
-                self._fail(run.block_ids)
-                return None
-            fetched = _Fetched(keys, chunks, objs)
+        try:
+            self._add(load_runs=1)
+            chunks = run.chunks(self.blocks_per_chunk)
+            keys = self.db.make_keys([c[0] for c in chunks])
+            objs: list[MemoryObj | None] = self.manager.batched_get_sync(keys)
+        except Exception as exc:  # timeout, closed tier, wiring: the whole run is recomputed
+            self._fault("load", exc)
+            self._fail(run.block_ids)
+            return None
+        fetched = _Fetched(keys, chunks, objs)
         group = self.hs_group
-        if with_hidden_states and group is not None and fetched.keys and fetched.done != 0:
-            hkeys = [hs_entry_key(k, layer) for k in fetched.keys for layer in group.layer_ids]
+        if with_hidden_states and group is not None:
+            hkeys = [hs_entry_key(k, layer) for k in keys for layer in group.layer_ids]
             try:
                 fetched.prefetched = self.manager.batched_get_sync(hkeys)
             except Exception as exc:  # the restore reads them again (and may find them short)
                 self._fault("hidden-state prefetch", exc)
         return fetched
-
-    def _read_and_copy(self, caches: PagedCaches, run: BlockRun, pipelined: bool) -> _Fetched:
-        """Read ``run``'s records and copy them into the host caches, chunk by chunk in order,
-        up to the first one missing, unreadable or mismatched. Never raises; every record read
-        is released here. With ``pipelined`` the reads go in pieces on the reader thread, so the
-        next piece is read while this thread copies the previous one."""
-        done = 0
-        try:
-            self._add(load_runs=1)
-            chunks = run.chunks(self.blocks_per_chunk)
-            keys = self.db.make_keys([c[0] for c in chunks])
-        except Exception as exc:  # wiring: the whole run is recomputed
-            self._fault("load", exc)
-            return _Fetched([], [], [], done=0)
-        step = max(1, LOAD_PIECE_BYTES // max(caches.record_bytes, 1)) if pipelined else len(keys)
-        pieces = [(a, min(a + step, len(keys))) for a in range(0, len(keys), step)]
-        reads: list[concurrent.futures.Future[list[MemoryObj | None]]] = []
-        if len(pieces) > 1:
-            if self._reader is None:
-                self._reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-async-kv-read")
-            try:
-                for a, b in pieces:
-                    reads.append(self._reader.submit(self.manager.batched_get_sync, keys[a:b]))
-            except RuntimeError:  # shut down meanwhile: the run fails from the first unread piece
-                pieces = pieces[: len(reads)]
-        stopped = False
-        for i, (a, b) in enumerate(pieces):
-            objs: list[MemoryObj | None] = []
-            if stopped and (not reads or reads[i].cancel()):
-                continue
-            try:
-                objs = reads[i].result() if reads else self.manager.batched_get_sync(keys[a:b])
-            except Exception as exc:  # timeout, closed tier: this chunk and the later ones fail
-                if not stopped:
-                    self._fault("load", exc)
-                stopped = True
-            try:
-                for key, (_, _, first, bids), obj in zip(keys[a:b], chunks[a:b], objs, strict=False):
-                    if stopped or obj is None or not self._fits(key, obj.tensor, caches):
-                        stopped = True
-                        continue
-                    scatter_blocks(caches, bids, obj.tensor, first)
-                    done += len(bids)
-                    self._add(
-                        loaded_chunks=1,
-                        loaded_blocks=len(bids),
-                        loaded_bytes=caches.record_bytes * len(bids) // self.blocks_per_chunk,
-                    )
-            except Exception as exc:  # a wiring surprise: this chunk and the later ones fail
-                self._fault("load", exc)
-                stopped = True
-            finally:
-                for obj in objs:
-                    if obj is not None:
-                        obj.ref_count_down()
-        return _Fetched(keys, chunks, [], done=done)
-
-    def _fits(self, key: Any, rec: torch.Tensor, caches: PagedCaches) -> bool:
-        """Whether record ``rec`` of ``key`` has the caches' record shape and dtype (logged when not)."""
-        if tuple(rec.shape) == caches.record_shape and rec.dtype == caches.dtype:
-            return True
-        self._log.warning(
-            "KV connector: record %s is %s %s, expected %s %s; recomputing",
-            key,
-            tuple(rec.shape),
-            rec.dtype,
-            caches.record_shape,
-            caches.dtype,
-            key="shape",
-        )
-        return False
 
     def _apply_guarded(self, run: BlockRun, fetched: _Fetched, hs_run: HSRun | None = None) -> None:
         try:
@@ -360,9 +257,21 @@ class KVWorkerSide:
             if caches is None:
                 raise RuntimeError("the KV caches are not registered")
             for key, (_, _, first, bids), obj in zip(fetched.keys, fetched.chunks, fetched.objs, strict=True):
-                if obj is None or not self._fits(key, obj.tensor, caches):
+                if obj is None:
                     break
-                scatter_blocks(caches, bids, obj.tensor, first, self._stream)
+                rec = obj.tensor
+                if tuple(rec.shape) != caches.record_shape or rec.dtype != caches.dtype:
+                    self._log.warning(
+                        "KV connector: record %s is %s %s, expected %s %s; recomputing",
+                        key,
+                        tuple(rec.shape),
+                        rec.dtype,
+                        caches.record_shape,
+                        caches.dtype,
+                        key="shape",
+                    )
+                    break
+                scatter_blocks(caches, bids, rec, first, self._stream)
                 done += len(bids)
                 self._add(
                     loaded_chunks=1,
@@ -464,9 +373,6 @@ class KVWorkerSide:
         executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True, cancel_futures=True)
-        reader, self._reader = self._reader, None
-        if reader is not None:
-            reader.shutdown(wait=True, cancel_futures=True)
         inflight, self._inflight = self._inflight, {}
         for _, fut, _ in inflight.values():
             if fut.done() and not fut.cancelled():
