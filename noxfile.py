@@ -103,7 +103,7 @@ QUICK_WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 @nox.session
 def quick(session: nox.Session) -> None:
-    """The fast lane (94 s on an otherwise idle 2-core machine): no chaos, soak or slow
+    """The fast lane (49 s of tests on an otherwise idle 2-core machine): no chaos, soak or slow
     tests and no tier that needs a server binary, NIXL or Mooncake; the rest of the unit,
     conformance, engine, disk and encoder-cache tests, spread over ``QUICK_WORKERS`` processes,
     with few Hypothesis examples (``--hypothesis-profile=quick``, see tests/conftest.py).
