@@ -385,7 +385,11 @@ class PoolAllocator(_AllocatorBase):
             self._insert_free(0, units)
         self._touched = threading.Event()
         if pretouch and size_bytes and not self.pinned:
-            threading.Thread(target=self._pretouch, name=f"lmcache-async-pretouch-{name}", daemon=True).start()
+            # Not a daemon: a daemon thread still inside madvise when the interpreter finalizes
+            # aborts the process ("terminate called without an active exception"). Exit stops
+            # the loop between steps (:func:`_stop_pretouch_at_exit`) and waits for the step.
+            _register_pretouch_stop()
+            threading.Thread(target=self._pretouch, name=f"lmcache-async-pretouch-{name}", daemon=False).start()
         else:
             self._touched.set()
 
@@ -571,6 +575,27 @@ _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23
 
 
+_PRETOUCH_STOP = threading.Event()
+_pretouch_hook = threading.Lock()
+_pretouch_hooked = False
+
+
+def _register_pretouch_stop() -> None:
+    """Once per process: at interpreter exit (before non-daemon threads are joined) tell the
+    pre-touch loops to stop after their current step."""
+    global _pretouch_hooked
+    with _pretouch_hook:
+        if _pretouch_hooked:
+            return
+        _pretouch_hooked = True
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        try:
+            register(_PRETOUCH_STOP.set)
+        except RuntimeError:  # already shutting down
+            _PRETOUCH_STOP.set()
+
+
 def populate_pages(ptr: int, nbytes: int, step: int = 64 * MiB) -> None:
     """Fault in the pages of ``[ptr, ptr + nbytes)`` without changing their contents.
 
@@ -592,6 +617,8 @@ def populate_pages(ptr: int, nbytes: int, step: int = 64 * MiB) -> None:
         return
     madvise(start, end - start, _MADV_HUGEPAGE)
     for off in range(start, end, step):
+        if _PRETOUCH_STOP.is_set():  # the interpreter is exiting: pages fault on first use
+            return
         ln = min(step, end - off)
         if madvise(off, ln, _MADV_POPULATE_WRITE) != 0:
             return
