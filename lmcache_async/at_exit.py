@@ -11,9 +11,10 @@ from __future__ import annotations
 import atexit
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Protocol
 
-__all__ = ["Closable", "close_at_exit", "forget"]
+__all__ = ["Closable", "call_at_exit", "close_at_exit", "forget"]
 
 #: The flush bound each object gets at exit.
 EXIT_FLUSH_S = 2.0
@@ -38,20 +39,27 @@ def _close_all() -> None:  # pragma: no cover - exercised at interpreter exit
             pass
 
 
+def call_at_exit(fn: Callable[[], object]) -> None:
+    """Call ``fn`` at interpreter exit, before non-daemon threads are joined and while the
+    executors still run (``threading``'s exit hooks; ``atexit`` where those are missing or
+    already run). Hooks registered later run first."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        try:
+            register(fn)
+            return
+        except RuntimeError:  # already shutting down
+            pass
+    atexit.register(fn)
+
+
 def _ensure_hook() -> None:
     global _hook_registered
     with _hook_lock:
         if _hook_registered:
             return
         _hook_registered = True
-    register = getattr(threading, "_register_atexit", None)
-    if register is not None:
-        try:
-            register(_close_all)
-            return
-        except RuntimeError:  # already shutting down
-            pass
-    atexit.register(_close_all)
+    call_at_exit(_close_all)
 
 
 def close_at_exit(obj: Closable) -> None:

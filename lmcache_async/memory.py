@@ -19,11 +19,14 @@ import logging
 import math
 import os
 import threading
+import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from lmcache_async.at_exit import call_at_exit
 from lmcache_async.errors import DoubleReleaseError, PoolSizeError
 
 logger = logging.getLogger(__name__)
@@ -89,11 +92,33 @@ def check_pool_fits(name: str, size_bytes: int, reserve_bytes: int) -> None:
         )
 
 
-def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    n = 1
+def payload_nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    """Bytes of a dense tensor of ``shape`` and ``dtype`` (no checks)."""
+    n = dtype.itemsize
     for d in shape:
         n *= d
-    return n * dtype.itemsize
+    return n
+
+
+def copy_payload(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy ``src`` into ``dst`` (same shape and dtype): one single-threaded ``memmove`` when
+    both are contiguous CPU tensors, else ``dst.copy_(src)``. torch's parallel ``copy_`` waits
+    on its worker threads, which costs milliseconds per large copy when the cores are busy."""
+    if (
+        dst.device.type == "cpu"
+        and src.device.type == "cpu"
+        and dst.dtype == src.dtype
+        and dst.numel() == src.numel()
+        and dst.is_contiguous()
+        and src.is_contiguous()
+        and not src.is_conj()
+        and not src.is_neg()
+    ):
+        n = src.numel() * src.element_size()
+        if n:
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
+        return
+    dst.copy_(src)
 
 
 def validate_shape(shape: Any, what: str = "shape") -> tuple[int, ...]:
@@ -173,7 +198,7 @@ class MemoryObj:
         self._alloc = alloc
         self.offset = offset
         self.size = size  # bytes reserved (aligned)
-        self.nbytes = _nbytes(shape, dtype) if nbytes is None else nbytes  # payload bytes
+        self.nbytes = payload_nbytes(shape, dtype) if nbytes is None else nbytes  # payload bytes
         self._tensor: torch.Tensor | None = tensor
         self.shape = shape
         self.dtype = dtype
@@ -307,7 +332,7 @@ class HeapAllocator(_AllocatorBase):
     ) -> MemoryObj:
         """A fresh buffer of ``shape``/``dtype`` (pinned when CUDA is available)."""
         shp = validate_shape(shape)
-        n = _nbytes(shp, dtype)
+        n = payload_nbytes(shp, dtype)
         # Buffers and views are made outside inference mode even when the caller is in it (a
         # vLLM worker): an inference tensor cannot be written in place outside inference mode,
         # and a block outlives the call that allocated it.
@@ -385,11 +410,12 @@ class PoolAllocator(_AllocatorBase):
             self._insert_free(0, units)
         self._touched = threading.Event()
         if pretouch and size_bytes and not self.pinned:
-            # Not a daemon: a daemon thread still inside madvise when the interpreter finalizes
-            # aborts the process ("terminate called without an active exception"). Exit stops
-            # the loop between steps (:func:`_stop_pretouch_at_exit`) and waits for the step.
-            _register_pretouch_stop()
-            threading.Thread(target=self._pretouch, name=f"lmcache-async-pretouch-{name}", daemon=False).start()
+            # A daemon thread still inside madvise when the interpreter finalizes aborts the
+            # process ("terminate called without an active exception"): the exit hook
+            # (:func:`_stop_pretouch`) stops the loop between steps and waits for the step.
+            thread = threading.Thread(target=self._pretouch, name=f"lmcache-async-pretouch-{name}", daemon=True)
+            _PRETOUCH_THREADS.add(thread)
+            thread.start()
         else:
             self._touched.set()
 
@@ -575,25 +601,23 @@ _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23
 
 
+#: Set at interpreter exit: pre-touch loops stop after their current step.
 _PRETOUCH_STOP = threading.Event()
-_pretouch_hook = threading.Lock()
-_pretouch_hooked = False
+_PRETOUCH_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+#: How long exit waits for the pre-touch threads to finish their current step, in all.
+PRETOUCH_EXIT_WAIT_S = 5.0
 
 
-def _register_pretouch_stop() -> None:
-    """Once per process: at interpreter exit (before non-daemon threads are joined) tell the
-    pre-touch loops to stop after their current step."""
-    global _pretouch_hooked
-    with _pretouch_hook:
-        if _pretouch_hooked:
-            return
-        _pretouch_hooked = True
-    register = getattr(threading, "_register_atexit", None)
-    if register is not None:
-        try:
-            register(_PRETOUCH_STOP.set)
-        except RuntimeError:  # already shutting down
-            _PRETOUCH_STOP.set()
+def _stop_pretouch() -> None:  # pragma: no cover - runs at interpreter exit
+    """Exit hook: stop every pre-touch loop and wait (bounded) until none is inside madvise,
+    so no daemon thread returns from native code while the interpreter finalizes."""
+    _PRETOUCH_STOP.set()
+    deadline = time.monotonic() + PRETOUCH_EXIT_WAIT_S
+    for thread in list(_PRETOUCH_THREADS):
+        thread.join(max(0.0, deadline - time.monotonic()))
+
+
+call_at_exit(_stop_pretouch)
 
 
 def populate_pages(ptr: int, nbytes: int, step: int = 64 * MiB) -> None:

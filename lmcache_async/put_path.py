@@ -13,7 +13,6 @@ here waits for the loop.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
@@ -24,14 +23,14 @@ from lmcache_async.backend import PoolTier
 from lmcache_async.errors import ManagerClosedError
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.lower_tiers import LowerTiers
-from lmcache_async.memory import MemoryFormat, MemoryObj
+from lmcache_async.memory import MemoryFormat, MemoryObj, copy_payload, payload_nbytes
 from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.staging import StagingArea
 from lmcache_async.tensor_checks import check_storable_layout, check_storable_tensor
 from lmcache_async.tier_guard import LOG_BURST_S
 from lmcache_async.write_through import WriteThrough
 
-__all__ = ["DirectPutTier", "PutPath", "check_put_batch", "copy_payload"]
+__all__ = ["DirectPutTier", "PutPath", "check_put_batch"]
 
 
 @runtime_checkable
@@ -56,27 +55,6 @@ class DirectPutTier(Protocol):
         and readable by every client of the tier now; False when refused (no room). None: the
         tier could not be asked (down, slow, circuit open)."""
         ...
-
-
-def copy_payload(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy ``src`` into ``dst`` (same shape and dtype): one single-threaded ``memmove`` when
-    both are contiguous CPU tensors, else ``dst.copy_(src)``. torch's parallel ``copy_`` waits
-    on its worker threads, which costs milliseconds per large copy when the cores are busy."""
-    n = src.numel() * src.element_size()
-    if (
-        dst.device.type == "cpu"
-        and src.device.type == "cpu"
-        and dst.dtype == src.dtype
-        and dst.numel() == src.numel()
-        and dst.is_contiguous()
-        and src.is_contiguous()
-        and not src.is_conj()
-        and not src.is_neg()
-    ):
-        if n:
-            ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
-        return
-    dst.copy_(src)
 
 
 def check_put_batch(keys: Sequence[CacheEngineKey], values: Sequence[torch.Tensor | MemoryObj]) -> None:
@@ -142,21 +120,16 @@ class PutPath:
         """One put (see :meth:`StorageManager.put`); ``checked``: the value was validated already."""
         if type(key) is not CacheEngineKey:
             raise TypeError(f"key must be a CacheEngineKey, got {type(key).__name__}")
-        src_obj: MemoryObj | None = None
         if isinstance(value, torch.Tensor):
             if not checked:
                 check_storable_tensor(value, "value")
-            tensor = value
-            shape = tuple(value.shape)
-            dtype = value.dtype
         elif isinstance(value, MemoryObj):
-            src_obj = value
-            tensor = value.tensor
-            shape, dtype, fmt = value.shape, value.dtype, value.fmt
             if not checked:
-                check_storable_layout(dtype, len(shape), "value")
+                check_storable_layout(value.dtype, len(value.shape), "value")
         else:
             raise TypeError(f"value must be a torch.Tensor or MemoryObj, got {type(value).__name__}")
+        src_obj = value if isinstance(value, MemoryObj) else None
+        tensor, shape, dtype, fmt = _payload(value, fmt)
         if not isinstance(fmt, MemoryFormat):
             raise TypeError(f"fmt must be a MemoryFormat, got {type(fmt).__name__}")
         cpu = self.cpu
@@ -229,11 +202,7 @@ class PutPath:
         todo = [i for i, k in enumerate(keys) if k not in self._pending]
         got = direct.put_direct([(keys[i], values[i]) for i in todo], fmt) if todo else []
         for j, i in enumerate(todo):
-            v = values[i]
-            if isinstance(v, MemoryObj):
-                tensor, shape, dtype, vfmt = v.tensor, v.shape, v.dtype, v.fmt
-            else:
-                tensor, shape, dtype, vfmt = v, tuple(v.shape), v.dtype, fmt
+            tensor, shape, dtype, vfmt = _payload(values[i], fmt)
             out[i] = self._after_direct(direct, None if got is None else got[j], keys[i], tensor, shape, dtype, vfmt)
         return out
 
@@ -254,7 +223,7 @@ class PutPath:
         may take it (staged, as without a direct tier); with none, the put is refused: False,
         counted in ``put_rejected`` and logged once per burst."""
         rest = self._after_direct_targets
-        nbytes = dtype.itemsize * _numel(shape)
+        nbytes = payload_nbytes(shape, dtype)
         if stored:
             if rest and not self._carry(key, tensor, shape, dtype, fmt, nbytes, rest):
                 self._refuse_log.warning(
@@ -300,9 +269,7 @@ class PutPath:
         (reads aside), never larger than the largest record a lower tier accepts
         (:attr:`~lmcache_async.backend.StorageBackend.max_entry_bytes`), and never eating into
         the memory reserve (``memory_reserve_size``; ``one_off_refused`` counts those refusals)."""
-        n = dtype.itemsize
-        for d in shape:
-            n *= d
+        n = payload_nbytes(shape, dtype)
         cpu = self.cpu
         if not self._tiers.guards:
             if cpu is not None and not cpu.can_ever_hold(n):
@@ -344,8 +311,10 @@ class PutPath:
         return True
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+def _payload(
+    value: torch.Tensor | MemoryObj, fmt: MemoryFormat
+) -> tuple[torch.Tensor, tuple[int, ...], torch.dtype, MemoryFormat]:
+    """The bytes a put stores: tensor, shape, dtype and format (a MemoryObj carries its own)."""
+    if isinstance(value, MemoryObj):
+        return value.tensor, value.shape, value.dtype, value.fmt
+    return value, tuple(value.shape), value.dtype, fmt

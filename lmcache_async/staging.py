@@ -13,7 +13,15 @@ from collections.abc import Sequence
 
 import torch
 
-from lmcache_async.memory import GiB, HeapAllocator, MemoryFormat, MemoryObj, PoolAllocator, memory_available_bytes
+from lmcache_async.memory import (
+    GiB,
+    HeapAllocator,
+    MemoryFormat,
+    MemoryObj,
+    PoolAllocator,
+    memory_available_bytes,
+    payload_nbytes,
+)
 
 __all__ = ["StagingArea", "default_reserve_bytes"]
 
@@ -22,13 +30,6 @@ def default_reserve_bytes() -> int:
     """The memory kept free when ``memory_reserve_size`` is unset: the pools' rule (5% of the
     memory available now, at least 0.5 GiB, at most 2 GiB)."""
     return min(2 * GiB, max(GiB // 2, (memory_available_bytes() or 0) // 20))
-
-
-def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    n = dtype.itemsize
-    for d in shape:
-        n *= d
-    return n
 
 
 class StagingArea:
@@ -58,7 +59,7 @@ class StagingArea:
             obj = self.pool.allocate(shape, dtype, fmt)
             if obj is not None:
                 return obj
-        if not self.fits_memory(_nbytes(shape, dtype)):
+        if not self.fits_memory(payload_nbytes(shape, dtype)):
             self.one_off_refused += 1
             return None
         return self.heap.allocate(shape, dtype, fmt)

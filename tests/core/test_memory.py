@@ -231,3 +231,23 @@ def test_views_of_reused_blocks_stay_correct_when_the_view_cache_is_full():
         assert torch.all(o.tensor == 2.0)
         o.ref_count_down()
     assert len(p._view_cache) <= p.view_cache_limit
+
+
+def test_a_process_exiting_while_its_pool_is_still_pretouched_exits_cleanly(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The exit hook stops the pre-touch thread between steps and waits for it (a daemon
+    thread still in ``madvise`` when the interpreter finalizes aborts the process)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_early.py"
+    script.write_text(
+        "import threading\n"
+        "from lmcache_async import memory\n"
+        "pool = memory.PoolAllocator(512 << 20, name='early')\n"
+        "t = [t for t in threading.enumerate() if t.name.startswith('lmcache-async-pretouch')]\n"
+        "assert t and all(x in memory._PRETOUCH_THREADS for x in t), t\n"
+        "assert not memory._PRETOUCH_STOP.is_set()\n"
+    )
+    for _ in range(3):
+        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)
+        assert proc.returncode == 0, proc.stderr

@@ -25,21 +25,13 @@ from typing import Any
 
 import torch
 
-from lmcache_async.memory import HeapAllocator, MemoryFormat, MemoryObj, PoolAllocator
-from lmcache_async.put_path import copy_payload
+from lmcache_async.memory import HeapAllocator, MemoryFormat, MemoryObj, PoolAllocator, copy_payload, payload_nbytes
 
 __all__ = ["MIN_POOLED_BYTES", "PayloadBuffers"]
 
 MIN_POOLED_BYTES = 256 * 1024
 """Payloads below this size are allocated afresh: their page faults cost less than the pool's
 bookkeeping."""
-
-
-def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    n = dtype.itemsize
-    for d in shape:
-        n *= d
-    return n
 
 
 class PayloadBuffers:
@@ -67,7 +59,7 @@ class PayloadBuffers:
         it is large enough to be worth it and there is room, else a fresh heap buffer. Never
         None."""
         pool = self._pool
-        if pool is not None and _nbytes(shape, dtype) >= MIN_POOLED_BYTES:
+        if pool is not None and payload_nbytes(shape, dtype) >= MIN_POOLED_BYTES:
             obj = pool.allocate(shape, dtype, fmt)
             if obj is not None:
                 self.pooled += 1

@@ -22,7 +22,7 @@ strings (or one starts with ``$``) ``{"$d": [[key, value], ...]}``. Encoding cop
 once, straight from its device into the record; decoding copies each tensor once into a fresh
 tensor the caller owns (from the ``empty`` allocator a reader passes, else ``torch.empty``).
 Copies between contiguous CPU buffers are single-threaded ``memmove`` calls
-(:func:`~lmcache_async.put_path.copy_payload`). A reader trusts nothing it has not checked: a bad magic, version, codec,
+(:func:`~lmcache_async.memory.copy_payload`). A reader trusts nothing it has not checked: a bad magic, version, codec,
 table entry or skeleton is :class:`CorruptPayload`.
 """
 
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from lmcache_async.dtypes import DTYPE_TO_NAME, NAME_TO_DTYPE
-from lmcache_async.put_path import copy_payload
+from lmcache_async.memory import copy_payload
 
 __all__ = [
     "CODEC_BYTES",
