@@ -274,5 +274,6 @@ def create(ctx: BackendContext) -> ServerTier | None:
         token=cfg.cache_server_token,
         timeout_s=cfg.remote_timeout_s,
         max_backoff_s=cfg.remote_breaker_max_backoff_s,
+        remember_locations=cfg.cache_server_remember_locations,
     )
     return ServerTier(client, ctx)

@@ -263,6 +263,11 @@ class LMCacheEngineConfig(BaseModel):
     cache_server_pretouch: bool = Field(
         True, description="Cache server: fault in each namespace pool in the background when it is created."
     )
+    cache_server_remember_locations: bool = Field(
+        True,
+        description="Cache-server client: copy entries read before from where they lie, with no round trip, "
+        "while the pool's version table shows them unchanged.",
+    )
 
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)
 

@@ -14,7 +14,11 @@ server can never point into a pool mapped from its predecessor. A call that find
 connection closed by the server (stopped or restarted since the last call) reconnects and maps
 the new pool within its own timeout, so the first call after a restart is answered.
 
-Reads: :meth:`ServerClient.get` copies each entry out (the caller keeps the copy);
+Reads: :meth:`ServerClient.get` copies each entry out (the caller keeps the copy) with no
+lease: one READ round trip says where the entry lies, or none at all for an entry this
+connection read before (it remembers the location; ``remember_locations``). Every copy is
+checked against the pool's version table afterwards (:mod:`lmcache_async.server.shm`): one whose
+entry left the index meanwhile is asked again, so a copy never holds another entry's bytes.
 :meth:`ServerClient.get_view` lends a zero-copy view under a lease for callers that do not keep
 it. Holds (:meth:`ServerClient.hold`) pin entries for readers in other processes.
 """
@@ -42,9 +46,11 @@ from lmcache_async.server.connection import ServerUnavailable
 from lmcache_async.server.connection import connect as _connect
 from lmcache_async.server.connection import copy_bytes as _copy_bytes
 from lmcache_async.server.connection import exchange as _exchange
+from lmcache_async.server.connection import peer_open as _peer_open
 from lmcache_async.server.connection import send_frames as _send_frames
 from lmcache_async.server.protocol import (
     COMMIT_FAILED,
+    FRAME,
     MAX_BATCH,
     MAX_KEY_BYTES,
     EntryMeta,
@@ -57,6 +63,7 @@ from lmcache_async.server.protocol import (
 )
 from lmcache_async.server.protocol import decode_meta as _decode_meta
 from lmcache_async.server.protocol import encode_meta as _encode_meta
+from lmcache_async.server.shm import OPTIMISTIC_READS
 from lmcache_async.server.views import EntryView
 
 __all__ = ["EntryView", "ServerClient", "ServerUnavailable", "query_status"]
@@ -68,8 +75,13 @@ logger = logging.getLogger(__name__)
 #: Pre-granted blocks kept per block size, and in all (a put into one of them is one round trip).
 PREGRANT_PER_SIZE = 2
 PREGRANT_TOTAL = 16
+#: Entry locations a connection remembers for reads with no round trip (oldest dropped first).
+LOCATIONS_MAX = 8192
+#: Reads from remembered locations reported in one TOUCH at the latest (else on the next request).
+TOUCH_BATCH = 64
 
 _U16 = struct.Struct("<H")
+_TOUCH_BODY = 1 << 20  # bytes of keys in one TOUCH frame at most (far below MAX_BODY)
 
 
 class _ForkWatch:
@@ -96,7 +108,9 @@ class ServerClient:
 
     ``None`` from any call means the server could not be asked (down, timed out, breaker open,
     malformed answer); other answers are the server's. Buffers returned by :meth:`get` come
-    from ``alloc`` and are owned by the caller (one reference each).
+    from ``alloc`` and are owned by the caller (one reference each). ``remember_locations``
+    (default on) lets :meth:`get` copy an entry it read before straight from where it lies,
+    with no round trip, while the pool's version table shows it still indexed there.
     """
 
     def __init__(
@@ -107,6 +121,7 @@ class ServerClient:
         token: str | None = None,
         timeout_s: float = 2.0,
         max_backoff_s: float = 4.0,
+        remember_locations: bool = True,
     ) -> None:
         if not isinstance(path, str) or not path:
             raise ValueError(f"path must be a non-empty str, got {path!r}")
@@ -118,6 +133,8 @@ class ServerClient:
         self.namespace = namespace
         self.token = token
         self.timeout_s = float(timeout_s)
+        #: Keep the locations READ answers and copy from them again with no round trip.
+        self.remember_locations = bool(remember_locations)
         self.breaker = CircuitBreaker(threshold=1, base_backoff_s=min(0.25, max_backoff_s), max_backoff_s=max_backoff_s)
         self._lock = threading.Lock()
         self._conn: _Connection | None = None
@@ -133,6 +150,10 @@ class ServerClient:
         self.new_generations = 0
         #: Views whose lease was lost before they were read (see :meth:`get_view`).
         self.stale_views = 0
+        #: Lease-free copies whose entry left the index during the copy, read again under a lease.
+        self.rereads = 0
+        #: Entries copied from a location this client already knew (no round trip).
+        self.known_reads = 0
         self.generation = 0
 
     # ---- connection management (call with the lock held) -------------------------------------------
@@ -221,12 +242,22 @@ class ServerClient:
 
     def _call(self, op: Op, body: bytes, parse: Callable[[_Connection, Reader], T]) -> T | None:
         def run(conn: _Connection, deadline: float) -> T:
-            r = Reader(_exchange(conn, op, body, deadline, self._stale_grants(conn)))
+            r = Reader(_exchange(conn, op, body, deadline, self._pending(conn)))
             out = parse(conn, r)
             r.done()
             return out
 
         return self._locked(op.name, run)
+
+    def _pending(self, conn: _Connection) -> bytes:
+        """The unanswered frames that ride on the next request: the reads this connection
+        served from known locations (TOUCH), and cached grants close to their server-side
+        expiry (UNGRANT); b"" when there are none."""
+        touch = b""
+        if conn.touched:
+            touch = _touch_frames(conn.touched)
+            conn.touched = []
+        return touch + self._stale_grants(conn)
 
     def _stale_grants(self, conn: _Connection) -> bytes:
         """An UNGRANT frame for cached grants close to their server-side expiry (or b"")."""
@@ -271,7 +302,7 @@ class ServerClient:
 
     def _flags_locked(self, conn: _Connection, deadline: float, op: Op, body: bytes, n: int) -> list[bool]:
         """One request answered by a u16 count and one u8 flag per key."""
-        v = _exchange(conn, op, body, deadline, self._stale_grants(conn))
+        v = _exchange(conn, op, body, deadline, self._pending(conn))
         if len(v) != 2 + n or _U16.unpack_from(v, 0)[0] != n:
             raise ProtocolError("answer has the wrong count")
         return [b != 0 for b in v[2:]]
@@ -279,20 +310,25 @@ class ServerClient:
     def get(self, keys: Sequence[bytes], alloc: Alloc) -> list[MemoryObj | None] | None:
         """Each entry copied into a buffer from ``alloc`` (the caller owns it), None per miss.
 
-        One round trip leases the batch; the copies run on this thread from the mapped pool;
-        one unanswered RELEASE ends the leases. A buffer ``alloc`` cannot provide is a miss, and
-        so is a key longer than :data:`MAX_KEY_BYTES`.
+        One round trip (``READ``) answers where the batch lies; the copies run on this thread
+        from the mapped pool and are checked against the pool's free-version table afterwards
+        (:mod:`lmcache_async.server.shm`): an entry whose block was freed meanwhile is read
+        again under a lease (``GET``, then one unanswered RELEASE), so no copy ever holds bytes
+        of another entry. Where lease-free reads are not safe (:data:`OPTIMISTIC_READS`) every
+        read is leased. A buffer ``alloc`` cannot provide is a miss, and so is a key longer
+        than :data:`MAX_KEY_BYTES`.
         """
         if not keys:
             return []
         if (fit := self._fitting(keys)) is not None:
             return _spread(fit, self.get([keys[i] for i in fit], alloc), len(keys), None)
+        read = self._read_locked if OPTIMISTIC_READS else self._get_keys_locked
         if len(keys) <= MAX_BATCH:
-            return self._locked("GET", self._get_locked, Op.GET, encode_keys(keys), len(keys), alloc)
+            return self._locked("GET", read, keys, alloc)
         out: list[MemoryObj | None] = []
         for i in range(0, len(keys), MAX_BATCH):
             part = keys[i : i + MAX_BATCH]
-            got = self._locked("GET", self._get_locked, Op.GET, encode_keys(part), len(part), alloc)
+            got = self._locked("GET", read, part, alloc)
             if got is None:
                 for o in out:
                     if o is not None:
@@ -301,11 +337,138 @@ class ServerClient:
             out.extend(got)
         return out
 
+    def _read_locked(
+        self, conn: _Connection, deadline: float, keys: Sequence[bytes], alloc: Alloc
+    ) -> list[MemoryObj | None]:
+        """``keys`` copied out: those whose location this connection knows are copied from it
+        and checked (no round trip; reported later by TOUCH), the others (and any whose check
+        fails) asked with one READ. Known locations are trusted only while the connection is
+        open (one non-blocking peek per call)."""
+        where = conn.where
+        if not where:
+            return self._read_answered(conn, deadline, keys, alloc)
+        if not _peer_open(conn):
+            # A dead server's pool stays mapped here and its versions never move again: only a
+            # live connection's locations are trusted. The caller reconnects (empty ``where``).
+            raise ConnectionError("cache server closed the connection")
+        mapping = conn.mapping
+        assert mapping is not None
+        data = mapping.data
+        base = data.data_ptr()
+        out: list[MemoryObj | None] = [None] * len(keys)
+        ask: list[int] = []
+        try:
+            for i, k in enumerate(keys):
+                loc = where.get(k)
+                if loc is None:
+                    ask.append(i)
+                    continue
+                off, meta, version = loc
+                obj = alloc(meta.shape, meta.dtype, meta.fmt)
+                if obj is None:
+                    continue  # no buffer: a miss, as on the answered path
+                if meta.nbytes:
+                    _copy_bytes(obj.tensor, base + off, data, off, meta.nbytes, out_of_pool=True)
+                if mapping.version(off, meta.nbytes) == version:
+                    out[i] = obj
+                    conn.touched.append(k)
+                    self.known_reads += 1
+                else:  # the entry left the index since we were told where it lies
+                    obj.ref_count_down()
+                    del where[k]
+                    ask.append(i)
+            if ask:
+                got = self._read_answered(conn, deadline, [keys[i] for i in ask], alloc)
+                for i, obj in zip(ask, got, strict=True):
+                    out[i] = obj
+            elif len(conn.touched) >= TOUCH_BATCH:
+                _send_frames(conn, self._pending(conn), deadline)
+        except BaseException:
+            for o in out:
+                if o is not None:
+                    o.ref_count_down()
+            raise
+        return out
+
+    def _read_answered(
+        self, conn: _Connection, deadline: float, keys: Sequence[bytes], alloc: Alloc
+    ) -> list[MemoryObj | None]:
+        """One lease-free READ of ``keys``, each hit copied out and checked (and its location
+        kept); the keys whose entries left the index during their copy are read again under a
+        lease."""
+        n = len(keys)
+        v = _exchange(conn, Op.READ, encode_keys(keys), deadline, self._pending(conn))
+        if len(v) < 2 or _U16.unpack_from(v, 0)[0] != n:
+            raise ProtocolError("READ answer has the wrong count")
+        mapping = conn.mapping
+        assert mapping is not None
+        data = mapping.data
+        base = data.data_ptr()
+        pool_bytes = mapping.pool_bytes
+        end = len(v)
+        pos = 2
+        out: list[MemoryObj | None] = []
+        checks: list[tuple[int, int, EntryMeta, int]] = []  # (index, offset, metadata, version)
+        try:
+            for i in range(n):
+                if pos >= end:
+                    raise ProtocolError("message truncated")
+                if not v[pos]:
+                    pos += 1
+                    out.append(None)
+                    continue
+                if pos + _HIT.size > end:
+                    raise ProtocolError("message truncated")
+                flag, version, off = _HIT.unpack_from(v, pos)
+                if flag != 2:
+                    raise ProtocolError(f"READ answer has hit flag {flag}")
+                meta, pos = _decode_meta(v, pos + _HIT.size)
+                if off + meta.nbytes > pool_bytes:
+                    raise ProtocolError("READ answer points outside the pool")
+                obj = alloc(meta.shape, meta.dtype, meta.fmt)
+                if obj is not None:
+                    if meta.nbytes:
+                        _copy_bytes(obj.tensor, base + off, data, off, meta.nbytes, out_of_pool=True)
+                    checks.append((i, off, meta, version))
+                out.append(obj)
+            if pos != end:
+                raise ProtocolError(f"{end - pos} trailing bytes")
+            again = []
+            where = conn.where
+            remember = self.remember_locations
+            for i, off, meta, version in checks:
+                if mapping.version(off, meta.nbytes) != version:
+                    again.append(i)
+                    continue
+                if remember:
+                    if len(where) >= LOCATIONS_MAX:
+                        del where[next(iter(where))]
+                    where[keys[i]] = (off, meta, version)
+            if again:
+                self.rereads += len(again)
+                got = self._get_keys_locked(conn, deadline, [keys[i] for i in again], alloc)
+                for i, obj in zip(again, got, strict=True):
+                    old, out[i] = out[i], obj
+                    if old is not None:
+                        old.ref_count_down()
+        except BaseException:
+            for o in out:
+                if o is not None:
+                    o.ref_count_down()
+            raise
+        return out
+
+    def _get_keys_locked(
+        self, conn: _Connection, deadline: float, keys: Sequence[bytes], alloc: Alloc
+    ) -> list[MemoryObj | None]:
+        """One leasing GET of ``keys``, each hit copied out, the leases released."""
+        return self._get_locked(conn, deadline, Op.GET, encode_keys(keys), len(keys), alloc)
+
     def _get_locked(
         self, conn: _Connection, deadline: float, op: Op, body: bytes, n: int, alloc: Alloc
     ) -> list[MemoryObj | None]:
         """One leasing request (GET or GET_HELD), each hit copied out, the leases released."""
-        return self._copy_out(conn, _exchange(conn, op, body, deadline, self._stale_grants(conn)), n, alloc)
+        return self._copy_out(conn, _exchange(conn, op, body, deadline, self._pending(conn)), n, alloc)
 
     def _copy_out(self, conn: _Connection, v: memoryview, n: int, alloc: Alloc) -> list[MemoryObj | None]:
         """Copy each hit of a leasing answer ``v`` into a buffer from ``alloc``, then release the
@@ -377,7 +540,7 @@ class ServerClient:
 
     def _lease_one(self, conn: _Connection, deadline: float, key: bytes) -> EntryView | None:
         started = time.monotonic()  # the server's lease TTL starts later than this
-        r = Reader(_exchange(conn, Op.GET, encode_keys([key]), deadline, self._stale_grants(conn)))
+        r = Reader(_exchange(conn, Op.GET, encode_keys([key]), deadline, self._pending(conn)))
         if r.u16() != 1:
             raise ProtocolError("GET answer has the wrong count")
         if not r.u8():
@@ -435,7 +598,7 @@ class ServerClient:
         frame = w.frame(Op.UNHOLD, 0)
 
         def send(conn: _Connection, deadline: float) -> bool:
-            _send_frames(conn, self._stale_grants(conn) + frame, deadline)
+            _send_frames(conn, self._pending(conn) + frame, deadline)
             return True
 
         return self._locked("UNHOLD", send) is True
@@ -467,7 +630,7 @@ class ServerClient:
         self, conn: _Connection, deadline: float, items: Sequence[tuple[bytes, MemoryObj]], metas: list[EntryMeta]
     ) -> list[bool]:
         assert conn.mapping is not None
-        pre = self._stale_grants(conn)
+        pre = self._pending(conn)
         sizes = [conn.block_size(m.nbytes) for m in metas]
         blocks: list[tuple[int, int] | None] = []
         missing: list[int] = []
@@ -581,6 +744,8 @@ class ServerClient:
             "reconnects": self.reconnects,
             "new_generations": self.new_generations,
             "stale_views": self.stale_views,
+            "rereads": self.rereads,
+            "known_reads": self.known_reads,
             "connected": self._conn is not None,
             "circuit": self.breaker.state,
         }
@@ -604,6 +769,19 @@ def _release(conn: _Connection, leases: Sequence[int]) -> None:
         conn.sock.sendall(frame)
     except OSError:
         conn.close()  # a frame may be half sent: this connection cannot be used again
+
+
+def _touch_frames(keys: list[bytes]) -> bytes:
+    """Unanswered TOUCH frames for ``keys``, each within the batch and body limits."""
+    frames: list[bytes] = []
+    start, size = 0, 0
+    for i, k in enumerate(keys):
+        if i - start == MAX_BATCH or size + 2 + len(k) > _TOUCH_BODY:
+            frames.append(encode_keys(keys[start:i]))
+            start, size = i, 0
+        size += 2 + len(k)
+    frames.append(encode_keys(keys[start:]))
+    return b"".join(FRAME.pack(len(body), Op.TOUCH, 0) + body for body in frames)
 
 
 def _flags_of(conn: _Connection, r: Reader, n: int) -> list[bool]:

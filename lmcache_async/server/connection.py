@@ -35,13 +35,23 @@ from lmcache_async.server.protocol import (
     MAX_BODY,
     VERSION,
     WELCOME,
+    EntryMeta,
     Mode,
     ProtocolError,
     Status,
 )
 from lmcache_async.server.shm import PoolMapping
 
-__all__ = ["TIMEOUT_SLACK_S", "Connection", "ServerUnavailable", "connect", "copy_bytes", "exchange", "send_frames"]
+__all__ = [
+    "TIMEOUT_SLACK_S",
+    "Connection",
+    "ServerUnavailable",
+    "connect",
+    "copy_bytes",
+    "exchange",
+    "peer_open",
+    "send_frames",
+]
 
 #: How far past its deadline a blocking wait may end (the kernel timeouts are not re-armed
 #: for every call; see the module docstring).
@@ -72,6 +82,11 @@ class Connection:
         self.grants: dict[int, list[tuple[int, int, float]]] = {}  # block size -> [(gid, offset, expiry)]
         #: No cached grant expires before this time (monotonic), so none needs returning yet.
         self.grants_checked_until = float("inf")
+        #: Locations of entries READ told this connection: key -> (offset, metadata, version);
+        #: valid while the pool's version table agrees (see :mod:`lmcache_async.server.shm`).
+        self.where: dict[bytes, tuple[int, EntryMeta, int]] = {}
+        #: Keys read from ``where`` since the last TOUCH (sent with the next request).
+        self.touched: list[bytes] = []
         self.rbuf = bytearray(64 << 10)
         self.rview = memoryview(self.rbuf)
         self._armed = [-1.0, -1.0]  # the kernel's receive and send timeouts now set on the socket
@@ -152,6 +167,17 @@ def connect(
     except BaseException:
         sock.close()
         raise
+
+
+def peer_open(conn: Connection) -> bool:
+    """False when the server has closed this connection (it stopped, restarted or died: the
+    kernel closed its end), as far as one non-blocking peek can tell; no wait."""
+    try:
+        return conn.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
 
 
 def send_frames(conn: Connection, data: bytes, deadline: float) -> None:

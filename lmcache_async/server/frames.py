@@ -31,7 +31,7 @@ class Conn:
 
 
 #: Ops whose handling awaits the lower tiers (when the server has any).
-MAY_WAIT = frozenset({Op.CONTAINS, Op.GET, Op.COMMIT, Op.REMOVE})
+MAY_WAIT = frozenset({Op.CONTAINS, Op.GET, Op.READ, Op.COMMIT, Op.REMOVE, Op.HOLD})
 _OPS = {int(op): op for op in Op}
 _HEAD = FRAME.size
 
@@ -58,6 +58,7 @@ class FrameProtocol(asyncio.Protocol):
         self._busy = False  # a request runs as a task
         self._task: asyncio.Future[bytes | None] | None = None
         self._write_paused = False
+        self._fast = server.fast_handlers() if conn.ns is not None and conn.state is not None else {}
 
     def shut(self) -> None:
         """Cancel a request still running and close the transport (the server's handler calls
@@ -73,6 +74,23 @@ class FrameProtocol(asyncio.Protocol):
         self._transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        if not self._buf and not self._busy and not self._write_paused and self._fast:
+            # The usual case: exactly one hot request arrived and nothing is queued before it.
+            # It is answered from ``data`` itself, with no buffering and no dispatch.
+            n = len(data)
+            if n >= _HEAD:
+                body_len, op, seq = FRAME.unpack_from(data, 0)
+                fast = self._fast.get(op)
+                if fast is not None and n == _HEAD + body_len and not self._closed.done():
+                    try:
+                        answer = fast(self._conn, Reader(data, _HEAD))
+                    except Exception as exc:
+                        self._finish(exc)
+                        return
+                    self._conn.state.requests += 1  # type: ignore[union-attr]  # set with _fast
+                    if answer is not None:
+                        self._transport.write(FRAME.pack(len(answer), op, seq) + answer)  # type: ignore[union-attr]
+                    return
         self._buf += data
         if not self._busy and not self._write_paused:
             self._process()

@@ -186,6 +186,18 @@ class Namespace:
         self.hits += 1
         return lid, entry.obj, entry.meta
 
+    def locate(self, key: bytes, *, count_miss: bool = True) -> tuple[MemoryObj, EntryMeta, int] | None:
+        """Where the entry of ``key`` lies, unleased: (block, metadata, version of its bytes),
+        or None for a miss. The entry may leave the index as soon as the caller yields; a
+        reader checks the version after copying (:mod:`lmcache_async.server.shm`)."""
+        entry = self._index.lookup(key)
+        if entry is None:
+            self.misses += count_miss
+            return None
+        self.hits += 1
+        obj = entry.obj
+        return obj, entry.meta, self.pool.version(obj.offset, entry.meta.nbytes)
+
     def release(self, st: ClientState, lease_id: int) -> bool:
         """End one lease; False when ``st`` holds no such lease (expired or never granted)."""
         lease = st.leases.pop(lease_id, None)
@@ -259,7 +271,7 @@ class Namespace:
             return obj
         while (victim := self._index.pop_oldest(_held)) is not None:
             self.evictions += 1
-            victim[1].obj.ref_count_down()
+            self._retire(victim[1])
             obj = pool.allocate((max(nbytes, 1),), torch.uint8)
             if obj is not None:
                 return obj
@@ -318,8 +330,21 @@ class Namespace:
         entry = self._index.pop(key)
         if entry is None:
             return False
-        entry.obj.ref_count_down()
+        self._retire(entry)
         return True
+
+    def _retire(self, entry: Entry) -> None:
+        """An entry just left the index: move its version counters (a reader holding its
+        location no longer trusts it), then give the index's reference back."""
+        self.pool.retire(entry.obj.offset, entry.meta.nbytes)
+        entry.obj.ref_count_down()
+
+    def touch(self, keys: list[bytes]) -> None:
+        """Readers that copied these entries from locations they knew: make each present one
+        the youngest and count it as a hit."""
+        idx = self._index
+        for k in keys:
+            self.hits += idx.touch(k)
 
     def clear(self) -> None:
         for key in list(self._index):

@@ -11,14 +11,20 @@ Handshake (on the raw socket, before any stream wrapping)::
                       (+ the namespace pool's memfd as SCM_RIGHTS when status is OK and mode CLIENT)
 
 Every later message is a frame ``body_len u32, op u8, seq u32`` followed by the body. Requests
-that expect an answer get a frame with the same ``op`` and ``seq``; ``RELEASE``, ``UNGRANT`` and
-``UNHOLD`` are never answered. Decoders raise :class:`ProtocolError` for anything malformed; the
-server closes that connection.
+that expect an answer get a frame with the same ``op`` and ``seq``; ``RELEASE``, ``UNGRANT``,
+``UNHOLD`` and ``TOUCH`` are never answered. Decoders raise :class:`ProtocolError` for anything
+malformed; the server closes that connection.
 
 Leases belong to the connection that took them. A **hold** (``HOLD``) belongs to the namespace:
 it pins a committed entry's block and metadata under a random token until ``UNHOLD`` (from any
 client of the namespace) or its TTL, so a process other than the one that promised the entry
 can still read it (``GET_HELD``) after the key was removed or evicted.
+
+``READ`` answers where entries lie without leasing them: a reader that copies checks the pool's
+version table afterwards (:mod:`lmcache_async.server.shm`) and repeats a mismatched key with
+``GET``, so a copy-out is one round trip and no release. A client may keep the locations it was
+told and copy from them again with no round trip while their versions hold; it reports such
+reads later with one unanswered ``TOUCH``, so the server's recency order and hit counts follow.
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ __all__ = [
 ]
 
 MAGIC = b"LMCS"
-VERSION = 1
+VERSION = 2
 #: Largest frame body either side accepts (a batch of keys and metadata, never payload).
 MAX_BODY = 4 << 20
 #: Most keys (or grants, or leases) in one request.
@@ -115,10 +121,17 @@ class Op(enum.IntEnum):
     HOLD = 11
     UNHOLD = 12
     GET_HELD = 13
+    READ = 14
+    """Where each entry lies, without a lease: per key a miss (0) or ``2, version u64, offset
+    u64, metadata``; the reader copies, then checks the pool's version table against
+    ``version`` (:mod:`lmcache_async.server.shm`) and asks again with ``GET`` on a mismatch."""
+    TOUCH = 15
+    """Keys a reader copied from locations it already knew (never answered): each present one
+    becomes the youngest entry and counts as a hit."""
 
 
 #: Ops the server answers with a frame of the same op and seq.
-ANSWERED = frozenset(op for op in Op if op not in (Op.RELEASE, Op.UNGRANT, Op.UNHOLD))
+ANSWERED = frozenset(op for op in Op if op not in (Op.RELEASE, Op.UNGRANT, Op.UNHOLD, Op.TOUCH))
 #: Longest TTL a hold may ask for; longer requests are cut to it.
 MAX_HOLD_TTL_S = 3600.0
 #: Commit outcomes.
@@ -295,9 +308,11 @@ class Reader:
 
     __slots__ = ("_buf", "_pos")
 
-    def __init__(self, buf: bytes | bytearray | memoryview) -> None:
-        self._buf = memoryview(buf)
-        self._pos = 0
+    def __init__(self, buf: bytes | bytearray | memoryview, pos: int = 0) -> None:
+        """A reader of ``buf`` from ``pos`` on (``bytes`` are read as they are; a fast path
+        hands a whole frame with ``pos`` at its body)."""
+        self._buf = buf if type(buf) is bytes else memoryview(buf)
+        self._pos = pos
 
     def _take(self, st: struct.Struct) -> int:
         pos = self._pos

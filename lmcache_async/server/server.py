@@ -67,6 +67,7 @@ if TYPE_CHECKING:
 
 _U16 = struct.Struct("<H")
 _HIT = struct.Struct("<BQQ")  # a leasing answer's hit: flag 1, lease id, offset (then the metadata)
+_READ_HIT = struct.Struct("<BQQ")  # a READ answer's hit: flag 2, free version, offset (then the metadata)
 
 __all__ = ["CacheServer", "prepare_socket_dir"]
 
@@ -387,6 +388,33 @@ class CacheServer:
         coro.close()
         raise RuntimeError(f"{op.name} waited on the event loop on the direct path")
 
+    def fast_handlers(self) -> dict[int, Callable[[Conn, Reader], bytes | None]]:
+        """Handlers of the hot requests that never wait (presence, reads and releases, when the
+        server has no lower tiers), by op code, for the connection's fast path: each takes the
+        admitted connection and a reader of the request body and returns the answer body
+        (None: the request is not answered)."""
+        if self.lower is not None:
+            return {}
+
+        def contains(conn: Conn, r: Reader) -> bytes:
+            assert conn.ns is not None
+            flags = _contains(conn.ns, r)[1]
+            return _U16.pack(len(flags)) + bytes(flags)
+
+        def read(conn: Conn, r: Reader) -> bytes:
+            assert conn.ns is not None
+            return _read_answer(_locate(conn.ns, r)[1])
+
+        def get(conn: Conn, r: Reader) -> bytes:
+            assert conn.ns is not None and conn.state is not None
+            return _lease_answer(_lease(conn.ns, conn.state, r)[1])
+
+        def release(conn: Conn, r: Reader) -> None:
+            assert conn.ns is not None and conn.state is not None
+            _release(conn.ns, conn.state, r)
+
+        return {int(Op.CONTAINS): contains, int(Op.READ): read, int(Op.GET): get, int(Op.RELEASE): release}
+
     def needs_task(self, op: Op) -> bool:
         """True when a request of ``op`` may wait (on the lower tiers) and so runs as a task."""
         return self.lower is not None and op in MAY_WAIT
@@ -403,37 +431,34 @@ class CacheServer:
         assert ns is not None and st is not None
         w = Writer()
         if op is Op.CONTAINS:
-            touch = r.u8()
-            keys = r.keys()
-            r.done()
-            flags = ns.contains(keys, bool(touch))
+            keys, flags = _contains(ns, r)
             if self.lower is not None and not all(flags):
                 missing = [i for i, f in enumerate(flags) if not f]
                 found = await self.lower.contains(ns.name, [keys[i] for i in missing])
                 for i, f in zip(missing, found, strict=True):
                     flags[i] = f
             return _U16.pack(len(flags)) + bytes(map(bool, flags))
+        elif op is Op.READ:
+            keys, located = _locate(ns, r, count_miss=self.lower is None)
+            if self.lower is not None:
+                for i, loc in enumerate(located):
+                    if loc is None and await self._stage(ns, keys[i]):
+                        located[i] = ns.locate(keys[i])
+            return _read_answer(located)
         elif op is Op.GET:
+            keys, leased = _lease(ns, st, r, count_miss=self.lower is None)
+            if self.lower is not None:
+                for i, lease in enumerate(leased):
+                    if lease is None and await self._stage(ns, keys[i]):
+                        leased[i] = ns.lease(st, keys[i])
+            return _lease_answer(leased)
+        elif op is Op.RELEASE:
+            _release(ns, st, r)
+            return None
+        elif op is Op.TOUCH:
             keys = r.keys()
             r.done()
-            leased = [ns.lease(st, k, count_miss=self.lower is None) for k in keys]
-            if self.lower is not None:
-                for i, got in enumerate(leased):
-                    if got is None:
-                        leased[i] = await self._load(ns, st, keys[i])
-            parts = [_U16.pack(len(keys))]
-            for got in leased:
-                if got is None:
-                    parts.append(b"\x00")
-                    continue
-                lid, obj, meta = got
-                parts.append(_HIT.pack(1, lid, obj.offset))
-                parts.append(encode_meta(meta))
-            return b"".join(parts)
-        elif op is Op.RELEASE:
-            for _ in range(r.count()):
-                ns.release(st, r.u64())
-            r.done()
+            ns.touch(keys)
             return None
         elif op is Op.GRANT:
             sizes = [r.u64() for _ in range(r.count())]
@@ -479,7 +504,10 @@ class CacheServer:
             r.done()
             w.u16(len(keys))
             for k in keys:
-                w.u64(ns.hold(k, ttl_s) or 0)
+                token = ns.hold(k, ttl_s)
+                if token is None and self.lower is not None and ns.entry_view(k) is None and await self._stage(ns, k):
+                    token = ns.hold(k, ttl_s)  # an entry only a lower tier had, now back in the pool
+                w.u64(token or 0)
         elif op is Op.UNHOLD:
             for _ in range(r.count()):
                 ns.unhold(r.u64())
@@ -508,20 +536,21 @@ class CacheServer:
         tensor = view.view(meta.dtype).view(meta.shape) if meta.nbytes else torch.empty(meta.shape, dtype=meta.dtype)
         await self.lower.put(ns.name, key, tensor, meta.fmt)
 
-    async def _load(self, ns: Namespace, st: ClientState, key: bytes) -> tuple[int, MemoryObj, EntryMeta] | None:
-        """A pool miss read from the lower tiers, indexed in the pool, then leased; None: a miss."""
+    async def _stage(self, ns: Namespace, key: bytes) -> bool:
+        """Read a pool miss from the lower tiers into the pool's index: False (counted as a
+        miss) when no lower tier has it or no block is free for it."""
         assert self.lower is not None
         obj = await self.lower.get(ns.name, key)
         if obj is None:
             ns.misses += 1
-            return None
+            return False
         try:
             if ns.entry_view(key) is None:  # nobody committed it while we read
                 meta = EntryMeta.of(obj.shape, obj.dtype, obj.fmt)
                 block = ns.allocate_block(meta.nbytes)
                 if block is None:
                     ns.misses += 1
-                    return None
+                    return False
                 if meta.nbytes:
                     ctypes.memmove(block.data_ptr, obj.data_ptr, meta.nbytes)
                 if not ns.insert(key, block, meta):
@@ -529,7 +558,7 @@ class CacheServer:
                 ns.loaded += 1
         finally:
             obj.ref_count_down()
-        return ns.lease(st, key)
+        return True
 
     @staticmethod
     def _grants(ns: Namespace, st: ClientState, sizes: list[int], w: Writer) -> None:
@@ -608,3 +637,60 @@ def event_loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop] | N
             raise ValueError(f"{LOOP_ENV}=uvloop but uvloop is not installed") from None
         return None
     return cast("Callable[[], asyncio.AbstractEventLoop]", uvloop.new_event_loop)
+
+
+def _contains(ns: Namespace, r: Reader) -> tuple[list[bytes], list[bool]]:
+    """A CONTAINS body's keys and their presence in the pool."""
+    touch = r.u8()
+    keys = r.keys()
+    r.done()
+    return keys, ns.contains(keys, bool(touch))
+
+
+def _locate(
+    ns: Namespace, r: Reader, *, count_miss: bool = True
+) -> tuple[list[bytes], list[tuple[MemoryObj, EntryMeta, int] | None]]:
+    """A READ body's keys and where each lies in the pool (None: not in the pool)."""
+    keys = r.keys()
+    r.done()
+    return keys, [ns.locate(k, count_miss=count_miss) for k in keys]
+
+
+def _lease(
+    ns: Namespace, st: ClientState, r: Reader, *, count_miss: bool = True
+) -> tuple[list[bytes], list[tuple[int, MemoryObj, EntryMeta] | None]]:
+    """A GET body's keys, each leased for ``st`` (None: not in the pool, or refused)."""
+    keys = r.keys()
+    r.done()
+    return keys, [ns.lease(st, k, count_miss=count_miss) for k in keys]
+
+
+def _lease_answer(leased: list[tuple[int, MemoryObj, EntryMeta] | None]) -> bytes:
+    parts = [_U16.pack(len(leased))]
+    for got in leased:
+        if got is None:
+            parts.append(b"\x00")
+            continue
+        lid, obj, meta = got
+        parts.append(_HIT.pack(1, lid, obj.offset))
+        parts.append(encode_meta(meta))
+    return b"".join(parts)
+
+
+def _release(ns: Namespace, st: ClientState, r: Reader) -> None:
+    """End the leases a RELEASE body names (unknown ones are ignored); never answered."""
+    for _ in range(r.count()):
+        ns.release(st, r.u64())
+    r.done()
+
+
+def _read_answer(located: list[tuple[MemoryObj, EntryMeta, int] | None]) -> bytes:
+    parts = [_U16.pack(len(located))]
+    for got in located:
+        if got is None:
+            parts.append(b"\x00")
+            continue
+        obj, meta, version = got
+        parts.append(_READ_HIT.pack(2, version, obj.offset))
+        parts.append(encode_meta(meta))
+    return b"".join(parts)

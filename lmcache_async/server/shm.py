@@ -5,6 +5,16 @@ clients receive the descriptor over the Unix socket and map the same bytes
 (:class:`PoolMapping`). The first :data:`HEADER_BYTES` of the file hold a magic and the pool's
 generation number, so a client can tell a pool of a restarted server from the one it mapped
 before; entry offsets count from the end of that header.
+
+After the entry region the file holds the **version table**: one u64 per :data:`REGION_BYTES`
+of the entry region, which the server increments whenever a committed entry whose block overlaps
+that region leaves the index (removed or evicted), before its block can be freed and handed to
+anyone else. A reader that copies an entry without a lease compares the sum of its regions'
+counters, as the server saw it while the entry was indexed, with the sum after the copy: equal
+sums mean the entry is still indexed at that block, so its bytes are the committed ones (the
+counters only grow). The same check lets a client reuse a location it was told earlier. x86-64
+orders the server's increment before any later writer's bytes for every other CPU (total store
+order); on other architectures clients read under a lease instead (:data:`OPTIMISTIC_READS`).
 """
 
 from __future__ import annotations
@@ -12,6 +22,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import platform
 import secrets
 import struct
 import threading
@@ -20,13 +31,33 @@ import torch
 
 from lmcache_async.memory import PoolAllocator, populate_pages
 
-__all__ = ["HEADER_BYTES", "PoolMapping", "SharedPool", "new_generation"]
+__all__ = ["HEADER_BYTES", "OPTIMISTIC_READS", "REGION_BYTES", "PoolMapping", "SharedPool", "new_generation"]
 
 logger = logging.getLogger(__name__)
 
 HEADER_BYTES = 4096
-_HEADER = struct.Struct("<8sQQ")  # magic, generation, data bytes
+#: Bytes of the entry region covered by one counter of the free-version table.
+REGION_SHIFT = 20
+REGION_BYTES = 1 << REGION_SHIFT
+_PAGE = 4096
+_HEADER = struct.Struct("<8sQQQI")  # magic, generation, data bytes, version table offset, region shift
 _POOL_MAGIC = b"LMCSPOOL"
+#: Whether this machine's memory order lets a client trust a lease-free copy checked by the
+#: free-version table (see the module docstring); elsewhere every read takes a lease.
+OPTIMISTIC_READS = platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _table_layout(capacity: int, align: int) -> tuple[int, int, int]:
+    """(table offset, counters, file bytes) of a pool with ``capacity`` entry bytes."""
+    span = -(-max(capacity, align, 1) // _PAGE) * _PAGE
+    regions = max(1, -(-capacity // REGION_BYTES))
+    table = HEADER_BYTES + span
+    return table, regions, table + -(-8 * regions // _PAGE) * _PAGE
+
+
+def _region_range(offset: int, nbytes: int) -> tuple[int, int]:
+    """First and one-past-last counter covering ``nbytes`` entry bytes at ``offset``."""
+    return offset >> REGION_SHIFT, ((offset + max(nbytes, 1) - 1) >> REGION_SHIFT) + 1
 
 
 def new_generation() -> int:
@@ -56,15 +87,17 @@ class SharedPool(PoolAllocator):
         super().__init__(size_bytes, name=name, pin=False, pretouch=False, reserve_bytes=reserve_bytes)
         self.generation = generation
         self.fd = os.memfd_create(f"lmcache-async-{name}"[:200], os.MFD_CLOEXEC)
+        table_off, regions, self.file_bytes = _table_layout(self.capacity, self.align)
         try:
-            os.ftruncate(self.fd, HEADER_BYTES + max(self.capacity, self.align))
-            self.file_bytes = HEADER_BYTES + max(self.capacity, self.align)
+            os.ftruncate(self.fd, self.file_bytes)
             self._mm = mmap.mmap(self.fd, self.file_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(self.fd)
             raise
-        _HEADER.pack_into(self._mm, 0, _POOL_MAGIC, generation, self.capacity)
-        self.buffer = torch.frombuffer(self._mm, dtype=torch.uint8, offset=HEADER_BYTES)
+        _HEADER.pack_into(self._mm, 0, _POOL_MAGIC, generation, self.capacity, table_off, REGION_SHIFT)
+        #: The version table (native u64 counters; see the module docstring).
+        self.versions = memoryview(self._mm)[table_off : table_off + 8 * regions].cast("Q")
+        self.buffer = torch.frombuffer(self._mm, dtype=torch.uint8, offset=HEADER_BYTES, count=table_off - HEADER_BYTES)
         self.base_ptr = self.buffer.data_ptr()
         if self.capacity and pretouch:
             threading.Thread(target=self._populate, name=f"lmcache-async-pretouch-{name}"[:60], daemon=True).start()
@@ -74,6 +107,19 @@ class SharedPool(PoolAllocator):
             populate_pages(self.base_ptr, self.capacity)
         except Exception:  # pragma: no cover - best effort
             logger.debug("pre-touch of shared pool %s failed", self.name, exc_info=True)
+
+    def retire(self, offset: int, nbytes: int) -> None:
+        """Move the version counters under ``nbytes`` entry bytes at ``offset``: called (on the
+        loop thread) when the entry there leaves the index, before its block is given back."""
+        versions = self.versions
+        first, end = _region_range(offset, nbytes)
+        for r in range(first, end):
+            versions[r] += 1
+
+    def version(self, offset: int, nbytes: int) -> int:
+        """The version sum of the regions under ``nbytes`` entry bytes at ``offset``."""
+        first, end = _region_range(offset, nbytes)
+        return self.versions[first] if end == first + 1 else sum(self.versions[first:end])
 
     def close(self) -> None:
         """Close the descriptor; the mapping goes when the last tensor view is dropped."""
@@ -100,17 +146,34 @@ class PoolMapping:
             if size < HEADER_BYTES + pool_bytes:
                 raise ValueError(f"pool file of {size} bytes is smaller than announced ({pool_bytes})")
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            mm = mmap.mmap(fd, HEADER_BYTES + max(pool_bytes, 1), flags, mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        magic, gen, data_bytes = _HEADER.unpack_from(mm, 0)
-        if magic != _POOL_MAGIC or gen != generation or data_bytes != pool_bytes:
+        magic, gen, data_bytes, table_off, shift = _HEADER.unpack_from(mm, 0)
+        regions = max(1, -(-pool_bytes // REGION_BYTES))
+        if (
+            magic != _POOL_MAGIC
+            or gen != generation
+            or data_bytes != pool_bytes
+            or shift != REGION_SHIFT
+            or table_off < HEADER_BYTES + pool_bytes
+            or table_off % 8
+            or table_off + 8 * regions > size
+        ):
             mm.close()
-            raise ValueError("pool header does not match the handshake (magic, generation or size)")
+            raise ValueError("pool header does not match the handshake (magic, generation, size or table)")
         self.generation = generation
         self.pool_bytes = pool_bytes
         self.data = torch.frombuffer(mm, dtype=torch.uint8, offset=HEADER_BYTES, count=max(pool_bytes, 1))
+        #: The server's version table (read only here; see the module docstring).
+        self.versions = memoryview(mm)[table_off : table_off + 8 * regions].cast("Q")
         self._mm = mm
+
+    def version(self, offset: int, nbytes: int) -> int:
+        """The version sum of the regions under ``nbytes`` entry bytes at ``offset``
+        (``offset + nbytes`` inside the pool: the caller checked it)."""
+        first, end = _region_range(offset, nbytes)
+        return self.versions[first] if end == first + 1 else sum(self.versions[first:end])
 
     def readonly(self, offset: int, nbytes: int) -> memoryview:
         """A read-only memoryview of ``nbytes`` entry bytes at ``offset`` (``ValueError`` when the

@@ -68,3 +68,26 @@ def test_an_entry_evicted_from_the_pool_is_read_back_from_disk(make_server, tmp_
             o.ref_count_down()
     finally:
         client.close()
+
+
+def test_a_hold_on_an_entry_only_the_disk_tier_has_brings_it_back_and_pins_it(make_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    srv = make_server(max_local_cpu_size=1 / 256, local_disk=str(tmp_path / "disk"), max_local_disk_size=0.25).start()
+    pool = PoolAllocator(32 << 20, name="t", pretouch=False)
+    client = ServerClient(srv.socket, "hold-disk", timeout_s=10.0)
+    objs = [make_obj(pool, (256, 256), torch.float32, MemoryFormat.KV_2LTD, seed=i) for i in range(24)]
+    try:
+        for i, o in enumerate(objs):
+            assert client.put([(_kb(i), o)]) == [True]
+        assert srv.status()["namespaces"]["hold-disk"]["evictions"] > 0  # entry 0 left the pool
+        tokens = client.hold([_kb(0)], ttl_s=30.0)
+        assert tokens is not None and tokens[0] != 0
+        assert srv.status()["namespaces"]["hold-disk"]["loaded_from_lower_tiers"] >= 1
+        assert client.remove([_kb(0)]) == [True]  # gone from every tier: the hold still reads it
+        got = client.get_held(tokens, pool.allocate)
+        assert got is not None and got[0] is not None and torch.equal(got[0].tensor, objs[0].tensor)
+        got[0].ref_count_down()
+        assert client.unhold(tokens)
+    finally:
+        for o in objs:
+            o.ref_count_down()
+        client.close()

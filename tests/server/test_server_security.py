@@ -114,6 +114,11 @@ def _hostile_cases() -> dict[str, bytes]:
         "batch over the limit": Writer().u16(60000).frame(Op.GET, 1),
         "invalid key grammar": Writer().u16(1).u64(1).blob(b"not a key").meta(meta).u16(0).frame(Op.COMMIT, 1),
         "metadata that lies about its size": FRAME.pack(len(lying_commit), int(Op.COMMIT), 1) + lying_commit,
+        "truncated READ": Writer().u16(2).u16(3).frame(Op.READ, 1),
+        "READ batch over the limit": Writer().u16(60000).frame(Op.READ, 1),
+        "READ with trailing bytes": Writer().keys([_kb(1)]).u8(0).frame(Op.READ, 1),
+        "truncated TOUCH": Writer().u16(1).u16(200).frame(Op.TOUCH, 0),
+        "truncated RELEASE": Writer().u16(3).u64(1).frame(Op.RELEASE, 0),
     }
 
 
@@ -181,7 +186,9 @@ def _valid_frames(rng: random.Random) -> list[bytes]:
         .frame(Op.COMMIT, 4),
         Writer().u16(1).u64(rng.randrange(50)).frame(Op.RELEASE, 0),
         Writer().u16(1).u64(rng.randrange(50)).frame(Op.UNGRANT, 0),
-        Writer().keys([_kb(rng.randrange(9))]).frame(Op.REMOVE, 5),
+        Writer().keys([_kb(rng.randrange(2, 9))]).frame(Op.REMOVE, 5),  # never the bystander's key 1
+        Writer().keys([_kb(rng.randrange(9)) for _ in range(2)]).frame(Op.READ, 8),
+        Writer().keys([_kb(rng.randrange(9))]).frame(Op.TOUCH, 0),
         Writer().frame(Op.PING, 6),
         Writer().frame(Op.STATS, 7),
     ]
