@@ -63,7 +63,7 @@ from lmcache_async.server.protocol import (
 )
 from lmcache_async.server.protocol import decode_meta as _decode_meta
 from lmcache_async.server.protocol import encode_meta as _encode_meta
-from lmcache_async.server.shm import OPTIMISTIC_READS
+from lmcache_async.server.shm import OPTIMISTIC_READS, PoolMapping
 from lmcache_async.server.views import EntryView
 
 __all__ = ["EntryView", "ServerClient", "ServerUnavailable", "query_status"]
@@ -330,9 +330,7 @@ class ServerClient:
             part = keys[i : i + MAX_BATCH]
             got = self._locked("GET", read, part, alloc)
             if got is None:
-                for o in out:
-                    if o is not None:
-                        o.ref_count_down()
+                _drop_all(out)
                 return None
             out.extend(got)
         return out
@@ -378,15 +376,11 @@ class ServerClient:
                     del where[k]
                     ask.append(i)
             if ask:
-                got = self._read_answered(conn, deadline, [keys[i] for i in ask], alloc)
-                for i, obj in zip(ask, got, strict=True):
-                    out[i] = obj
+                _splice(out, ask, self._read_answered(conn, deadline, [keys[i] for i in ask], alloc))
             elif len(conn.touched) >= TOUCH_BATCH:
                 _send_frames(conn, self._pending(conn), deadline)
         except BaseException:
-            for o in out:
-                if o is not None:
-                    o.ref_count_down()
+            _drop_all(out)
             raise
         return out
 
@@ -396,65 +390,30 @@ class ServerClient:
         """One lease-free READ of ``keys``, each hit copied out and checked (and its location
         kept); the keys whose entries left the index during their copy are read again under a
         lease."""
-        n = len(keys)
         v = _exchange(conn, Op.READ, encode_keys(keys), deadline, self._pending(conn))
-        if len(v) < 2 or _U16.unpack_from(v, 0)[0] != n:
-            raise ProtocolError("READ answer has the wrong count")
         mapping = conn.mapping
         assert mapping is not None
-        data = mapping.data
-        base = data.data_ptr()
-        pool_bytes = mapping.pool_bytes
-        end = len(v)
-        pos = 2
-        out: list[MemoryObj | None] = []
-        checks: list[tuple[int, int, EntryMeta, int]] = []  # (index, offset, metadata, version)
+        hits = _hits(v, len(keys), mapping.pool_bytes, 2, "READ")
+        out = _copy_hits(mapping, hits, alloc)
         try:
-            for i in range(n):
-                if pos >= end:
-                    raise ProtocolError("message truncated")
-                if not v[pos]:
-                    pos += 1
-                    out.append(None)
-                    continue
-                if pos + _HIT.size > end:
-                    raise ProtocolError("message truncated")
-                flag, version, off = _HIT.unpack_from(v, pos)
-                if flag != 2:
-                    raise ProtocolError(f"READ answer has hit flag {flag}")
-                meta, pos = _decode_meta(v, pos + _HIT.size)
-                if off + meta.nbytes > pool_bytes:
-                    raise ProtocolError("READ answer points outside the pool")
-                obj = alloc(meta.shape, meta.dtype, meta.fmt)
-                if obj is not None:
-                    if meta.nbytes:
-                        _copy_bytes(obj.tensor, base + off, data, off, meta.nbytes, out_of_pool=True)
-                    checks.append((i, off, meta, version))
-                out.append(obj)
-            if pos != end:
-                raise ProtocolError(f"{end - pos} trailing bytes")
             again = []
             where = conn.where
             remember = self.remember_locations
-            for i, off, meta, version in checks:
+            for i, hit in enumerate(hits):
+                if hit is None or out[i] is None:
+                    continue
+                version, off, meta = hit
                 if mapping.version(off, meta.nbytes) != version:
                     again.append(i)
-                    continue
-                if remember:
+                elif remember:
                     if len(where) >= LOCATIONS_MAX:
                         del where[next(iter(where))]
                     where[keys[i]] = (off, meta, version)
             if again:
                 self.rereads += len(again)
-                got = self._get_keys_locked(conn, deadline, [keys[i] for i in again], alloc)
-                for i, obj in zip(again, got, strict=True):
-                    old, out[i] = out[i], obj
-                    if old is not None:
-                        old.ref_count_down()
+                _splice(out, again, self._get_keys_locked(conn, deadline, [keys[i] for i in again], alloc))
         except BaseException:
-            for o in out:
-                if o is not None:
-                    o.ref_count_down()
+            _drop_all(out)
             raise
         return out
 
@@ -473,46 +432,14 @@ class ServerClient:
     def _copy_out(self, conn: _Connection, v: memoryview, n: int, alloc: Alloc) -> list[MemoryObj | None]:
         """Copy each hit of a leasing answer ``v`` into a buffer from ``alloc``, then release the
         leases (one unanswered frame); the caller owns the buffers."""
-        if len(v) < 2 or _U16.unpack_from(v, 0)[0] != n:
-            raise ProtocolError("GET answer has the wrong count")
         assert conn.mapping is not None
-        data = conn.mapping.data
-        base = data.data_ptr()
-        pool_bytes = conn.mapping.pool_bytes
-        end = len(v)
-        pos = 2
-        out: list[MemoryObj | None] = []
-        leases: list[int] = []
+        hits = _hits(v, n, conn.mapping.pool_bytes, 1, "GET")
         try:
-            for _ in range(n):
-                if pos >= end:
-                    raise ProtocolError("message truncated")
-                if not v[pos]:
-                    pos += 1
-                    out.append(None)
-                    continue
-                if pos + _HIT.size > end:
-                    raise ProtocolError("message truncated")
-                _flag, lid, off = _HIT.unpack_from(v, pos)
-                meta, pos = _decode_meta(v, pos + _HIT.size)
-                leases.append(lid)
-                if off + meta.nbytes > pool_bytes:
-                    raise ProtocolError("GET answer points outside the pool")
-                obj = alloc(meta.shape, meta.dtype, meta.fmt)
-                if obj is not None and meta.nbytes:
-                    _copy_bytes(obj.tensor, base + off, data, off, meta.nbytes, out_of_pool=True)
-                out.append(obj)
-            if pos != end:
-                raise ProtocolError(f"{end - pos} trailing bytes")
-        except BaseException:
-            for o in out:
-                if o is not None:
-                    o.ref_count_down()
-            raise
+            return _copy_hits(conn.mapping, hits, alloc)
         finally:
+            leases = [h[0] for h in hits if h is not None]
             if leases:
                 _release(conn, leases)
-        return out
 
     # ---- zero-copy reads -----------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -757,6 +684,74 @@ class ServerClient:
             conn, self._conn = self._conn, None
         if conn is not None:
             conn.close()
+
+
+def _hits(v: memoryview, n: int, pool_bytes: int, flag: int, what: str) -> list[tuple[int, int, EntryMeta] | None]:
+    """The ``n`` entries of a GET (``flag`` 1: lease id) or READ (2: version) answer: per key
+    None for a miss or (lease id or version, offset, metadata); :class:`ProtocolError` for an
+    answer that is malformed or points outside the pool."""
+    if len(v) < 2 or _U16.unpack_from(v, 0)[0] != n:
+        raise ProtocolError(f"{what} answer has the wrong count")
+    end = len(v)
+    pos = 2
+    out: list[tuple[int, int, EntryMeta] | None] = []
+    for _ in range(n):
+        if pos >= end:
+            raise ProtocolError("message truncated")
+        if not v[pos]:
+            pos += 1
+            out.append(None)
+            continue
+        if pos + _HIT.size > end:
+            raise ProtocolError("message truncated")
+        got, ident, off = _HIT.unpack_from(v, pos)
+        if got != flag:
+            raise ProtocolError(f"{what} answer has hit flag {got}")
+        meta, pos = _decode_meta(v, pos + _HIT.size)
+        if off + meta.nbytes > pool_bytes:
+            raise ProtocolError(f"{what} answer points outside the pool")
+        out.append((ident, off, meta))
+    if pos != end:
+        raise ProtocolError(f"{end - pos} trailing bytes")
+    return out
+
+
+def _copy_hits(
+    mapping: PoolMapping, hits: list[tuple[int, int, EntryMeta] | None], alloc: Alloc
+) -> list[MemoryObj | None]:
+    """Each hit copied from the mapped pool into a buffer from ``alloc`` (None per miss or
+    buffer refused); on an exception nothing is kept."""
+    data = mapping.data
+    base = data.data_ptr()
+    out: list[MemoryObj | None] = []
+    try:
+        for hit in hits:
+            obj = None
+            if hit is not None:
+                _ident, off, meta = hit
+                obj = alloc(meta.shape, meta.dtype, meta.fmt)
+                if obj is not None and meta.nbytes:
+                    _copy_bytes(obj.tensor, base + off, data, off, meta.nbytes, out_of_pool=True)
+            out.append(obj)
+    except BaseException:
+        _drop_all(out)
+        raise
+    return out
+
+
+def _splice(out: list[MemoryObj | None], at: Sequence[int], got: Sequence[MemoryObj | None]) -> None:
+    """Put ``got[j]`` at ``out[at[j]]``, giving back the buffer it replaces."""
+    for i, obj in zip(at, got, strict=True):
+        old, out[i] = out[i], obj
+        if old is not None:
+            old.ref_count_down()
+
+
+def _drop_all(objs: Sequence[MemoryObj | None]) -> None:
+    """Give back one reference of each buffer (a call that fails keeps none)."""
+    for o in objs:
+        if o is not None:
+            o.ref_count_down()
 
 
 def _release(conn: _Connection, leases: Sequence[int]) -> None:

@@ -66,8 +66,7 @@ if TYPE_CHECKING:
     from lmcache_async.config import LMCacheEngineConfig
 
 _U16 = struct.Struct("<H")
-_HIT = struct.Struct("<BQQ")  # a leasing answer's hit: flag 1, lease id, offset (then the metadata)
-_READ_HIT = struct.Struct("<BQQ")  # a READ answer's hit: flag 2, free version, offset (then the metadata)
+_HIT = struct.Struct("<BQQ")  # an answer's hit: flag (1 GET, 2 READ), lease id or version, offset (then metadata)
 
 __all__ = ["CacheServer", "prepare_socket_dir"]
 
@@ -666,13 +665,19 @@ def _lease(
 
 
 def _lease_answer(leased: list[tuple[int, MemoryObj, EntryMeta] | None]) -> bytes:
-    parts = [_U16.pack(len(leased))]
-    for got in leased:
-        if got is None:
+    return _hits_answer(1, [None if g is None else (g[0], g[1].offset, g[2]) for g in leased])
+
+
+def _hits_answer(flag: int, hits: list[tuple[int, int, EntryMeta] | None]) -> bytes:
+    """A GET (``flag`` 1: lease id) or READ (2: version) answer: per key 0 for a miss, else the
+    flag, the id or version, the offset and the metadata."""
+    parts = [_U16.pack(len(hits))]
+    for hit in hits:
+        if hit is None:
             parts.append(b"\x00")
             continue
-        lid, obj, meta = got
-        parts.append(_HIT.pack(1, lid, obj.offset))
+        ident, offset, meta = hit
+        parts.append(_HIT.pack(flag, ident, offset))
         parts.append(encode_meta(meta))
     return b"".join(parts)
 
@@ -685,12 +690,4 @@ def _release(ns: Namespace, st: ClientState, r: Reader) -> None:
 
 
 def _read_answer(located: list[tuple[MemoryObj, EntryMeta, int] | None]) -> bytes:
-    parts = [_U16.pack(len(located))]
-    for got in located:
-        if got is None:
-            parts.append(b"\x00")
-            continue
-        obj, meta, version = got
-        parts.append(_READ_HIT.pack(2, version, obj.offset))
-        parts.append(encode_meta(meta))
-    return b"".join(parts)
+    return _hits_answer(2, [None if g is None else (g[2], g[0].offset, g[1]) for g in located])
