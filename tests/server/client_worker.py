@@ -5,8 +5,8 @@ Modes (argv: socket namespace mode ...):
 * ``put N`` — store entries 0..N-1 and print ``stored <count>``.
 * ``wait-get N`` — print ``ready``, wait for a line on stdin, then get entries 0..N-1 and print
   ``got <hits> wrong <wrong>``.
-* ``load SECONDS SEED`` — mixed put/get/contains over a shared key space for SECONDS; print one
-  JSON line with ``ops``, ``errors``, ``wrong``.
+* ``load SECONDS SEED`` — mixed put/get/remove/contains over a shared key space for SECONDS;
+  print one JSON line with ``ops``, ``errors``, ``wrong`` and the client's stats.
 
 Entry ``i``'s payload is a pure function of ``i``, so any process can check any entry.
 """
@@ -84,13 +84,13 @@ def main(argv: list[str]) -> int:
         while time.monotonic() < end:
             batch = [rng.randrange(400) for _ in range(rng.randint(1, 6))]
             op = rng.random()
-            if op < 0.35:
+            if op < 0.3:
                 objs = [fill(pool, i) for i in batch]
                 res = client.put([(key_of(i), o) for i, o in zip(batch, objs, strict=True)])
                 for o in objs:
                     o.ref_count_down()
                 errors += res is None
-            elif op < 0.8:
+            elif op < 0.75:
                 got = client.get([key_of(i) for i in batch], pool.allocate)
                 if got is None:
                     errors += 1
@@ -99,8 +99,10 @@ def main(argv: list[str]) -> int:
                         if obj is not None:
                             wrong += not check(obj, i)
                             obj.ref_count_down()
+            elif op < 0.85:  # freed blocks are granted again, for other keys' bytes
+                errors += client.remove([key_of(i) for i in batch]) is None
             else:
-                errors += client.contains([key_of(i) for i in batch], touch=op > 0.9) is None
+                errors += client.contains([key_of(i) for i in batch], touch=op > 0.92) is None
             ops += 1
         print(json.dumps({"ops": ops, "errors": errors, "wrong": wrong, "client": client.stats()}), flush=True)
     client.close()

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from lmcache_async.server.shm import OPTIMISTIC_READS
+
 WORKER = str(Path(__file__).resolve().parent / "client_worker.py")
 
 
@@ -66,6 +68,8 @@ def test_eight_clients_of_mixed_load_see_no_errors_no_wrong_bytes_and_flat_serve
     assert all(r["ops"] > 0 for r in results)
     assert sum(r["errors"] for r in results) == 0, results
     assert sum(r["wrong"] for r in results) == 0, results
+    if OPTIMISTIC_READS:
+        assert sum(r["client"]["known_reads"] for r in results) > 0  # reads from remembered locations ran
     assert rss_end - rss_start < 16 << 20, (rss_start, rss_end)
     ns = srv.status()["namespaces"]["load"]  # type: ignore[index]
     assert ns["leases"] == 0 and ns["grants"] == 0 and ns["clients"] == 0
