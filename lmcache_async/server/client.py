@@ -63,7 +63,7 @@ from lmcache_async.server.protocol import (
 )
 from lmcache_async.server.protocol import decode_meta as _decode_meta
 from lmcache_async.server.protocol import encode_meta as _encode_meta
-from lmcache_async.server.shm import OPTIMISTIC_READS, PoolMapping
+from lmcache_async.server.shm import OPTIMISTIC_READS, PoolMapping, version_sum
 from lmcache_async.server.views import EntryView
 
 __all__ = ["EntryView", "ServerClient", "ServerUnavailable", "query_status"]
@@ -310,13 +310,14 @@ class ServerClient:
     def get(self, keys: Sequence[bytes], alloc: Alloc) -> list[MemoryObj | None] | None:
         """Each entry copied into a buffer from ``alloc`` (the caller owns it), None per miss.
 
-        One round trip (``READ``) answers where the batch lies; the copies run on this thread
-        from the mapped pool and are checked against the pool's free-version table afterwards
-        (:mod:`lmcache_async.server.shm`): an entry whose block was freed meanwhile is read
-        again under a lease (``GET``, then one unanswered RELEASE), so no copy ever holds bytes
-        of another entry. Where lease-free reads are not safe (:data:`OPTIMISTIC_READS`) every
-        read is leased. A buffer ``alloc`` cannot provide is a miss, and so is a key longer
-        than :data:`MAX_KEY_BYTES`.
+        One round trip (``READ``) answers where the batch lies (none for entries whose
+        location this connection remembers); the copies run on this thread from the mapped pool
+        and are checked against the pool's version table afterwards
+        (:mod:`lmcache_async.server.shm`): an entry that left the index meanwhile is asked again
+        (a remembered one with ``READ``; a ``READ`` answer under a lease, ``GET`` then one
+        unanswered RELEASE), so no copy ever holds bytes of another entry. Where lease-free
+        reads are not safe (:data:`OPTIMISTIC_READS`) every read is leased. A buffer ``alloc``
+        cannot provide is a miss, and so is a key longer than :data:`MAX_KEY_BYTES`.
         """
         if not keys:
             return []
@@ -349,32 +350,16 @@ class ServerClient:
             # A dead server's pool stays mapped here and its versions never move again: only a
             # live connection's locations are trusted. The caller reconnects (empty ``where``).
             raise ConnectionError("cache server closed the connection")
-        mapping = conn.mapping
-        assert mapping is not None
-        data = mapping.data
-        base = data.data_ptr()
-        out: list[MemoryObj | None] = [None] * len(keys)
-        ask: list[int] = []
+        assert conn.mapping is not None
+        known = [where.get(k) for k in keys]
+        out, stale = _copy_checked(conn.mapping, known, alloc)
         try:
-            for i, k in enumerate(keys):
-                loc = where.get(k)
-                if loc is None:
-                    ask.append(i)
-                    continue
-                off, meta, version = loc
-                obj = alloc(meta.shape, meta.dtype, meta.fmt)
-                if obj is None:
-                    continue  # no buffer: a miss, as on the answered path
-                if meta.nbytes:
-                    _copy_bytes(obj.tensor, base + off, data, off, meta.nbytes, out_of_pool=True)
-                if mapping.version(off, meta.nbytes) == version:
-                    out[i] = obj
-                    conn.touched.append(k)
-                    self.known_reads += 1
-                else:  # the entry left the index since we were told where it lies
-                    obj.ref_count_down()
-                    del where[k]
-                    ask.append(i)
+            for i in stale:  # the entry left the index since we were told where it lies
+                where.pop(keys[i], None)  # (a key may come twice in one batch)
+            served = [keys[i] for i, loc in enumerate(known) if loc is not None and out[i] is not None]
+            conn.touched.extend(served)
+            self.known_reads += len(served)
+            ask = sorted([i for i, loc in enumerate(known) if loc is None] + stale)
             if ask:
                 _splice(out, ask, self._read_answered(conn, deadline, [keys[i] for i in ask], alloc))
             elif len(conn.touched) >= TOUCH_BATCH:
@@ -394,24 +379,18 @@ class ServerClient:
         mapping = conn.mapping
         assert mapping is not None
         hits = _hits(v, len(keys), mapping.pool_bytes, 2, "READ")
-        out = _copy_hits(mapping, hits, alloc)
+        out, stale = _copy_checked(mapping, hits, alloc)
         try:
-            again = []
-            where = conn.where
-            remember = self.remember_locations
-            for i, hit in enumerate(hits):
-                if hit is None or out[i] is None:
-                    continue
-                version, off, meta = hit
-                if mapping.version(off, meta.nbytes) != version:
-                    again.append(i)
-                elif remember:
-                    if len(where) >= LOCATIONS_MAX:
-                        del where[next(iter(where))]
-                    where[keys[i]] = (off, meta, version)
-            if again:
-                self.rereads += len(again)
-                _splice(out, again, self._get_keys_locked(conn, deadline, [keys[i] for i in again], alloc))
+            if self.remember_locations:
+                where = conn.where
+                for i, hit in enumerate(hits):
+                    if hit is not None and out[i] is not None:
+                        if len(where) >= LOCATIONS_MAX:
+                            del where[next(iter(where))]
+                        where[keys[i]] = hit
+            if stale:
+                self.rereads += len(stale)
+                _splice(out, stale, self._get_keys_locked(conn, deadline, [keys[i] for i in stale], alloc))
         except BaseException:
             _drop_all(out)
             raise
@@ -737,6 +716,24 @@ def _copy_hits(
         _drop_all(out)
         raise
     return out
+
+
+def _copy_checked(
+    mapping: PoolMapping, hits: list[tuple[int, int, EntryMeta] | None], alloc: Alloc
+) -> tuple[list[MemoryObj | None], list[int]]:
+    """Each lease-free hit ``(version, offset, metadata)`` copied out (:func:`_copy_hits`), then
+    checked against the mapped version table: a copy whose entry left the index meanwhile is
+    given back (None in the result) and its index listed, in order, as stale."""
+    out = _copy_hits(mapping, hits, alloc)
+    versions = mapping.versions
+    stale: list[int] = []
+    for i, hit in enumerate(hits):
+        obj = out[i]
+        if hit is not None and obj is not None and version_sum(versions, hit[1], hit[2].nbytes) != hit[0]:
+            obj.ref_count_down()
+            out[i] = None
+            stale.append(i)
+    return out, stale
 
 
 def _splice(out: list[MemoryObj | None], at: Sequence[int], got: Sequence[MemoryObj | None]) -> None:

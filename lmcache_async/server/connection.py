@@ -82,9 +82,9 @@ class Connection:
         self.grants: dict[int, list[tuple[int, int, float]]] = {}  # block size -> [(gid, offset, expiry)]
         #: No cached grant expires before this time (monotonic), so none needs returning yet.
         self.grants_checked_until = float("inf")
-        #: Locations of entries READ told this connection: key -> (offset, metadata, version);
+        #: Locations of entries READ told this connection: key -> (version, offset, metadata);
         #: valid while the pool's version table agrees (see :mod:`lmcache_async.server.shm`).
-        self.where: dict[bytes, tuple[int, EntryMeta, int]] = {}
+        self.where: dict[bytes, tuple[int, int, EntryMeta]] = {}
         #: Keys read from ``where`` since the last TOUCH (sent with the next request).
         self.touched: list[bytes] = []
         self.rbuf = bytearray(64 << 10)

@@ -186,17 +186,17 @@ class Namespace:
         self.hits += 1
         return lid, entry.obj, entry.meta
 
-    def locate(self, key: bytes, *, count_miss: bool = True) -> tuple[MemoryObj, EntryMeta, int] | None:
-        """Where the entry of ``key`` lies, unleased: (block, metadata, version of its bytes),
-        or None for a miss. The entry may leave the index as soon as the caller yields; a
-        reader checks the version after copying (:mod:`lmcache_async.server.shm`)."""
+    def locate(self, key: bytes, *, count_miss: bool = True) -> tuple[int, int, EntryMeta] | None:
+        """Where the entry of ``key`` lies, unleased: (version of its bytes, block offset,
+        metadata), or None for a miss. The entry may leave the index as soon as the caller
+        yields; a reader checks the version after copying (:mod:`lmcache_async.server.shm`)."""
         entry = self._index.lookup(key)
         if entry is None:
             self.misses += count_miss
             return None
         self.hits += 1
-        obj = entry.obj
-        return obj, entry.meta, self.pool.version(obj.offset, entry.meta.nbytes)
+        offset = entry.obj.offset
+        return self.pool.version(offset, entry.meta.nbytes), offset, entry.meta
 
     def release(self, st: ClientState, lease_id: int) -> bool:
         """End one lease; False when ``st`` holds no such lease (expired or never granted)."""

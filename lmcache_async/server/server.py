@@ -515,14 +515,7 @@ class CacheServer:
         elif op is Op.GET_HELD:
             tokens = [r.u64() for _ in range(r.count())]
             r.done()
-            w.u16(len(tokens))
-            for token in tokens:
-                got = ns.lease_held(st, token)
-                if got is None:
-                    w.u8(0)
-                    continue
-                lid, obj, meta = got
-                w.u8(1).u64(lid).u64(obj.offset).meta(meta)
+            return _lease_answer([ns.lease_held(st, token) for token in tokens])
         return w.body()
 
     async def _write_through(self, ns: Namespace, key: bytes) -> None:
@@ -648,7 +641,7 @@ def _contains(ns: Namespace, r: Reader) -> tuple[list[bytes], list[bool]]:
 
 def _locate(
     ns: Namespace, r: Reader, *, count_miss: bool = True
-) -> tuple[list[bytes], list[tuple[MemoryObj, EntryMeta, int] | None]]:
+) -> tuple[list[bytes], list[tuple[int, int, EntryMeta] | None]]:
     """A READ body's keys and where each lies in the pool (None: not in the pool)."""
     keys = r.keys()
     r.done()
@@ -665,6 +658,7 @@ def _lease(
 
 
 def _lease_answer(leased: list[tuple[int, MemoryObj, EntryMeta] | None]) -> bytes:
+    """A GET or GET_HELD answer of leases ``(lease id, block, metadata)``."""
     return _hits_answer(1, [None if g is None else (g[0], g[1].offset, g[2]) for g in leased])
 
 
@@ -689,5 +683,5 @@ def _release(ns: Namespace, st: ClientState, r: Reader) -> None:
     r.done()
 
 
-def _read_answer(located: list[tuple[MemoryObj, EntryMeta, int] | None]) -> bytes:
-    return _hits_answer(2, [None if g is None else (g[2], g[0].offset, g[1]) for g in located])
+def _read_answer(located: list[tuple[int, int, EntryMeta] | None]) -> bytes:
+    return _hits_answer(2, located)

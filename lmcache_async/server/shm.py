@@ -31,33 +31,51 @@ import torch
 
 from lmcache_async.memory import PoolAllocator, populate_pages
 
-__all__ = ["HEADER_BYTES", "OPTIMISTIC_READS", "REGION_BYTES", "PoolMapping", "SharedPool", "new_generation"]
+__all__ = [
+    "HEADER_BYTES",
+    "OPTIMISTIC_READS",
+    "REGION_BYTES",
+    "PoolMapping",
+    "SharedPool",
+    "new_generation",
+    "version_sum",
+]
 
 logger = logging.getLogger(__name__)
 
 HEADER_BYTES = 4096
-#: Bytes of the entry region covered by one counter of the free-version table.
+#: Bytes of the entry region covered by one counter of the version table.
 REGION_SHIFT = 20
 REGION_BYTES = 1 << REGION_SHIFT
 _PAGE = 4096
 _HEADER = struct.Struct("<8sQQQI")  # magic, generation, data bytes, version table offset, region shift
 _POOL_MAGIC = b"LMCSPOOL"
 #: Whether this machine's memory order lets a client trust a lease-free copy checked by the
-#: free-version table (see the module docstring); elsewhere every read takes a lease.
+#: version table (see the module docstring); elsewhere every read takes a lease.
 OPTIMISTIC_READS = platform.machine().lower() in ("x86_64", "amd64")
 
 
-def _table_layout(capacity: int, align: int) -> tuple[int, int, int]:
-    """(table offset, counters, file bytes) of a pool with ``capacity`` entry bytes."""
-    span = -(-max(capacity, align, 1) // _PAGE) * _PAGE
-    regions = max(1, -(-capacity // REGION_BYTES))
-    table = HEADER_BYTES + span
-    return table, regions, table + -(-8 * regions // _PAGE) * _PAGE
+def _regions(capacity: int) -> int:
+    """Counters in the version table of a pool with ``capacity`` entry bytes."""
+    return max(1, -(-capacity // REGION_BYTES))
+
+
+def _table_layout(capacity: int, align: int) -> tuple[int, int]:
+    """(table offset, file bytes) of a pool with ``capacity`` entry bytes."""
+    table = HEADER_BYTES + -(-max(capacity, align, 1) // _PAGE) * _PAGE
+    return table, table + -(-8 * _regions(capacity) // _PAGE) * _PAGE
 
 
 def _region_range(offset: int, nbytes: int) -> tuple[int, int]:
     """First and one-past-last counter covering ``nbytes`` entry bytes at ``offset``."""
     return offset >> REGION_SHIFT, ((offset + max(nbytes, 1) - 1) >> REGION_SHIFT) + 1
+
+
+def version_sum(versions: memoryview, offset: int, nbytes: int) -> int:
+    """The sum of the counters of ``versions`` (a version table) under ``nbytes`` entry bytes
+    at ``offset``: what a reader compares before and after a lease-free copy."""
+    first, end = _region_range(offset, nbytes)
+    return versions[first] if end == first + 1 else sum(versions[first:end])
 
 
 def new_generation() -> int:
@@ -87,7 +105,7 @@ class SharedPool(PoolAllocator):
         super().__init__(size_bytes, name=name, pin=False, pretouch=False, reserve_bytes=reserve_bytes)
         self.generation = generation
         self.fd = os.memfd_create(f"lmcache-async-{name}"[:200], os.MFD_CLOEXEC)
-        table_off, regions, self.file_bytes = _table_layout(self.capacity, self.align)
+        table_off, self.file_bytes = _table_layout(self.capacity, self.align)
         try:
             os.ftruncate(self.fd, self.file_bytes)
             self._mm = mmap.mmap(self.fd, self.file_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -96,7 +114,7 @@ class SharedPool(PoolAllocator):
             raise
         _HEADER.pack_into(self._mm, 0, _POOL_MAGIC, generation, self.capacity, table_off, REGION_SHIFT)
         #: The version table (native u64 counters; see the module docstring).
-        self.versions = memoryview(self._mm)[table_off : table_off + 8 * regions].cast("Q")
+        self.versions = memoryview(self._mm)[table_off : table_off + 8 * _regions(self.capacity)].cast("Q")
         self.buffer = torch.frombuffer(self._mm, dtype=torch.uint8, offset=HEADER_BYTES, count=table_off - HEADER_BYTES)
         self.base_ptr = self.buffer.data_ptr()
         if self.capacity and pretouch:
@@ -117,9 +135,8 @@ class SharedPool(PoolAllocator):
             versions[r] += 1
 
     def version(self, offset: int, nbytes: int) -> int:
-        """The version sum of the regions under ``nbytes`` entry bytes at ``offset``."""
-        first, end = _region_range(offset, nbytes)
-        return self.versions[first] if end == first + 1 else sum(self.versions[first:end])
+        """:func:`version_sum` of this pool's table (loop thread)."""
+        return version_sum(self.versions, offset, nbytes)
 
     def close(self) -> None:
         """Close the descriptor; the mapping goes when the last tensor view is dropped."""
@@ -150,7 +167,7 @@ class PoolMapping:
         finally:
             os.close(fd)
         magic, gen, data_bytes, table_off, shift = _HEADER.unpack_from(mm, 0)
-        regions = max(1, -(-pool_bytes // REGION_BYTES))
+        regions = _regions(pool_bytes)
         if (
             magic != _POOL_MAGIC
             or gen != generation
@@ -170,10 +187,9 @@ class PoolMapping:
         self._mm = mm
 
     def version(self, offset: int, nbytes: int) -> int:
-        """The version sum of the regions under ``nbytes`` entry bytes at ``offset``
-        (``offset + nbytes`` inside the pool: the caller checked it)."""
-        first, end = _region_range(offset, nbytes)
-        return self.versions[first] if end == first + 1 else sum(self.versions[first:end])
+        """:func:`version_sum` of the mapped table (``offset + nbytes`` inside the pool: the
+        caller checked it)."""
+        return version_sum(self.versions, offset, nbytes)
 
     def readonly(self, offset: int, nbytes: int) -> memoryview:
         """A read-only memoryview of ``nbytes`` entry bytes at ``offset`` (``ValueError`` when the
