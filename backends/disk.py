@@ -43,6 +43,8 @@ operations, the index and the counters live in :mod:`.disk_store`, the shared bu
 * **I/O.** One executor job per whole file operation (open, write/read, close): measured faster
   than aiofiles, which makes one thread hop per call (see ``lmcache_async_bench.disk``). Reads
   land straight in the buffer from ``alloc`` (``readinto``); no intermediate copy.
+  :meth:`DiskBackend.read_into` reads on the caller's thread straight into caller-owned memory
+  (a :class:`~lmcache_async.read_sinks.ReadSink`: the KV connector's paged blocks).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ from lmcache_async.backends.disk_layout import NUM_SHARDS, entry_path, key_diges
 from lmcache_async.backends.disk_store import EXISTS, STORED, DiskStore, FsyncPolicy
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj, gib_to_bytes
+from lmcache_async.read_sinks import ReadSink
 from lmcache_async.records import header_length
 
 logger = logging.getLogger(__name__)
@@ -416,6 +419,18 @@ class DiskBackend(StorageBackend):
                 self.store.count("read_errors")
                 self.store.warn("job", "disk tier: read failed: %r", r)
         return out
+
+    def read_into(self, key: CacheEngineKey, sink: ReadSink) -> bool:
+        """Read ``key``'s verified payload straight into ``sink`` on the calling thread
+        (:class:`~lmcache_async.backend.DirectReader`; blocking, any thread but an event
+        loop's): True for a hit; False for a miss, a closed tier, a record of another shape or
+        dtype, or damage (the file is deleted and counted), and the sink's bytes are then not
+        to be used. Never raises for storage trouble."""
+        _check_key(key)
+        if self._closed:
+            return False
+        kstr = key.to_string()
+        return self.store.read_into(key_digest(kstr), kstr, sink)
 
     def _lookup(self, key: CacheEngineKey) -> bool:
         """One ``os.stat`` of the entry's file (an index hit is not trusted: the file may have

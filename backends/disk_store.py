@@ -54,9 +54,11 @@ from lmcache_async.backends.disk_layout import (
 from lmcache_async.lru import LruIndex
 from lmcache_async.memory import MemoryObj
 from lmcache_async.ratelog import RateLimitedLog
-from lmcache_async.record_files import payload_problem, read_header, verified_header
+from lmcache_async.read_sinks import ReadSink
+from lmcache_async.record_files import payload_problem, payload_problem_views, read_header, verified_header
 from lmcache_async.records import (
     RecordError,
+    RecordHeader,
     encode_header,
     payload_checksum,
 )
@@ -81,8 +83,9 @@ FAILED = "failed"
 
 COUNTERS = (
     "evictions", "corrupt", "vanished", "write_errors", "writes_refused", "no_space",
-    "read_errors", "alloc_failures", "tmp_reaped", "stored", "read_hits",
+    "read_errors", "alloc_failures", "tmp_reaped", "stored", "read_hits", "read_mismatch",
 )
+_SKIP = "skip"  # a payload reader declined the record (see DiskStore._read_record)
 
 
 class DiskStore:
@@ -522,18 +525,21 @@ class DiskStore:
             if bad is not None:
                 self._discard_corrupt(digest, *bad)
 
-    def read(self, digest: bytes, kstr: str, alloc: Allocate) -> MemoryObj | None:
+    def _read_record(self, digest: bytes, kstr: str, land: Callable[[int, RecordHeader], str | None]) -> bool:
+        """Open the entry's file, check its header against ``kstr`` and let ``land(fd, header)``
+        read the payload: it returns what is wrong with the payload (the file is then deleted
+        as corrupt), None when it is whole, or :data:`_SKIP` when it declined to read it (not a
+        hit, not damage). True for a hit (counted, the entry touched)."""
         path = self._path(digest)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             self._vanished(digest)
-            return None
+            return False
         except OSError as exc:
             self.count("read_errors")
             self.warn("read", "disk tier: cannot open %s: %s", path, exc)
-            return None
-        obj: MemoryObj | None = None
+            return False
         bad: tuple[int, str] | None = None
         try:
             st = os.fstat(fd)
@@ -541,34 +547,63 @@ class DiskStore:
                 hdr = verified_header(fd, st.st_size, kstr)
             except RecordError as exc:
                 bad = (st.st_ino, str(exc))
-                return None
-            obj = alloc(hdr.shape, hdr.dtype, hdr.fmt)
-            if obj is None:
-                self.count("alloc_failures")
-                return None
-            bad_payload = payload_problem(fd, hdr, obj.byte_view())
-            if bad_payload is not None:
-                bad = (st.st_ino, bad_payload)
-                return None
+                return False
+            problem = land(fd, hdr)
+            if problem == _SKIP:
+                return False
+            if problem is not None:
+                bad = (st.st_ino, problem)
+                return False
             if time.time() - st.st_mtime > _TOUCH_AFTER_S:
                 try:
                     os.utime(fd)  # keeps the LRU order across restarts and processes
                 except OSError:
                     pass
-            out, obj = obj, None
             self._note_present(digest, st.st_size, functools.partial(_linked, fd))
             self.count("read_hits")
-            return out
+            return True
         except OSError as exc:
             self.count("read_errors")
             self.warn("read", "disk tier: reading %s failed: %s", path, exc)
-            return None
+            return False
         finally:
             os.close(fd)
-            if obj is not None:
-                obj.ref_count_down()
             if bad is not None:
                 self._discard_corrupt(digest, *bad)
+
+    def read(self, digest: bytes, kstr: str, alloc: Allocate) -> MemoryObj | None:
+        """The verified record in a buffer from ``alloc`` (the caller's reference), or None."""
+        got: list[MemoryObj] = []
+
+        def land(fd: int, hdr: RecordHeader) -> str | None:
+            obj = alloc(hdr.shape, hdr.dtype, hdr.fmt)
+            if obj is None:
+                self.count("alloc_failures")
+                return _SKIP
+            got.append(obj)
+            return payload_problem(fd, hdr, obj.byte_view())
+
+        ok = False
+        try:
+            ok = self._read_record(digest, kstr, land)
+        finally:
+            if got and not ok:
+                got[0].ref_count_down()
+        return got[0] if ok else None
+
+    def read_into(self, digest: bytes, kstr: str, sink: ReadSink) -> bool:
+        """Read the verified payload straight into ``sink`` (caller-owned memory; any thread).
+        True for a hit; False for a miss, a record of another shape or dtype (counted as
+        ``read_mismatch``, kept), or damage (the file is deleted, counted): the sink's bytes
+        are then not to be used."""
+
+        def land(fd: int, hdr: RecordHeader) -> str | None:
+            if not sink.fits(hdr.shape, hdr.dtype):
+                self.count("read_mismatch")
+                return _SKIP
+            return payload_problem_views(fd, hdr, sink.views())
+
+        return self._read_record(digest, kstr, land)
 
     def remove(self, digest: bytes) -> bool:
         """Delete the entry; True when a file was deleted. An indexed entry whose file is gone

@@ -33,6 +33,9 @@ Two protocols declare the caller-thread surface the manager uses without a loop 
 * :class:`PoolTier` — a :class:`LocalTier` that also indexes blocks of the manager's CPU pool
   (``allocate``, ``insert``, ``remove_nowait``, ...): the write front every put lands in first.
 
+A third, :class:`DirectReader` (``read_into``), lets a lower tier with local I/O (the disk tier)
+read an entry straight into caller-owned memory on the caller's thread.
+
 Registry: built-ins by dotted path (imported on first use), third parties through the
 ``lmcache_async.backends`` entry-point group or :func:`register_backend`. The core never imports
 a concrete backend module directly.
@@ -59,6 +62,7 @@ from lmcache_async.memory import MemoryFormat, MemoryObj, PoolAllocator
 if TYPE_CHECKING:
     from lmcache_async.config import LMCacheEngineConfig
     from lmcache_async.metadata import LMCacheEngineMetadata
+    from lmcache_async.read_sinks import ReadSink
 
 logger = logging.getLogger(__name__)
 
@@ -260,6 +264,28 @@ class LocalTier(Protocol):
 
     def touch(self, keys: Sequence[CacheEngineKey]) -> None:
         """Mark the ``keys`` it holds as recently used (no-op for other policies)."""
+        ...
+
+
+@runtime_checkable
+class DirectReader(Protocol):
+    """A lower tier that can read one entry straight into caller-owned host memory on the
+    caller's thread: the local disk tier, whose reads are local file I/O.
+
+    :meth:`StorageManager.read_into_sync
+    <lmcache_async.storage_manager.StorageManager.read_into_sync>` calls it on the calling
+    thread (never the loop's); the call blocks for the read and is not cancellable, which is
+    why only tiers with local, bounded I/O implement it.
+    """
+
+    #: The registry name (the tier's identity).
+    name: str
+
+    def read_into(self, key: CacheEngineKey, sink: ReadSink) -> bool:
+        """Fill ``sink`` with ``key``'s verified payload: True for a hit. False for a miss, a
+        record of another shape or dtype, damage or trouble (counted in ``stats()``); the sink
+        may then be partly written and its bytes are not to be used. Never raises for storage
+        trouble; thread-safe."""
         ...
 
 

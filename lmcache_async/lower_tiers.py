@@ -96,17 +96,18 @@ class LowerTiers:
             return self._promote(key, res, i)
         return None
 
-    async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+    async def batched_get(self, keys: list[CacheEngineKey], skip_direct: bool = False) -> list[MemoryObj | None]:
         """One result per key, each key falling through the tiers independently (one batched
-        call per tier for the keys still missing). Cancelled mid-way, it gives back what earlier
-        tiers already found."""
+        call per tier for the keys still missing). ``skip_direct``: leave out the tiers that
+        read on the caller's thread (:attr:`TierGuard.direct`; the caller asked them already).
+        Cancelled mid-way, it gives back what earlier tiers already found."""
         results: list[MemoryObj | None] = [None] * len(keys)
         todo = list(range(len(keys)))
         try:
             for ti, tier in enumerate(self.guards):
                 if not todo:
                     break
-                if tier.answers_locally:
+                if tier.answers_locally or (skip_direct and tier.direct is not None):
                     continue
                 res = await tier.call(
                     "get", tier.backend.batched_get, [keys[i] for i in todo], self._read_alloc, n=len(todo)

@@ -17,7 +17,8 @@ here once:
   live writer on this host may still publish it. A directory its owner holds exclusively (the
   NIXL tier's locked directory) loses every temporary file. Older temporary-name forms are
   recognised too (see :func:`parse_temp_name`).
-* **Verifying** (:func:`read_header`, :func:`verified_header`, :func:`payload_problem`).
+* **Verifying** (:func:`read_header`, :func:`verified_header`, :func:`payload_problem`, and
+  :func:`payload_problem_views` for a payload read into scattered caller memory).
 
 Blocking: call from executor or worker threads, never on an event loop.
 
@@ -36,7 +37,15 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from lmcache_async.records import PROBE_LEN, RecordError, RecordHeader, decode_header, payload_checksum, peek_header_len
+from lmcache_async.records import (
+    PROBE_LEN,
+    RecordError,
+    RecordHeader,
+    decode_header,
+    payload_checksum,
+    payload_checksum_parts,
+    peek_header_len,
+)
 
 __all__ = [
     "HOST_TAG",
@@ -45,9 +54,11 @@ __all__ = [
     "TempWriter",
     "parse_temp_name",
     "payload_problem",
+    "payload_problem_views",
     "process_start_time",
     "publish_noreplace",
     "read_exact_into",
+    "read_exact_into_views",
     "read_header",
     "reap_temp",
     "reap_temps",
@@ -58,6 +69,8 @@ __all__ = [
     "writer_alive",
 ]
 
+_IOV_MAX = 1024
+"""Buffers per ``preadv`` call (Linux's ``IOV_MAX``)."""
 HEADER_PROBE = 512
 """First read of a header: most keys fit; a longer header takes a second read."""
 _NO_LINK_ERRNOS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV})
@@ -100,6 +113,34 @@ def read_exact_into(fd: int, view: memoryview, offset: int) -> int:
             break
         done += n
     return done
+
+
+def read_exact_into_views(fd: int, views: Sequence[memoryview], offset: int) -> int:
+    """Fill ``views`` in order from ``fd`` at ``offset`` (``os.preadv``, resuming after short
+    reads); the number of bytes read (less than the views hold only at end of file)."""
+    todo = [v for v in views if v.nbytes]
+    done = 0
+    while todo:
+        n = os.preadv(fd, todo[:_IOV_MAX], offset + done)
+        if n <= 0:
+            break
+        done += n
+        while todo and n >= todo[0].nbytes:
+            n -= todo[0].nbytes
+            todo.pop(0)
+        if n:
+            todo[0] = todo[0][n:]
+    return done
+
+
+def payload_problem_views(fd: int, hdr: RecordHeader, views: Sequence[memoryview]) -> str | None:
+    """:func:`payload_problem` for a payload read into ``views`` (in order, ``hdr.payload_len``
+    bytes in all, owned by the caller)."""
+    if read_exact_into_views(fd, views, hdr.header_len) != hdr.payload_len:
+        return "file is truncated"
+    if payload_checksum_parts(views) != hdr.checksum:
+        return "payload checksum mismatch"
+    return None
 
 
 def payload_problem(fd: int, hdr: RecordHeader, view: memoryview) -> str | None:

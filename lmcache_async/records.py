@@ -28,6 +28,7 @@ sizes against the shape, and finally the payload checksum.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,15 @@ class RecordError(ValueError):
 def payload_checksum(data: bytes | bytearray | memoryview) -> int:
     """xxh3-64 of ``data``."""
     return _xxh3(data)
+
+
+def payload_checksum_parts(parts: Sequence[memoryview]) -> int:
+    """xxh3-64 of the concatenation of ``parts`` (the same value as :func:`payload_checksum` of
+    the joined bytes, without joining them)."""
+    h = xxhash.xxh3_64()
+    for part in parts:
+        h.update(part)
+    return int(h.intdigest())
 
 
 @dataclass(frozen=True)

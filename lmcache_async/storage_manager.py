@@ -32,7 +32,7 @@ import torch
 from lmcache_async import at_exit
 from lmcache_async.backend import BackendContext, LocalTier, PoolTier, Presence, StorageBackend
 from lmcache_async.config import LMCacheEngineConfig
-from lmcache_async.errors import ManagerClosedError
+from lmcache_async.errors import LoopThreadCallError, ManagerClosedError
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.local_answers import contains_here, prefix_here
 from lmcache_async.loop import LoopThread
@@ -41,6 +41,8 @@ from lmcache_async.manager_lifecycle import Lifecycle, Opening
 from lmcache_async.memory import HeapAllocator, MemoryFormat, MemoryObj, PoolAllocator, gib_to_bytes
 from lmcache_async.metadata import NEUTRAL_METADATA, LMCacheEngineMetadata
 from lmcache_async.put_path import PutPath, check_put_batch
+from lmcache_async.read_into import ReadInto
+from lmcache_async.read_sinks import ReadSink
 from lmcache_async.staging import StagingArea, default_reserve_bytes
 from lmcache_async.sync_bridge import NOT_HERE, NotHere, SyncBridge, sync_twin
 from lmcache_async.tier_guard import NO_ANSWER, NoAnswer, TierGuard
@@ -189,6 +191,7 @@ class StorageManager(Lifecycle):
         #: Lower tiers the read paths must ask on the loop (the others answer on this thread).
         self._loop_readers = any(not g.answers_locally for g in self._lower)
         self._put = PutPath(name, self._cpu, self._tiers, self._staging, self._wt, logger)
+        self._read_into = ReadInto(self._get_front, self._lower, self._lower_get_indirect_sync)
         self._closed = False
         at_exit.close_at_exit(self)
 
@@ -431,6 +434,34 @@ class StorageManager(Lifecycle):
     get_sync = sync_twin(get, _get_hit)
     batched_get_sync = sync_twin(batched_get)
 
+    def read_into_sync(
+        self, keys: Sequence[CacheEngineKey], sinks: Sequence[ReadSink], *, prefix: bool = False
+    ) -> list[bool]:
+        """Read each entry straight into caller-owned memory: ``sinks[i]`` receives ``keys[i]``'s
+        payload. One flag per key, True when that sink now holds the entry; a miss, a stored
+        entry of another shape or dtype, damage or a timeout is False (counted in
+        ``stats()["read_into"]``), and that sink's bytes are then not to be used (a failed read
+        may have written part of them). ``prefix``: stop at the first key not filled.
+
+        Blocking, on the calling thread (not the manager's loop thread:
+        :class:`LoopThreadCallError`): a CPU-tier hit is copied with one ``memmove`` per piece,
+        the disk tier reads the file straight into the pieces, other lower tiers are read
+        through one bounded hop and copied here. Every write into the sinks is done when this
+        returns, so there is no coroutine form (see :mod:`lmcache_async.read_into`). Lower-tier
+        hits are not promoted by a direct read; hits of the loop-side tiers are, as for
+        :meth:`get`. ``ValueError``/``TypeError`` name ``keys``/``sinks`` for caller mistakes."""
+        self._check_usable()
+        if self._lt.in_loop_thread():
+            raise LoopThreadCallError("read_into_sync was called on the manager's loop thread")
+        return self._read_into.run(keys, sinks, prefix)
+
+    async def _lower_get_indirect(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        """The lower tiers that are no direct readers, for :meth:`read_into_sync` (one hop)."""
+        return await self._hop(self._tiers.batched_get(keys, skip_direct=True), release_objs)
+
+    def _lower_get_indirect_sync(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        return self.bridge.run(self._lower_get_indirect(keys))
+
     def _promote(self, key: CacheEngineKey, obj: MemoryObj, tier_idx: int) -> MemoryObj:
         """Index a lower-tier hit in the CPU tier when it landed in the pool; write it back to
         the lower tiers above the one that had it. Returns the caller's reference."""
@@ -578,6 +609,7 @@ class StorageManager(Lifecycle):
             "put_rejected": self._put.put_rejected,
             "put_too_large": self._put.put_too_large,
             "one_off_refused": self._staging.one_off_refused,
+            "read_into": self._read_into.stats(),
         }
 
     def backend(self, name: str) -> StorageBackend | None:

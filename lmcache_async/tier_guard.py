@@ -15,12 +15,17 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import threading
 from collections.abc import Awaitable, Callable
-from typing import Any, Final, Literal, TypeVar, TypeVarTuple
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar, TypeVarTuple
 
-from lmcache_async.backend import LocalTier, StorageBackend
+from lmcache_async.backend import DirectReader, LocalTier, StorageBackend
 from lmcache_async.circuit import CircuitBreaker
 from lmcache_async.ratelog import RateLimitedLog
+
+if TYPE_CHECKING:
+    from lmcache_async.keys import CacheEngineKey
+    from lmcache_async.read_sinks import ReadSink
 
 __all__ = ["ENTRIES_PER_TIMEOUT", "LOG_BURST_S", "NO_ANSWER", "WRITE_CONCURRENCY", "NoAnswer", "TierGuard"]
 
@@ -87,6 +92,11 @@ class TierGuard:
         #: The backend as a :class:`~lmcache_async.backend.LocalTier` when it is one (the
         #: manager asks it for reads on the caller's thread; the loop-path read searches skip it).
         self.local: LocalTier | None = backend if isinstance(backend, LocalTier) else None
+        #: The backend as a :class:`~lmcache_async.backend.DirectReader` when it is one (the
+        #: manager's ``read_into_sync`` reads it on the caller's thread, :meth:`read_into_here`).
+        self.direct: DirectReader | None = backend if isinstance(backend, DirectReader) else None
+        self.direct_counts: dict[str, int] = dict.fromkeys(("hits", "misses", "errors", "skipped"), 0)
+        self._direct_lock = threading.Lock()
         self._log = RateLimitedLog(log, LOG_BURST_S)
 
     async def call(
@@ -120,6 +130,31 @@ class TierGuard:
         self.breaker.success()
         return result
 
+    def read_into_here(self, key: CacheEngineKey, sink: ReadSink) -> bool:
+        """The tier's :meth:`~lmcache_async.backend.DirectReader.read_into` on the calling thread
+        (a caller thread, never the loop), under the breaker; False (a miss) when the backend
+        is no :class:`~lmcache_async.backend.DirectReader`, the breaker skips it or it raises
+        (counted, logged). The ``direct_*`` counters are written here, under their own lock."""
+        reader = self.direct
+        if reader is None:
+            return False
+        if not self.breaker.allow():
+            with self._direct_lock:
+                self.direct_counts["skipped"] += 1
+            return False
+        try:
+            hit = bool(reader.read_into(key, sink))
+        except Exception as exc:
+            self.breaker.failure()
+            with self._direct_lock:
+                self.direct_counts["errors"] += 1
+            self._log.warning("tier %s: read_into failed: %s: %s", self.name, type(exc).__name__, exc)
+            return False
+        self.breaker.success()
+        with self._direct_lock:
+            self.direct_counts["hits" if hit else "misses"] += 1
+        return hit
+
     @property
     def answers_locally(self) -> bool:
         """True when the tier answers reads on the caller's thread (:attr:`local` is set)."""
@@ -149,4 +184,7 @@ class TierGuard:
             write_failures=self.write_failures,
             circuit=self.breaker.state,
         )
+        if self.direct is not None:
+            with self._direct_lock:
+                out.update({f"direct_{k}": v for k, v in self.direct_counts.items()})
         return out

@@ -4,8 +4,11 @@
 :attr:`~FaultyTier.mode`: ``"fail"`` makes every coroutine raise ``ConnectionError`` (a server
 that went away), ``"hang"`` makes every coroutine wait forever (a peer that stopped answering;
 the wait is cancellable, as the manager's timeout needs). ``close`` is always forwarded, so a
-test can end in any mode. The wrapped backend is still the one under test: in ``"ok"`` mode
-the wrapper adds nothing but its name.
+test can end in any mode. A wrapped :class:`~lmcache_async.backend.DirectReader` (the disk
+tier) stays one: its blocking ``read_into`` is forwarded in ``"ok"`` mode and raises
+``ConnectionError`` otherwise (a caller-thread read cannot hang-and-be-cancelled; it fails).
+The wrapped backend is still the one under test: in ``"ok"`` mode the wrapper adds nothing but
+its name.
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from lmcache_async.backend import Allocate, StorageBackend
+from lmcache_async.backend import Allocate, DirectReader, StorageBackend
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj
+from lmcache_async.read_sinks import ReadSink
 
 __all__ = ["FaultMode", "FaultyTier"]
 
@@ -41,6 +45,16 @@ class FaultyTier(StorageBackend):
         self.name = name
         self.mode: FaultMode = "ok"
         self.injected = 0
+        if isinstance(inner, DirectReader):  # an instance attribute: the protocol check sees it
+            self.read_into = self._read_into
+
+    def _read_into(self, key: CacheEngineKey, sink: ReadSink) -> bool:
+        if self.mode != "ok":
+            self.injected += 1
+            raise ConnectionError(f"{self.name}: injected failure")
+        reader = self.inner
+        assert isinstance(reader, DirectReader)
+        return reader.read_into(key, sink)
 
     async def _gate(self) -> None:
         mode = self.mode

@@ -13,7 +13,8 @@ Subclass :class:`ManagerConformanceTests` and implement :meth:`~ManagerConforman
 The suite registers the tier with :func:`~lmcache_async.backend.register_backend` (wrapped in a
 :class:`~lmcache_async.testing.faults.FaultyTier` under a per-class name, so it can also make
 the tier fail or hang) and checks, through the manager's public API only: write-through after
-``flush``, promotion of a lower-tier hit into the CPU tier, ``contains_sync``/``contains``/the
+``flush``, promotion of a lower-tier hit into the CPU tier, ``read_into_sync`` filling
+caller memory from either tier, ``contains_sync``/``contains``/the
 tier's ``contains_nowait`` agreeing, ``stats()`` from another thread while puts run, ``remove``
 and ``clear`` reaching every tier, and a failing or hanging tier costing a miss, never an
 exception. The medium hooks of :class:`~lmcache_async.testing.hooks.MediumHooks` (or
@@ -32,11 +33,13 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
-from lmcache_async.backend import BackendContext, StorageBackend, register_backend
+from lmcache_async.backend import BackendContext, DirectReader, StorageBackend, register_backend
 from lmcache_async.config import LMCacheEngineConfig
+from lmcache_async.errors import LoopThreadCallError
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import HeapAllocator, MemoryFormat, MemoryObj
 from lmcache_async.metadata import LMCacheEngineMetadata
+from lmcache_async.read_sinks import ReadSink
 from lmcache_async.storage_manager import StorageManager
 from lmcache_async.testing.faults import FaultMode, FaultyTier
 from lmcache_async.testing.hooks import MediumHooks, flush_backend
@@ -294,6 +297,62 @@ class ManagerConformanceTests(MediumHooks, abc.ABC):
         self.on_loop(loop, flush_backend(tier))
         self.check_medium(tier, location, {})
 
+    # ---- reads into caller memory ---------------------------------------------------------------
+    @staticmethod
+    def sink_over(dst: torch.Tensor, cut: int = 1000) -> ReadSink:
+        """A sink over the float32 tensor ``dst``, as two pieces (``cut`` values, then the rest)."""
+        base, n = dst.data_ptr(), dst.numel() * 4
+        return ReadSink(tuple(dst.shape), torch.float32, ((base, cut * 4), (base + cut * 4, n - cut * 4)))
+
+    def test_read_into_fills_caller_memory_from_every_tier(self, stack: Any) -> None:
+        sm, tier, loop = stack
+        front, below, absent = make_key(720), make_key(721), make_key(722)
+        assert sm.put_sync(front, tensor_for(20)) is True
+        self.put_below(loop, tier, below, seed=21)
+        dsts = [torch.zeros(4096) for _ in range(3)]
+        flags = sm.read_into_sync([front, below, absent], [self.sink_over(d) for d in dsts])
+        assert flags == [True, True, False]
+        assert torch.equal(dsts[0], tensor_for(20)) and torch.equal(dsts[1], tensor_for(21))
+        stats = sm.stats()
+        assert stats["read_into"]["hits"] == 2 and stats["read_into"]["misses"] == 1
+        if isinstance(tier, DirectReader):  # read on this thread, straight from the medium
+            assert stats["tiers"][self.tier_name]["direct_hits"] == 1
+        # prefix: stops at the first miss; nothing after it is read
+        later = torch.zeros(4096)
+        assert sm.read_into_sync(
+            [absent, below], [self.sink_over(torch.zeros(4096)), self.sink_over(later)], prefix=True
+        ) == [False, False]
+        assert not later.any()
+
+    def test_read_into_of_another_shape_is_a_miss_and_keeps_the_entry(self, stack: Any) -> None:
+        sm, tier, loop = stack
+        key = make_key(723)
+        self.put_below(loop, tier, key, seed=23)
+        wrong = torch.zeros(2, 2048)
+        sink = ReadSink((2, 2048), torch.float32, ((wrong.data_ptr(), wrong.numel() * 4),))
+        assert sm.read_into_sync([key], [sink]) == [False]
+        assert sm.stats()["read_into"]["mismatches"] + sm.stats()["tiers"][self.tier_name].get("read_mismatch", 0) >= 1
+        assert self.on_loop(loop, tier.contains(key)) is True
+        dst = torch.zeros(4096)
+        assert sm.read_into_sync([key], [self.sink_over(dst)]) == [True]
+        assert torch.equal(dst, tensor_for(23))
+
+    def test_read_into_refuses_caller_mistakes(self, stack: Any) -> None:
+        sm, _tier, loop = stack
+        sink = self.sink_over(torch.zeros(4096))
+        with pytest.raises(ValueError, match="sinks"):
+            sm.read_into_sync([make_key(724)], [])
+        with pytest.raises(TypeError, match=r"keys\[0\]"):
+            sm.read_into_sync(["k"], [sink])
+        with pytest.raises(TypeError, match=r"sinks\[0\]"):
+            sm.read_into_sync([make_key(724)], [torch.zeros(4)])
+
+        async def on_the_loop() -> None:
+            sm.read_into_sync([make_key(724)], [sink])
+
+        with pytest.raises(LoopThreadCallError):
+            self.on_loop(loop, on_the_loop())
+
     # ---- a tier in trouble ---------------------------------------------------------------------
     def _trouble(self, sm: StorageManager, tier: FaultyTier, loop: asyncio.AbstractEventLoop, mode: FaultMode) -> None:
         below = make_key(750)
@@ -306,6 +365,12 @@ class ManagerConformanceTests(MediumHooks, abc.ABC):
         assert sm.contains_sync(below) is False
         assert sm.batched_get_sync([front, below])[1] is None
         assert sm.batched_contains_sync([front, below]) == 1
+        dst = torch.zeros(4096)
+        assert sm.read_into_sync([front, below], [self.sink_over(dst), self.sink_over(torch.zeros(4096))]) == [
+            True,
+            False,
+        ]
+        assert torch.equal(dst, tensor_for(7))
         # The CPU tier still serves and takes puts; write-through failures are counted.
         self.assert_holds(sm.get_sync(front), 7)
         assert sm.put_sync(make_key(752), tensor_for(8)) is True

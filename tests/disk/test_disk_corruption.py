@@ -3,6 +3,7 @@ deleted and counted, on the read path and on the start-up scan; the budget follo
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import shutil
@@ -119,3 +120,39 @@ async def test_unknown_files_in_the_directory_are_left_alone(make_disk, pool, tm
     assert (root / "notes.txt").exists() and (root / "ab" / "README").exists()
     assert (root / "ab" / "record-without-our-name.bin").exists()
     assert be.stats()["corrupt"] == 0
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+async def test_reads_into_caller_memory_find_the_same_damage(make_disk, pool, tmp_path, seed):
+    """``read_into`` (the caller's thread, straight into the caller's scattered memory) checks
+    what ``get`` checks: every damaged file is a miss, deleted and counted; a whole one lands
+    byte for byte across the pieces."""
+    from lmcache_async.read_sinks import ReadSink
+
+    from .disk_testkit import payload
+
+    rng = random.Random(seed)
+    be = await make_disk(tmp_path / "d")
+    await _fill(be, pool)
+    damaged = rng.sample(range(COUNT), len(MODES))
+    for n, i in enumerate(damaged):
+        other = path_of(be.root, key((i + 1) % COUNT if (i + 1) % COUNT not in damaged else (i + 2) % COUNT))
+        _damage(MODES[n], path_of(be.root, key(i)), other, rng)
+    for i in range(COUNT):
+        dst = torch.zeros(N + 64, dtype=torch.uint8)  # pieces out of order in the buffer
+        base = dst.data_ptr()
+        sink = ReadSink((N,), torch.uint8, ((base + 64 + N // 2, N // 2), (base, N // 2)))
+        hit = await asyncio.to_thread(be.read_into, key(i), sink)
+        if i in damaged:
+            assert hit is False, (i, MODES[damaged.index(i)])
+            assert not path_of(be.root, key(i)).exists()
+        else:
+            want = payload(i, N)
+            assert hit is True
+            assert torch.equal(dst[64 + N // 2 : 64 + N], want[: N // 2]) and torch.equal(dst[: N // 2], want[N // 2 :])
+    assert be.stats()["corrupt"] == len(damaged)
+    wrong = torch.zeros(N // 4, dtype=torch.float32)
+    sink = ReadSink((N // 4,), torch.float32, ((wrong.data_ptr(), N),))
+    survivor = next(i for i in range(COUNT) if i not in damaged)
+    assert await asyncio.to_thread(be.read_into, key(survivor), sink) is False  # another dtype: kept
+    assert path_of(be.root, key(survivor)).exists() and be.stats()["read_mismatch"] == 1

@@ -132,11 +132,12 @@ def test_a_stored_prompt_is_restored_block_for_block_by_another_store(stores: tu
         assert not dst[name][DST_BLOCKS[6:]].any()
 
 
-def test_an_asynchronous_load_scatters_on_the_thread_that_collects_it(
+def test_an_asynchronous_load_reads_straight_into_the_blocks_on_the_load_thread(
     stores: tuple[KVStore, KVStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The load thread only reads records; the copy into vLLM's blocks runs in
-    ``finished_loads`` (vLLM's model-runner thread), and the cache is untouched before it."""
+    """Host caches: the load thread reads the records from the disk tier straight into vLLM's
+    blocks (``read_into_sync``: file reads and ``memmove`` only; no scatter, no torch copy), and
+    the request is reported by ``finished_loads`` once that read returned."""
     import threading
 
     from lmcache_async.integration.vllm import kv_worker
@@ -145,27 +146,31 @@ def test_an_asynchronous_load_scatters_on_the_thread_that_collects_it(
     sched, worker = sides(stores[1])
     dst = caches(seed=None)
     worker.register(dst)
-    scatter_threads: list[str] = []
-    real_scatter = kv_worker.scatter_blocks
+    scatters: list[str] = []
+    monkeypatch.setattr(kv_worker, "scatter_blocks", lambda *a, **k: scatters.append("called"))
+    read_threads: list[str] = []
+    sm = worker.manager
+    real_read = sm.read_into_sync
 
-    def recording_scatter(*args: object, **kwargs: object) -> None:
-        scatter_threads.append(threading.current_thread().name)
-        real_scatter(*args, **kwargs)  # type: ignore[arg-type]
+    def recording_read(*args: Any, **kwargs: Any) -> list[bool]:
+        read_threads.append(threading.current_thread().name)
+        return real_read(*args, **kwargs)
 
-    monkeypatch.setattr(kv_worker, "scatter_blocks", recording_scatter)
+    monkeypatch.setattr(sm, "read_into_sync", recording_read)
     n, is_async = sched.num_new_matched_tokens("r2", PROMPT, 0)
     assert is_async and n == 24
     sched.after_alloc("r2", (DST_BLOCKS,), n)
     worker.load(sched.build_meta(new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n)))
     _, fut, _ = worker._inflight["r2"]
-    fut.result(timeout=30)  # the records are read ...
-    assert scatter_threads == [] and not any(t.any() for t in dst.values())  # ... nothing copied yet
-    assert worker.finished_loads() == {"r2"}
-    assert set(scatter_threads) == {threading.current_thread().name} and len(scatter_threads) == 3
-    assert worker.take_load_errors() == set()
-    for name in src:
+    fut.result(timeout=30)
+    assert len(read_threads) == 1 and read_threads[0].startswith("lmcache-async-kv-load")
+    for name in src:  # in place before the request is reported
         for s, d in zip(SRC_BLOCKS[:6], DST_BLOCKS[:6], strict=True):
             assert torch.equal(dst[name][d], src[name][s])
+    assert worker.finished_loads() == {"r2"}
+    assert scatters == [] and worker.take_load_errors() == set()
+    stats = sm.stats()
+    assert stats["read_into"]["hits"] == 3 and stats["tiers"]["disk"]["direct_hits"] == 3
 
 
 def test_an_idle_step_waits_for_a_load_in_flight(stores: tuple[KVStore, KVStore]) -> None:
@@ -249,6 +254,27 @@ def test_locally_computed_blocks_are_not_overwritten(stores: tuple[KVStore, KVSt
     for name in src:
         assert not dst[name][DST_BLOCKS[:2]].any()
         assert torch.equal(dst[name][DST_BLOCKS[5]], src[name][SRC_BLOCKS[5]])
+
+
+def test_a_load_from_the_middle_of_a_chunk_fills_only_the_blocks_it_names(stores: tuple[KVStore, KVStore]) -> None:
+    """vLLM's prefix cache holds block 0: the load reads chunk 0's record straight into block 1
+    (block 0 of the record goes to scratch) and chunks 1-2 whole; block 0 stays untouched."""
+    src = store_prompt(stores[0])
+    sched, worker = sides(stores[1])
+    dst = caches(seed=None)
+    worker.register(dst)
+    n, _ = sched.num_new_matched_tokens("r2", PROMPT, BS)
+    assert n == 24 - BS
+    sched.after_alloc("r2", (DST_BLOCKS,), n)
+    meta = sched.build_meta(new_req_step("r2", DST_BLOCKS, BS, len(PROMPT) - 24))
+    assert [(r.first_block, r.block_ids) for r in meta.async_loads] == [(1, tuple(DST_BLOCKS[1:6]))]
+    worker.load(meta)
+    wait_loads(worker, {"r2"})
+    assert worker.take_load_errors() == set() and worker.counters["loaded_blocks"] == 5
+    for name in src:
+        assert not dst[name][DST_BLOCKS[0]].any()
+        for s, d in zip(SRC_BLOCKS[1:6], DST_BLOCKS[1:6], strict=True):
+            assert torch.equal(dst[name][d], src[name][s])
 
 
 def test_a_record_deleted_after_the_lookup_fails_only_its_blocks_and_later_ones(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from lmcache_async.integration.vllm.kv_layout import (
     gather_blocks,
     scatter_blocks,
 )
+from lmcache_async.read_sinks import ReadSink, coalesce
 
 NB, HEADS, BS, HEAD = 8, 2, 4, 3
 LAYERS = 3
@@ -100,6 +103,65 @@ def test_gather_of_fewer_blocks_fills_the_leading_part_of_the_record() -> None:
     gather_blocks(caches, [7], record)
     assert torch.equal(record[0, 0], src["model.layers.0.self_attn.attn"][7])
     assert not record[:, 1].any()
+
+
+def test_consecutive_blocks_are_copied_as_one_run_per_layer() -> None:
+    pc = PagedCaches(cpu_caches(), BS, 3)
+    assert pc.host_blocks
+    copies = pc.block_copies([5, 6, 2])
+    bb = pc.block_bytes
+    assert len(copies) == 2 * LAYERS  # [5, 6] is one run, [2] another, in every layer
+    base0 = pc.tensors[0].data_ptr()
+    assert copies[0] == (base0 + 5 * bb, 0, 2 * bb) and copies[1] == (base0 + 2 * bb, 2 * bb, bb)
+    assert copies[2][1] == 3 * bb  # layer 1 starts one layer of the record further on
+    with pytest.raises(ValueError, match="outside"):
+        pc.block_copies([NB])
+    with pytest.raises(ValueError, match="outside the chunk"):
+        pc.block_copies([0, 1], first=2)
+
+
+def _fill(sink: ReadSink, record: torch.Tensor) -> None:
+    src = record.contiguous().view(torch.uint8).reshape(-1)
+    at = 0
+    for addr, n in sink.pieces:
+        dst = torch.frombuffer(memoryview((ctypes.c_char * n).from_address(addr)), dtype=torch.uint8)
+        dst.copy_(src[at : at + n])
+        at += n
+
+
+def test_a_read_sink_lands_a_record_in_the_blocks_and_the_rest_in_scratch() -> None:
+    src = PagedCaches(cpu_caches(), BS, 3)
+    record = torch.empty(src.record_shape)
+    gather_blocks(src, [4, 1, 7], record)
+    dst_caches = cpu_caches(fill=False)
+    dst = PagedCaches(dst_caches, BS, 3)
+    whole = dst.read_sink([2, 3, 0])
+    assert whole.nbytes == dst.record_bytes and dst.scratch_bytes(3) == 0
+    _fill(whole, record)
+    for layer, t in enumerate(dst_caches.values()):
+        assert torch.equal(t[[2, 3, 0]], record[layer])
+    with pytest.raises(ValueError, match="scratch"):
+        dst.read_sink([5], first=1)  # part of a chunk needs somewhere for the other blocks
+    scratch = torch.full((dst.scratch_bytes(1),), 0xAB, dtype=torch.uint8)
+    part = dst.read_sink([5], first=1, scratch=scratch)
+    _fill(part, record)
+    for layer, t in enumerate(dst_caches.values()):
+        assert torch.equal(t[5], record[layer][1])
+        assert not t[[1, 4, 6, 7]].any()  # nothing outside the named blocks
+    assert not (scratch == 0xAB).all()  # the chunk's other blocks went there
+
+
+def test_a_read_sink_refuses_pieces_that_do_not_add_up() -> None:
+    buf = torch.zeros(16)
+    with pytest.raises(ValueError, match="pieces"):
+        ReadSink((16,), torch.float32, ((buf.data_ptr(), 32),))
+    with pytest.raises(ValueError, match=r"pieces\[0\]"):
+        ReadSink((16,), torch.float32, ((0, 64),))
+    with pytest.raises(TypeError, match="dtype"):
+        ReadSink((16,), "float32", ((buf.data_ptr(), 64),))  # type: ignore[arg-type]
+    sink = ReadSink((16,), torch.float32, ((buf.data_ptr() + 32, 32), (buf.data_ptr(), 32)))
+    assert sink.fits((16,), torch.float32) and not sink.fits((4, 4), torch.float32)
+    assert coalesce([(100, 8), (108, 8), (200, 4)]) == [(100, 16), (200, 4)]
 
 
 def test_flash_attention_layout_index_math_on_cpu_tensors() -> None:

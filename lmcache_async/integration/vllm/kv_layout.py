@@ -15,6 +15,11 @@ layout, record layer ``l`` is ``cache_l.index_select(block_axis, block_ids)`` an
 inverse ``cache_l.index_copy_(block_axis, block_ids, record[l])``: the bytes of a block move
 unchanged, so the layout never has to be decoded.
 
+On host caches (:attr:`PagedCaches.host_blocks`) every block of a layer is one run of memory:
+the gather and scatter are one ``memmove`` per run of consecutive blocks (no torch call, no
+OpenMP team), and :meth:`PagedCaches.read_sink` describes a chunk's blocks as the pieces of a
+:class:`~lmcache_async.read_sinks.ReadSink`, so a record is read from a tier straight into them.
+
 On CUDA the record lives in host memory (pinned when the pool is): :func:`gather_blocks` gathers
 on the device into a staging tensor and copies it to the host on the given stream; the caller
 synchronises that stream before it publishes the record. :func:`scatter_blocks` copies the
@@ -24,11 +29,14 @@ record to a device staging tensor and scatters it there, on the given stream.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from lmcache_async.read_sinks import ReadSink, coalesce
 
 __all__ = [
     "CPU_LAYOUT",
@@ -39,6 +47,8 @@ __all__ = [
     "gather_blocks",
     "scatter_blocks",
 ]
+
+_memmove = ctypes.memmove
 
 
 @dataclass(frozen=True)
@@ -152,6 +162,19 @@ class PagedCaches:
             *self.layout.record_layer_shape(first, blocks_per_chunk),
         )
         self.record_bytes = first.element_size() * int(torch.Size(self.record_shape).numel())
+        block = first.select(self.layout.block_axis, 0)
+        self.block_bytes = block.numel() * first.element_size()
+        """Bytes of one block of one layer."""
+        self.host_blocks = (
+            self.layout is CPU_LAYOUT
+            and self.device.type == "cpu"
+            and all(t.is_contiguous() for t in self.tensors)
+            and self.num_blocks > 0
+        )
+        """True when each block of each layer is one run of host memory (vLLM's CPU layout):
+        blocks are then copied with one ``memmove`` per run of consecutive blocks, and records
+        can be read straight into them (:meth:`read_sink`)."""
+        self._bases = [t.data_ptr() for t in self.tensors] if self.host_blocks else []
 
     @property
     def num_layers(self) -> int:
@@ -164,6 +187,61 @@ class PagedCaches:
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_blocks):
             raise ValueError(f"block_ids {list(block_ids)} outside [0, {self.num_blocks})")
         return idx.to(self.device) if self.device.type != "cpu" else idx
+
+    def block_copies(self, block_ids: Sequence[int], first: int = 0) -> list[tuple[int, int, int]]:
+        """For blocks ``first .. first + len(block_ids) - 1`` of a chunk held in ``block_ids``:
+        ``(cache address, offset in the record, nbytes)`` per run of consecutive blocks, in
+        record order (:attr:`host_blocks` caches only). ``ValueError`` for a block id outside
+        the caches or blocks outside the chunk."""
+        ids = list(block_ids)
+        n = len(ids)
+        if not self.host_blocks:
+            raise ValueError("block_copies needs host caches in vLLM's CPU layout")
+        if first < 0 or first + n > self.blocks_per_chunk:
+            raise ValueError(f"blocks {first}..{first + n} outside the chunk's {self.blocks_per_chunk} blocks")
+        if n and (min(ids) < 0 or max(ids) >= self.num_blocks):
+            raise ValueError(f"block_ids {ids} outside [0, {self.num_blocks})")
+        bb, bpc = self.block_bytes, self.blocks_per_chunk
+        out: list[tuple[int, int, int]] = []
+        for layer, base in enumerate(self._bases):
+            rec = (layer * bpc + first) * bb
+            run_start = 0
+            for j in range(1, n + 1):
+                if j == n or ids[j] != ids[j - 1] + 1:
+                    out.append((base + ids[run_start] * bb, rec + run_start * bb, (j - run_start) * bb))
+                    run_start = j
+        return out
+
+    def read_sink(self, block_ids: Sequence[int], first: int = 0, scratch: torch.Tensor | None = None) -> ReadSink:
+        """Where a record read lands for blocks ``first .. first + len(block_ids) - 1`` of its
+        chunk: those blocks of every layer, straight in vLLM's cache; the chunk's other blocks
+        go to ``scratch`` (a contiguous host tensor of at least :meth:`scratch_bytes` bytes the
+        caller owns and keeps until the read returned; required when the run is not the whole
+        chunk). :attr:`host_blocks` caches only."""
+        ids = list(block_ids)
+        copies = self.block_copies(ids, first)
+        need = self.scratch_bytes(len(ids))
+        pieces: list[tuple[int, int]] = []
+        if need:
+            if scratch is None or scratch.device.type != "cpu" or not scratch.is_contiguous():
+                raise ValueError("scratch: a contiguous host tensor is needed for a partial chunk")
+            if scratch.numel() * scratch.element_size() < need:
+                raise ValueError(f"scratch holds {scratch.numel() * scratch.element_size()} bytes; {need} needed")
+        spare = scratch.data_ptr() if need and scratch is not None else 0
+        at = 0  # record offset covered so far
+        for addr, off, nbytes in copies:
+            if off > at:  # a gap of blocks outside the run: distinct scratch bytes for each
+                pieces.append((spare, off - at))
+                spare += off - at
+            pieces.append((addr, nbytes))
+            at = off + nbytes
+        if at < self.record_bytes:
+            pieces.append((spare, self.record_bytes - at))
+        return ReadSink(self.record_shape, self.dtype, tuple(coalesce(pieces)))
+
+    def scratch_bytes(self, num_blocks: int) -> int:
+        """Scratch bytes :meth:`read_sink` needs for a run of ``num_blocks`` blocks of a chunk."""
+        return (self.blocks_per_chunk - num_blocks) * self.num_layers * self.block_bytes
 
 
 @contextlib.contextmanager
@@ -195,6 +273,12 @@ def gather_blocks(
     axis = caches.layout.block_axis
     if out.dim() != len(caches.record_shape) or out.shape[0] != caches.num_layers:
         raise ValueError(f"out has shape {tuple(out.shape)}; expected a record {caches.record_shape}")
+    whole_record = tuple(out.shape) == caches.record_shape and out.dtype == caches.dtype
+    if caches.host_blocks and whole_record and out.device.type == "cpu" and out.is_contiguous():
+        base = out.data_ptr()
+        for addr, off, nbytes in caches.block_copies(idx.tolist()):
+            _memmove(base + off, addr, nbytes)
+        return
     if caches.device.type == "cpu":
         whole = n == out.shape[axis + 1]
         for cache, dst in zip(caches.tensors, out.unbind(0), strict=True):
@@ -227,6 +311,11 @@ def scatter_blocks(
         )
     if first < 0 or first + n > caches.blocks_per_chunk:
         raise ValueError(f"blocks {first}..{first + n} outside the chunk's {caches.blocks_per_chunk} blocks")
+    if caches.host_blocks and record.device.type == "cpu" and record.is_contiguous():
+        src = record.data_ptr()
+        for addr, off, nbytes in caches.block_copies(idx.tolist(), first):
+            _memmove(addr, src + off, nbytes)
+        return
     if caches.device.type == "cpu":
         for layer, cache in enumerate(caches.tensors):
             cache.index_copy_(axis, idx, record[layer].narrow(axis, first, n))

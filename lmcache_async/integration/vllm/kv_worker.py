@@ -2,22 +2,24 @@
 
 Framework-free (no vLLM import). Runs on vLLM's model-runner thread.
 
-* **Load** (:meth:`KVWorkerSide.load`, from ``start_load_kv``): one batched read of the chunk
-  records of every load run, then whole-block scatters into every layer. Synchronous runs are
-  done before the forward. Asynchronous ones (lower-tier hits) read their records on the
-  connector's load thread (``lmcache-async-kv-load``: only I/O there); the scatter into the
-  blocks vLLM keeps for the request runs on the model-runner thread, in
-  :meth:`finished_loads` (from ``get_finished``, after the step's forward), before the request
-  is reported. The copies so stay on the thread vLLM configured for compute (one torch
-  thread): a torch copy on another thread runs an OpenMP team of its own that competes with
-  the compute thread for the cores (a 22 MB copy took 0.35-0.45 s that way on this 2-core
-  host under load, 40-90 ms with one thread). A chunk whose record
-  is missing, unreadable, or of another shape or dtype stops that run: its blocks and every
-  later block of the run are reported by :meth:`take_load_errors`, and vLLM (with
-  ``kv_load_failure_policy="recompute"``) recomputes them. Nothing raises into the step.
+* **Load** (:meth:`KVWorkerSide.load`, from ``start_load_kv``). Host caches (vLLM's CPU
+  layout): the records of every load run are read straight into the request's blocks
+  (:meth:`~lmcache_async.storage_manager.StorageManager.read_into_sync` with one
+  :class:`~lmcache_async.read_sinks.ReadSink` per chunk: a CPU-tier hit is one ``memmove`` per
+  run of consecutive blocks, a disk record one ``preadv`` checked in place). Synchronous runs
+  are done before the forward; asynchronous ones (lower-tier hits) are read on the connector's
+  load thread (``lmcache-async-kv-load``) into blocks vLLM keeps for the request and nothing
+  else touches, and :meth:`finished_loads` (from ``get_finished``) reports a request once its
+  read returned. The load thread makes no torch call (file reads and ``memmove`` start no
+  OpenMP team), so it never runs a thread pool against vLLM's compute thread. Device caches:
+  records are read into host pool blocks, and the load thread's records are copied to the
+  device on the model-runner thread in :meth:`finished_loads`. A chunk whose record is
+  missing, unreadable, or of another shape or dtype stops that run: its blocks (possibly partly
+  written) and every later block of the run are reported by :meth:`take_load_errors`, and vLLM
+  (with ``kv_load_failure_policy="recompute"``) recomputes them. Nothing raises into the step.
 * **Save** (:meth:`KVWorkerSide.save`, from ``wait_for_save``): each planned chunk the CPU tier
-  does not already hold is gathered straight into a block of the manager's pool (one copy; a
-  manager without a CPU tier, e.g. on the node server alone, gets a host tensor it copies from);
+  does not already hold is gathered straight into a block of the manager's pool (one copy, a
+  ``memmove`` per run of consecutive blocks on host caches; a manager without a CPU tier, e.g. on the node server alone, gets a host tensor it copies from);
   then the run's chunks are put in one batch (borrowed: no second copy), and lower tiers are
   written through in the background. A full pool stops the run (counted): a later request
   stores the rest.
@@ -76,6 +78,9 @@ class _Fetched:
     keys: list[Any]
     chunks: list[tuple[int, int, int, list[int]]]
     objs: list[MemoryObj | None]
+    filled: int | None = None
+    """Blocks of the run already read straight into vLLM's caches (host caches); None: the
+    records in ``objs`` are still to be scattered."""
     prefetched: list[MemoryObj | None] = field(default_factory=list)
     """Published hidden-state records read beside the KV (held so they stay in the CPU tier
     until the model-runner thread restores them)."""
@@ -164,9 +169,9 @@ class KVWorkerSide:
     def finished_loads(self, wait_s: float = 0.0) -> set[str]:
         """Requests whose asynchronous load ended (loaded or failed) since the last call.
 
-        Model-runner thread: the records read by the load thread are scattered here, so a
-        reported request's blocks are filled and its failed blocks are already in
-        :meth:`take_load_errors`. ``wait_s`` > 0 (an idle step): when loads are in flight and
+        Model-runner thread: a reported request's blocks are filled (read in place by the load
+        thread, or, for device caches, copied here from the records it read) and its failed
+        blocks are already in :meth:`take_load_errors`. ``wait_s`` > 0 (an idle step): when loads are in flight and
         none has ended, wait up to that long for the first one (the GIL is free meanwhile for
         the threads doing the reads; vLLM would otherwise spin through empty steps)."""
         if wait_s > 0 and self._inflight:
@@ -200,12 +205,14 @@ class KVWorkerSide:
             self._add(load_runs=1)
             chunks = run.chunks(self.blocks_per_chunk)
             keys = self.db.make_keys([c[0] for c in chunks])
-            objs: list[MemoryObj | None] = self.manager.batched_get_sync(keys)
+            if caches.host_blocks:
+                fetched = _Fetched(keys, chunks, [], filled=self._read_into_blocks(caches, keys, chunks))
+            else:
+                fetched = _Fetched(keys, chunks, self.manager.batched_get_sync(keys))
         except Exception as exc:  # timeout, closed tier, wiring: the whole run is recomputed
             self._fault("load", exc)
             self._fail(run.block_ids)
             return None
-        fetched = _Fetched(keys, chunks, objs)
         group = self.hs_group
         if with_hidden_states and group is not None:
             hkeys = [hs_entry_key(k, layer) for k in keys for layer in group.layer_ids]
@@ -214,6 +221,32 @@ class KVWorkerSide:
             except Exception as exc:  # the restore reads them again (and may find them short)
                 self._fault("hidden-state prefetch", exc)
         return fetched
+
+    def _read_into_blocks(
+        self, caches: PagedCaches, keys: list[Any], chunks: list[tuple[int, int, int, list[int]]]
+    ) -> int:
+        """Read the run's records straight into its blocks (any thread; ``memmove`` and file
+        reads only, no torch op); the blocks filled, a prefix of the run. A chunk that is
+        missing, damaged or of another shape ends it (its blocks may be partly written: they
+        are failed with the rest)."""
+        bpc = self.blocks_per_chunk
+        scratch: list[torch.Tensor] = []  # the chunk blocks a partial run does not load
+        sinks = []
+        for _, _, first, bids in chunks:
+            spare = None
+            if len(bids) < bpc:
+                spare = torch.empty(caches.scratch_bytes(len(bids)), dtype=torch.uint8)
+                scratch.append(spare)
+            sinks.append(caches.read_sink(bids, first, spare))
+        flags = self.manager.read_into_sync(keys, sinks, prefix=True)
+        done = loaded = 0
+        for ok, (_, _, _, bids) in zip(flags, chunks, strict=True):
+            if not ok:
+                break
+            done += len(bids)
+            loaded += 1
+        self._add(loaded_chunks=loaded, loaded_blocks=done, loaded_bytes=done * caches.num_layers * caches.block_bytes)
+        return done
 
     def _apply_guarded(self, run: BlockRun, fetched: _Fetched, hs_run: HSRun | None = None) -> None:
         try:
@@ -251,6 +284,10 @@ class KVWorkerSide:
         """Scatter the fetched records (model-runner thread); blocks of the first missing or
         mismatched chunk and every later one are failed. Releases every record; returns the
         blocks loaded."""
+        if fetched.filled is not None:  # read straight into the blocks already
+            fetched.release()
+            self._fail(run.block_ids[fetched.filled :])
+            return fetched.filled
         caches = self.caches
         done = 0
         try:
