@@ -9,7 +9,9 @@ For each key, in order, on the calling thread:
    disk tier): the payload is read from the file into the sink, checked, no buffer between;
 3. the keys still missing, when other lower tiers exist (remote, NIXL, third-party): one hop
    for all of them (those tiers read into pool blocks as for ``batched_get``; hits are promoted
-   into the CPU tier), then copied on the calling thread.
+   into the CPU tier), then copied on the calling thread. With ``prefix``, steps 1-2 stop at
+   the first key they miss; that key and every later one go to step 3 together (so a later
+   key only the disk tier holds is a miss there: the prefix ends at it).
 
 Every write into the caller's memory happens on the calling thread, before the call returns:
 the loop-side reads of step 3 land in buffers the manager owns, so a hop that times out (its
@@ -108,16 +110,10 @@ class ReadInto:
             return self._fill(sink, r, key)
         if r is None:
             return False
-        direct = False
-        for guard in self._guards:
-            if guard.direct is not None:
-                direct = True
-                if guard.read_into_here(key, sink):
-                    return True
-        return NO_ANSWER if self._has_loop_tiers(direct) else False
-
-    def _has_loop_tiers(self, skip_direct: bool) -> bool:
-        return any(not g.answers_locally and (g.direct is None or not skip_direct) for g in self._guards)
+        if any(g.read_into_here(key, sink) for g in self._guards if g.direct is not None):
+            return True
+        # Asked of the loop: the lower tiers that neither answer here nor read directly.
+        return NO_ANSWER if any(not g.answers_locally and g.direct is None for g in self._guards) else False
 
     def run(self, keys: Sequence[CacheEngineKey], sinks: Sequence[ReadSink], prefix: bool) -> list[bool]:
         """One flag per key: True when its sink holds the entry's payload. ``prefix``: stop at

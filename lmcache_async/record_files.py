@@ -105,14 +105,7 @@ def verified_header(fd: int, size: int, key: str) -> RecordHeader:
 def read_exact_into(fd: int, view: memoryview, offset: int) -> int:
     """Fill ``view`` from ``fd`` at ``offset``; the number of bytes read (less than the view's
     size only at end of file)."""
-    done = 0
-    total = view.nbytes
-    while done < total:
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n <= 0:
-            break
-        done += n
-    return done
+    return read_exact_into_views(fd, [view], offset)
 
 
 def read_exact_into_views(fd: int, views: Sequence[memoryview], offset: int) -> int:

@@ -66,6 +66,8 @@ def payload_checksum(data: bytes | bytearray | memoryview) -> int:
 def payload_checksum_parts(parts: Sequence[memoryview]) -> int:
     """xxh3-64 of the concatenation of ``parts`` (the same value as :func:`payload_checksum` of
     the joined bytes, without joining them)."""
+    if len(parts) == 1:
+        return _xxh3(parts[0])
     h = xxhash.xxh3_64()
     for part in parts:
         h.update(part)

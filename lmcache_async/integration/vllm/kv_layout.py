@@ -313,7 +313,7 @@ def scatter_blocks(
         raise ValueError(f"blocks {first}..{first + n} outside the chunk's {caches.blocks_per_chunk} blocks")
     if caches.host_blocks and record.device.type == "cpu" and record.is_contiguous():
         src = record.data_ptr()
-        for addr, off, nbytes in caches.block_copies(idx.tolist(), first):
+        for addr, off, nbytes in caches.block_copies(block_ids, first):
             _memmove(addr, src + off, nbytes)
         return
     if caches.device.type == "cpu":

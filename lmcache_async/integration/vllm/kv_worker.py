@@ -19,7 +19,8 @@ Framework-free (no vLLM import). Runs on vLLM's model-runner thread.
   (with ``kv_load_failure_policy="recompute"``) recomputes them. Nothing raises into the step.
 * **Save** (:meth:`KVWorkerSide.save`, from ``wait_for_save``): each planned chunk the CPU tier
   does not already hold is gathered straight into a block of the manager's pool (one copy, a
-  ``memmove`` per run of consecutive blocks on host caches; a manager without a CPU tier, e.g. on the node server alone, gets a host tensor it copies from);
+  ``memmove`` per run of consecutive blocks on host caches; a manager without a CPU tier, e.g.
+  on the node server alone, gets a host tensor it copies from);
   then the run's chunks are put in one batch (borrowed: no second copy), and lower tiers are
   written through in the background. A full pool stops the run (counted): a later request
   stores the rest.
