@@ -8,7 +8,13 @@
 * ``mode``: ``"reference"`` (no connector: each prompt uncached, then again as a hit of vLLM's
   own prefix cache), ``"store"`` (run 1 through a connector) or ``"load"`` (run 2, a new process
   reading what ``store`` saved); in both connector modes each prompt is followed at once by the
-  bare gather/scatter of the blocks it saved or loaded (same count, in the same process);
+  bare gather/scatter of the blocks it saved or loaded (the same blocks where the connector's
+  step metadata names them, else as many random ones; in the same process);
+* ``bare_at_save`` (store mode, our connector): the connector's ``wait_for_save`` is replaced by
+  a bare gather of the blocks the step saves (one ``memmove`` per block and layer, record by
+  record) into fresh memory of a pre-touched, huge-page arena like the CPU tier's pool, so
+  ``save`` is the bare copy at the very moment vLLM hands a connector its blocks (the cache
+  state right after the forward) — the same-moment baseline of our save;
 * ``kv_transfer_config`` (a dict for ``vllm.config.KVTransferConfig``; absent for reference),
   ``flush`` (call the worker connector's ``flush()`` after each prompt, outside the timing).
 
@@ -74,9 +80,12 @@ def install_connector_timers(obj: Any) -> bool:
     if getattr(conn, "_bench_seconds", None) is not None:
         return True
     seconds: dict[str, Any] = {"save": 0.0, "load": 0.0, "load_first": None, "load_reported": None, "load_after": 0.0}
+    seconds["blocks"] = {"save": [], "load": []}
 
     def timed(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
+            if fn.__name__ in ("wait_for_save", "start_load_kv"):  # before the clock starts
+                seconds["blocks"][kind] += step_blocks(conn, kind)
             t0 = time.perf_counter()
             if kind == "load" and seconds["load_first"] is None:
                 seconds["load_first"] = t0
@@ -104,7 +113,7 @@ def install_connector_timers(obj: Any) -> bool:
     return True
 
 
-def take_connector_seconds(obj: Any) -> dict[str, float]:
+def take_connector_seconds(obj: Any) -> dict[str, Any]:
     """The save/load seconds since the last call (then reset). ``load`` is the wall time an
     asynchronous load kept the request waiting (see :func:`install_connector_timers`) plus the
     load calls after it, else the seconds inside the load calls; ``load_calls`` is always the
@@ -112,12 +121,74 @@ def take_connector_seconds(obj: Any) -> dict[str, float]:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     seconds: dict[str, Any] = get_kv_transfer_group()._bench_seconds
-    out = {"save": float(seconds["save"]), "load_calls": float(seconds["load"])}
+    out: dict[str, Any] = {"save": float(seconds["save"]), "load_calls": float(seconds["load"])}
     first, reported = seconds["load_first"], seconds["load_reported"]
     out["load"] = reported - first + seconds["load_after"] if reported is not None else out["load_calls"]
     out["load_async"] = reported is not None
+    out["blocks"] = {k: sorted(set(v)) for k, v in seconds["blocks"].items()}
     seconds.update(save=0.0, load=0.0, load_first=None, load_reported=None, load_after=0.0)
+    seconds["blocks"] = {"save": [], "load": []}
     return out
+
+
+def step_blocks(conn: Any, kind: str) -> list[int]:
+    """The vLLM block ids this step's metadata of our connector saves (whole chunks: what
+    becomes records) or loads; empty for another connector or no metadata."""
+    try:
+        meta = conn._get_connector_metadata()
+    except Exception:
+        return []
+    bpc = getattr(conn, "blocks_per_chunk", None)
+    if bpc is None:
+        return []
+    if kind == "save":
+        runs = getattr(meta, "saves", None) or []
+        return [
+            b for run in runs for _, _, first, bids in run.chunks(bpc) if first == 0 and len(bids) == bpc for b in bids
+        ]
+    runs = [*(getattr(meta, "loads", None) or []), *(getattr(meta, "async_loads", None) or [])]
+    return [b for run in runs for b in run.block_ids]
+
+
+def install_bare_save(obj: Any, arena_gib: float) -> bool:
+    """Replace the worker connector's ``wait_for_save`` by a bare gather of the step's whole
+    chunks (see the module doc, ``bare_at_save``); runs in the worker. Each save lands in memory
+    of the arena not written since its pre-touch (the next records' place, as in a CPU tier that
+    is still filling), wrapping around when full."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from lmcache_async.memory import populate_pages
+
+    conn = get_kv_transfer_group()
+    caches = [c for c in _worker(obj).model_runner.kv_caches if isinstance(c, torch.Tensor)]
+    if not caches or not all(c.is_contiguous() and c.device.type == "cpu" for c in caches):
+        return False
+    nbytes = int(arena_gib * (1 << 30))
+    arena = torch.empty(nbytes, dtype=torch.uint8)
+    populate_pages(arena.data_ptr(), nbytes)
+    block_bytes = caches[0][0].numel() * caches[0].element_size()
+    record = block_bytes * len(caches)
+    state = {"at": 0}
+
+    def bare_save() -> None:
+        bpc = conn.blocks_per_chunk
+        for run in getattr(conn._get_connector_metadata(), "saves", None) or []:
+            for _, _, first, bids in run.chunks(bpc):
+                if first or len(bids) != bpc:
+                    continue
+                if state["at"] + record * bpc > nbytes:
+                    state["at"] = 0
+                dst = arena.data_ptr() + state["at"]
+                for layer, c in enumerate(caches):
+                    base = c.data_ptr()
+                    for j, b in enumerate(bids):
+                        ctypes.memmove(dst + (layer * bpc + j) * block_bytes, base + b * block_bytes, block_bytes)
+                state["at"] += record * bpc
+
+    bare_save.__name__ = "wait_for_save"
+    conn._bench_arena = arena
+    conn.wait_for_save = bare_save
+    return True
 
 
 def flush_connector(obj: Any) -> float:
@@ -132,11 +203,14 @@ def flush_connector(obj: Any) -> float:
     return time.perf_counter() - t0
 
 
-def bare_gather_scatter(obj: Any, num_blocks: int, reps: int, seed: int) -> dict[str, Any]:
+def bare_gather_scatter(
+    obj: Any, num_blocks: int, reps: int, seed: int, blocks: list[int] | None = None
+) -> dict[str, Any]:
     """Median seconds of a bare block gather and scatter over the worker's paged caches.
 
-    Per repetition a different seeded set of ``num_blocks`` block ids (so the blocks are not
-    cache-hot from the previous repetition) is gathered from every layer into pre-touched
+    The blocks are ``blocks`` (the ones the prompt's save or load moved) in every repetition;
+    without them, per repetition a different seeded set of ``num_blocks`` block ids (so the
+    blocks are not cache-hot from the previous repetition). They are gathered from every layer into pre-touched
     staging tensors, then scattered back (the same bytes go back, so the engine's cache is
     unchanged), two ways: torch (``index_select(out=)`` / ``index_copy_``) and one ``memmove``
     per block (single-threaded, no OpenMP team). ``gather_s``/``scatter_s`` are the faster of
@@ -146,6 +220,9 @@ def bare_gather_scatter(obj: Any, num_blocks: int, reps: int, seed: int) -> dict
     if not caches or num_blocks <= 0:
         return {"gather_s": None, "scatter_s": None, "layers": len(caches), "bytes": 0}
     total = caches[0].shape[0]
+    if blocks:
+        blocks = [b for b in blocks if 0 <= b < total]
+        num_blocks = len(blocks)
     num_blocks = min(num_blocks, total)
     staging = [torch.empty((num_blocks, *c.shape[1:]), dtype=c.dtype).fill_(0) for c in caches]
     block_bytes = staging[0][0].numel() * staging[0].element_size()
@@ -153,7 +230,8 @@ def bare_gather_scatter(obj: Any, num_blocks: int, reps: int, seed: int) -> dict
     rng = random.Random(seed)
     times: dict[str, list[float]] = {k: [] for k in ("torch_gather", "torch_scatter", "mm_gather", "mm_scatter")}
     for rep in range(reps + 1):  # the first repetition warms up and is not recorded
-        ids = torch.tensor(sorted(rng.sample(range(total), num_blocks)), dtype=torch.long)
+        chosen = blocks if blocks else sorted(rng.sample(range(total), num_blocks))
+        ids = torch.tensor(chosen, dtype=torch.long)
         t0 = time.perf_counter()
         for c, s in zip(caches, staging, strict=True):
             torch.index_select(c, 0, ids, out=s)
@@ -190,6 +268,7 @@ def bare_gather_scatter(obj: Any, num_blocks: int, reps: int, seed: int) -> dict
         "layers": len(caches),
         "blocks": num_blocks,
         "layout": list(caches[0].shape),
+        "same_blocks": bool(blocks),
         "bytes": nbytes,
     }
 
@@ -237,6 +316,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     t0 = time.monotonic()
     llm = _engine(spec)
     result["start_s"] = time.monotonic() - t0
+    bare_args = (float(spec.get("arena_gib", 1.0)),)
+    # before the timers, which wrap what is installed
+    if spec.get("bare_at_save") and not llm.collective_rpc(install_bare_save, args=bare_args)[0]:
+        raise RuntimeError("bare_at_save needs host caches in vLLM's CPU layout")
     timed = bool(llm.collective_rpc(install_connector_timers)[0])
     vocab, tokens = int(spec["vocab"]), int(spec["tokens"])
     # Warm-up: a short prompt of its own (seeded apart from the measured ones).
@@ -263,8 +346,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             # the blocks a save of this prompt covers (whole blocks of all but the last token),
             # or the blocks the load restored.
             tokens_moved = entry["cached"] if mode == "load" else (tokens - 1) // block_size * block_size
+            moved = (entry.get("blocks") or {}).get("load" if mode == "load" else "save") or None
             entry["bare"] = llm.collective_rpc(
-                bare_gather_scatter, args=(tokens_moved // block_size, BARE_REPS, int(spec["seed"]) + i)
+                bare_gather_scatter, args=(tokens_moved // block_size, BARE_REPS, int(spec["seed"]) + i, moved)
             )[0]
         result["prompts"].append(entry)
     result["total_s"] = time.monotonic() - t0

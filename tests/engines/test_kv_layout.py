@@ -13,6 +13,7 @@ from lmcache_async.integration.vllm.kv_layout import (
     PagedCaches,
     check_chunk_alignment,
     gather_blocks,
+    gather_records,
     scatter_blocks,
 )
 from lmcache_async.read_sinks import ReadSink, coalesce
@@ -118,6 +119,60 @@ def test_consecutive_blocks_are_copied_as_one_run_per_layer() -> None:
         pc.block_copies([NB])
     with pytest.raises(ValueError, match="outside the chunk"):
         pc.block_copies([0, 1], first=2)
+
+
+def _records_at_one_distance(caches: PagedCaches, n: int, gap: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``n`` records in one buffer, ``gap`` elements of filler after each (as a pool lays out
+    consecutive blocks); the filler is NaN so a stray write shows."""
+    numel = int(torch.Size(caches.record_shape).numel())
+    buf = torch.full((n * (numel + gap),), float("nan"))
+    outs = [buf[i * (numel + gap) : i * (numel + gap) + numel].view(caches.record_shape) for i in range(n)]
+    return buf, outs
+
+
+@pytest.mark.parametrize("bpc", [1, 2])
+@pytest.mark.parametrize("gap", [0, 5])
+def test_gather_records_at_one_distance_equals_a_gather_per_record(bpc: int, gap: int) -> None:
+    src = cpu_caches()
+    caches = PagedCaches(src, BS, bpc)
+    chunks = [[7, 1][:bpc], [2, 3][:bpc], [0, 6][:bpc]]
+    buf, outs = _records_at_one_distance(caches, len(chunks), gap)
+    gather_records(caches, chunks, outs)
+    for bids, out in zip(chunks, outs, strict=True):
+        want = torch.empty(caches.record_shape)
+        gather_blocks(caches, bids, want)
+        assert torch.equal(out, want)
+    numel = int(torch.Size(caches.record_shape).numel())
+    filler = torch.cat([buf[i * (numel + gap) + numel : (i + 1) * (numel + gap)] for i in range(len(chunks))])
+    assert filler.numel() == gap * len(chunks) and bool(filler.isnan().all())  # the gaps were not written
+
+
+def test_gather_records_elsewhere_gathers_each_record_on_its_own() -> None:
+    src = cpu_caches()
+    caches = PagedCaches(src, BS, 2)
+    chunks = [[4, 5], [1, 0]]
+    outs = [torch.empty(caches.record_shape), torch.empty(caches.record_shape)]  # two allocations
+    _, reversed_outs = _records_at_one_distance(caches, 2, 0)
+    for records in (outs, reversed_outs[::-1]):  # separate, or in one buffer in descending order
+        gather_records(caches, chunks, records)
+        for bids, out in zip(chunks, records, strict=True):
+            for layer, t in enumerate(src.values()):
+                assert torch.equal(out[layer, 0], t[bids[0]]) and torch.equal(out[layer, 1], t[bids[1]])
+
+
+def test_gather_records_refuses_bad_arguments_before_any_copy() -> None:
+    caches = PagedCaches(cpu_caches(), BS, 2)
+    _, outs = _records_at_one_distance(caches, 2, 0)
+    with pytest.raises(ValueError, match="2 chunks for 1 records"):
+        gather_records(caches, [[0, 1], [2, 3]], outs[:1])
+    with pytest.raises(ValueError, match=r"chunk_blocks\[1\]"):
+        gather_records(caches, [[0, 1], [2]], outs)
+    with pytest.raises(ValueError, match="block_ids"):
+        gather_records(caches, [[0, 1], [2, NB]], outs)
+    assert all(bool(o.isnan().all()) for o in outs)
+    flash = PagedCaches(flash_caches(), BS, 2, layout=FLASH_ATTN_LAYOUT)
+    with pytest.raises(ValueError, match="host caches"):
+        gather_records(flash, [[0, 1]], [torch.empty(flash.record_shape)])
 
 
 def _fill(sink: ReadSink, record: torch.Tensor) -> None:

@@ -16,8 +16,10 @@ inverse ``cache_l.index_copy_(block_axis, block_ids, record[l])``: the bytes of 
 unchanged, so the layout never has to be decoded.
 
 On host caches (:attr:`PagedCaches.host_blocks`) every block of a layer is one run of memory:
-the gather and scatter are one ``memmove`` per run of consecutive blocks (no torch call, no
-OpenMP team), and :meth:`PagedCaches.read_sink` describes a chunk's blocks as the pieces of a
+the gather and scatter of one record are one ``memmove`` per run of consecutive blocks (no
+torch call, no OpenMP team); :func:`gather_records` fills many records a pool laid out one
+after another with one ``index_select`` per layer and block position; and
+:meth:`PagedCaches.read_sink` describes a chunk's blocks as the pieces of a
 :class:`~lmcache_async.read_sinks.ReadSink`, so a record is read from a tier straight into them.
 
 On CUDA the record lives in host memory (pinned when the pool is): :func:`gather_blocks` gathers
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +48,7 @@ __all__ = [
     "PagedCaches",
     "check_chunk_alignment",
     "gather_blocks",
+    "gather_records",
     "scatter_blocks",
 ]
 
@@ -290,6 +294,73 @@ def gather_blocks(
         for layer, cache in enumerate(caches.tensors):
             staged = cache.index_select(axis, idx)
             out[layer].narrow(axis, 0, n).copy_(staged, non_blocking=True)
+
+
+def _even_stride(caches: PagedCaches, outs: Sequence[torch.Tensor]) -> int | None:
+    """Elements between consecutive ``outs`` when they are whole contiguous host records of
+    one storage, in address order at one constant distance of at least a record (records a
+    pool handed out one after another); None otherwise."""
+    if len(outs) < 2:
+        return None
+    first = outs[0]
+    item = first.element_size()
+    storage = first.untyped_storage().data_ptr()
+    for t in outs:
+        if (
+            tuple(t.shape) != caches.record_shape
+            or t.dtype != caches.dtype
+            or t.device.type != "cpu"
+            or not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != storage
+        ):
+            return None
+    step = outs[1].data_ptr() - first.data_ptr()
+    if step < caches.record_bytes or step % item:
+        return None
+    for a, b in itertools.pairwise(outs):
+        if b.data_ptr() - a.data_ptr() != step:
+            return None
+    return step // item
+
+
+def gather_records(caches: PagedCaches, chunk_blocks: Sequence[Sequence[int]], outs: Sequence[torch.Tensor]) -> None:
+    """Gather whole chunks into their records: ``outs[i]`` (a host record of
+    :attr:`PagedCaches.record_shape`, owned by the caller) gets the blocks ``chunk_blocks[i]``
+    (``blocks_per_chunk`` ids each) of every layer; host caches (:attr:`PagedCaches.host_blocks`)
+    only, on the calling thread (it makes torch calls: the model runner's thread).
+
+    When the records lie at one constant distance in one buffer (a pool's consecutive blocks),
+    each block position of each layer is one ``index_select`` over all chunks into a strided
+    view of the records — torch's copy loop on its intra-op threads, faster here than a
+    ``memmove`` per block; otherwise each record is gathered like :func:`gather_blocks`.
+    ``ValueError`` for a block id outside the caches or a chunk of another length."""
+    if not caches.host_blocks:
+        raise ValueError("gather_records needs host caches in vLLM's CPU layout")
+    if len(chunk_blocks) != len(outs):
+        raise ValueError(f"{len(chunk_blocks)} chunks for {len(outs)} records")
+    bpc = caches.blocks_per_chunk
+    for i, bids in enumerate(chunk_blocks):
+        if len(bids) != bpc:
+            raise ValueError(f"chunk_blocks[{i}] has {len(bids)} blocks; a chunk has {bpc}")
+    idx = caches.check_block_ids([b for bids in chunk_blocks for b in bids]).view(len(outs), bpc)
+    stride = _even_stride(caches, outs)
+    if stride is None:
+        for bids, out in zip(chunk_blocks, outs, strict=True):
+            gather_blocks(caches, bids, out)
+        return
+    block_elems = caches.block_bytes // caches.dtype.itemsize
+    first = outs[0]
+    block_shape = tuple(caches.tensors[0].shape[1:])
+    inner = torch.empty(block_shape, device="meta").stride()  # a record's block is contiguous
+    for layer, cache in enumerate(caches.tensors):
+        for j in range(bpc):
+            # Block j of this layer in every record: records ``stride`` elements apart.
+            dst = first.as_strided(
+                (len(outs), *block_shape),
+                (stride, *inner),
+                first.storage_offset() + (layer * bpc + j) * block_elems,
+            )
+            torch.index_select(cache, 0, idx[:, j], out=dst)
 
 
 def scatter_blocks(

@@ -18,8 +18,9 @@ Framework-free (no vLLM import). Runs on vLLM's model-runner thread.
   written) and every later block of the run are reported by :meth:`take_load_errors`, and vLLM
   (with ``kv_load_failure_policy="recompute"``) recomputes them. Nothing raises into the step.
 * **Save** (:meth:`KVWorkerSide.save`, from ``wait_for_save``): each planned chunk the CPU tier
-  does not already hold is gathered straight into a block of the manager's pool (one copy, a
-  ``memmove`` per run of consecutive blocks on host caches; a manager without a CPU tier, e.g.
+  does not already hold is gathered straight into a block of the manager's pool (one copy; on
+  host caches all of the step's records at once, an ``index_select`` per layer and block
+  position when the pool laid them out one after another; a manager without a CPU tier, e.g.
   on the node server alone, gets a host tensor it copies from);
   then the run's chunks are put in one batch (borrowed: no second copy), and lower tiers are
   written through in the background. A full pool stops the run (counted): a later request
@@ -43,7 +44,7 @@ import torch
 
 from lmcache_async.engines.hidden_states import HiddenStateStore, hs_entry_key
 from lmcache_async.integration.vllm.kv_hs_group import HiddenStateGroup, load_hs_run, save_hs_run
-from lmcache_async.integration.vllm.kv_layout import PagedCaches, gather_blocks, scatter_blocks
+from lmcache_async.integration.vllm.kv_layout import PagedCaches, gather_blocks, gather_records, scatter_blocks
 from lmcache_async.integration.vllm.kv_metadata import BlockRun, HSRun, KVStepMetadata
 from lmcache_async.memory import MemoryFormat, MemoryObj
 from lmcache_async.ratelog import RateLimitedLog
@@ -127,9 +128,7 @@ class KVWorkerSide:
             for k, v in deltas.items():
                 self.counters[k] += v
 
-    def register(
-        self, kv_caches: Mapping[str, torch.Tensor], hs_group: HiddenStateGroup | None = None
-    ) -> PagedCaches:
+    def register(self, kv_caches: Mapping[str, torch.Tensor], hs_group: HiddenStateGroup | None = None) -> PagedCaches:
         """Adopt vLLM's per-layer caches (``ValueError`` for a layout the connector cannot copy)
         and, with ``extract_hidden_states``, its hidden-state group (``ValueError`` when there is
         no hidden-state store to keep it in)."""
@@ -367,8 +366,10 @@ class KVWorkerSide:
             return
         index = caches.check_block_ids([b for _, bids in whole for b in bids])  # checked once
         bpc = self.blocks_per_chunk
+        together = caches.host_blocks  # every record first, then one gather over all of them
+        pending: list[tuple[list[int], torch.Tensor]] = []
         try:
-            for i, (chunk_hash, _) in enumerate(whole):
+            for i, (chunk_hash, bids) in enumerate(whole):
                 key = self.db.make_key(chunk_hash)
                 if sm.holds_locally(key):
                     self._add(save_skipped=1)
@@ -384,10 +385,15 @@ class KVWorkerSide:
                 else:  # no pool to gather into: a fresh host tensor the put copies from
                     out = torch.empty(caches.record_shape, dtype=caches.dtype)
                     values.append(out)
-                gather_blocks(caches, index[i * bpc : (i + 1) * bpc], out, self._stream)
+                if together:
+                    pending.append((bids, out))
+                else:
+                    gather_blocks(caches, index[i * bpc : (i + 1) * bpc], out, self._stream)
                 keys.append(key)
             if not keys:
                 return
+            if pending:
+                gather_records(caches, [b for b, _ in pending], [o for _, o in pending])
             if self._stream is not None:
                 self._stream.synchronize()
             stored = sm.batched_put_sync(keys, values)
