@@ -29,11 +29,15 @@ metadata the bench does not read, as many random blocks), in every layer's paged
 (``[num_blocks, kv_heads, block_size, 2*head_size]`` on CPU), gathered into pre-touched staging
 tensors and scattered back, both with torch (``index_select(out=)``, ``index_copy_``) and with one
 ``memmove`` per block; the faster median of the two is the baseline. Saves are compared with the
-store process's gathers, loads with the load process's scatters. A last process
+store process's gathers, loads with the load process's scatters. Another process
 (**bare_at_save**) runs our store again with ``wait_for_save`` replaced by a bare gather of the
 step's blocks into fresh pre-touched memory: the copy a save must make, at the moment it must
 make it (right after the forward), without anything else of a connector; our save is shown
-beside it too.
+beside it too. The load process also times a **bare file read** of the blocks it loaded: one
+page-cache file per chunk ``preadv``'d straight into the blocks and hashed with xxh3 (the read
+a disk-tier load must make). A last process (**ours_reload**, CPU tier only) stores each prompt,
+resets vLLM's own prefix cache and runs the prompt again: a hit of our CPU tier in the same
+process, loaded synchronously, beside the bare scatter of the same blocks.
 
 Run it with the Python of the vLLM environment (``bash scripts/e2e_env.sh`` prints it)::
 
@@ -249,13 +253,19 @@ def measure(plan: Plan) -> dict[str, Any]:
                 "chunk_size": plan.chunk_size,
             }
             raw["ours_store"] = run_child(plan, workdir, "ours_store", _spec(plan, vocab, "store", ours, flush=True))
-            raw["ours_load"] = run_child(plan, workdir, "ours_load", _spec(plan, vocab, "load", ours))
+            load = _spec(plan, vocab, "load", ours)
+            load["bare_files"] = {"dir": str(workdir / "bare-files"), "chunk_size": plan.chunk_size}
+            raw["ours_load"] = run_child(plan, workdir, "ours_load", load)
             shutil.rmtree(ours_dir, ignore_errors=True)
             # The same engine and prompts with the save replaced by a bare gather of its blocks.
             bare = _spec(plan, vocab, "store", ours)
             bare["bare_at_save"] = True
             raw["bare_at_save"] = run_child(plan, workdir, "bare_at_save", bare)
             shutil.rmtree(ours_dir, ignore_errors=True)
+            # A CPU-tier hit in one process: vLLM's own prefix cache reset between store and load.
+            cpu_only = dict(OURS_KV_TRANSFER_CONFIG)
+            cpu_only["kv_connector_extra_config"] = {"max_local_cpu_size": 1.0, "chunk_size": plan.chunk_size}
+            raw["ours_reload"] = run_child(plan, workdir, "ours_reload", _spec(plan, vocab, "reload", cpu_only))
     finally:
         if own_tmp:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -272,6 +282,8 @@ def _tokens_equal(raw: dict[str, Any]) -> bool | None:
     for name, res in raw.items():
         if name != "reference" and not res.get("error"):
             got.append([p.get("token") for p in res.get("prompts", [])])
+            if name == "ours_reload":  # its store pass too
+                got.append([p.get("store_token") for p in res.get("prompts", [])])
     return all(g == want for g in got)
 
 
@@ -344,6 +356,33 @@ def figures(raw: dict[str, Any], plan: Plan) -> list[Result]:
             baseline=_median(at_save.get("prompts") or [], "save"),
             note="the same blocks gathered into fresh pre-touched memory where our save runs",
         )
+    ours_load = raw.get("ours_load", {})
+    if ours_load.get("prompts") and not ours_load.get("error"):
+        add(
+            "ours disk load vs bare file read",
+            _median(ours_load["prompts"], "load"),
+            baseline_name="bare preadv + xxh3, same blocks",
+            baseline=_median([p.get("bare") or {} for p in ours_load["prompts"]], "file_read_s"),
+            note="one page-cache file per chunk read straight into the blocks and hashed, one thread",
+        )
+    reload = raw.get("ours_reload", {})
+    if reload.get("prompts") and not reload.get("error"):
+        rp = reload["prompts"]
+        add(
+            "ours CPU-tier reload TTFT",
+            _median(rp, "ttft_s"),
+            baseline_name="prefix-cache hit",
+            baseline=hit,
+            note=f"same process, vLLM's prefix cache reset; restored {_median(rp, 'cached')} tokens",
+        )
+        add(
+            "ours CPU-tier load",
+            _median(rp, "load"),
+            baseline_name="bare scatter",
+            baseline=_median([p.get("bare") or {} for p in rp], "scatter_s"),
+            target=1 / BARE_FRACTION,
+            note="synchronous, in start_load_kv: a memmove per run of blocks from the CPU tier's pool",
+        )
     if "ours_load" in raw and not raw["ours_load"].get("error"):
         add(
             "ours save vs ExampleConnector",
@@ -383,6 +422,8 @@ def must_show(results: list[Result]) -> dict[str, Any]:
     put("save_vs_bare_gather", "ours save", BARE_FRACTION, True)
     put("load_vs_bare_scatter", "ours load", BARE_FRACTION, True)
     put("save_vs_bare_gather_same_moment", "ours save vs bare gather at wait_for_save", BARE_FRACTION, True)
+    put("cpu_tier_load_vs_bare_scatter", "ours CPU-tier load", BARE_FRACTION, True)
+    put("disk_load_vs_bare_file_read", "ours disk load vs bare file read", BARE_FRACTION, True)
     return checks
 
 

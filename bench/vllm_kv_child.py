@@ -10,6 +10,12 @@
   reading what ``store`` saved); in both connector modes each prompt is followed at once by the
   bare gather/scatter of the blocks it saved or loaded (the same blocks where the connector's
   step metadata names them, else as many random ones; in the same process);
+* ``"reload"`` mode: each prompt is stored, vLLM's own prefix cache is reset (our connector's
+  store is kept), and the prompt is run again: the measured load is a hit of the connector's
+  CPU tier in the same process (vLLM's cache evicted, ours still holding the prefix);
+* ``bare_files`` (load mode: ``{"dir", "chunk_size"}``): after the bare gather/scatter,
+  :func:`bare_file_read` times a bare ``preadv`` + xxh3 of the loaded blocks from page-cache
+  files, the read a disk-tier load must make;
 * ``bare_at_save`` (store mode, our connector): the connector's ``wait_for_save`` is replaced by
   a bare gather of the blocks the step saves (one ``memmove`` per block and layer, record by
   record) into fresh memory of a pre-touched, huge-page arena like the CPU tier's pool, so
@@ -273,6 +279,70 @@ def bare_gather_scatter(
     }
 
 
+RECORD_HEADER = 512
+"""Bytes before a record's payload in :func:`bare_file_read`'s files (a disk record's header)."""
+
+
+def bare_file_read(obj: Any, blocks: list[int], blocks_per_chunk: int, directory: str, reps: int) -> dict[str, Any]:
+    """Median seconds of the bare read a disk-tier load must make: the blocks ``blocks`` of
+    every layer written as one file per chunk (a header, then the chunk's blocks layer by
+    layer, as a record holds them) into ``directory`` once, then per repetition each file
+    opened, ``preadv``'d straight into the blocks (one piece per run of consecutive blocks per
+    layer), its payload hashed with xxh3-64 and closed, on one thread. The files are in the
+    page cache (just written), as a record our store process wrote is. The same bytes go back,
+    so the engine's cache is unchanged. Host caches only (``file_read_s`` None otherwise)."""
+    import xxhash
+
+    caches = [c for c in _worker(obj).model_runner.kv_caches if isinstance(c, torch.Tensor)]
+    if not blocks or not caches or not all(c.is_contiguous() and c.device.type == "cpu" for c in caches):
+        return {"file_read_s": None}
+    block_bytes = caches[0][0].numel() * caches[0].element_size()
+    chunks = [blocks[i : i + blocks_per_chunk] for i in range(0, len(blocks), blocks_per_chunk)]
+
+    def pieces(chunk: list[int]) -> list[memoryview]:
+        out: list[memoryview] = []
+        for c in caches:
+            start = prev = chunk[0]
+            for b in [*chunk[1:], None]:
+                if b is not None and b == prev + 1:
+                    prev = b
+                    continue
+                n = (prev - start + 1) * block_bytes
+                out.append(memoryview((ctypes.c_char * n).from_address(c.data_ptr() + start * block_bytes)).cast("B"))
+                if b is not None:
+                    start = prev = b
+        return out
+
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    for i, chunk in enumerate(chunks):
+        path = os.path.join(directory, f"chunk-{i}")
+        with open(path, "wb") as f:
+            f.write(bytes(RECORD_HEADER))
+            for piece in pieces(chunk):
+                f.write(piece)
+        paths.append(path)
+    times = []
+    for rep in range(reps + 1):  # the first repetition warms up and is not recorded
+        t0 = time.perf_counter()
+        for path, chunk in zip(paths, chunks, strict=True):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                views = pieces(chunk)
+                os.preadv(fd, views, RECORD_HEADER)
+                h = xxhash.xxh3_64()
+                for v in views:
+                    h.update(v)
+                h.intdigest()
+            finally:
+                os.close(fd)
+        if rep:
+            times.append(time.perf_counter() - t0)
+    for path in paths:
+        os.unlink(path)
+    return {"file_read_s": statistics.median(times), "files": len(paths)}
+
+
 def _engine(spec: dict[str, Any]) -> Any:
     from vllm import LLM
 
@@ -333,7 +403,16 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     result["block_size"] = block_size
     for i in range(int(spec["runs"])):
         ids = prompt_ids(int(spec["seed"]) + i, tokens, vocab)
+        stored: dict[str, Any] = {}
+        if mode == "reload":  # store, forget vLLM's own prefix cache, then the measured load
+            stored = _one(llm, ids)
+            if timed:
+                stored.update(llm.collective_rpc(take_connector_seconds)[0])
+            if not llm.reset_prefix_cache():
+                raise RuntimeError("vLLM did not reset its prefix cache")
         entry = _one(llm, ids)
+        if stored:
+            entry.update(store_ttft_s=stored["ttft_s"], store_token=stored["token"], store_save=stored.get("save"))
         if timed:
             entry.update(llm.collective_rpc(take_connector_seconds)[0])
             if spec.get("flush"):
@@ -345,11 +424,16 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             # The bare baseline right after the measured call, so both see the same machine load:
             # the blocks a save of this prompt covers (whole blocks of all but the last token),
             # or the blocks the load restored.
-            tokens_moved = entry["cached"] if mode == "load" else (tokens - 1) // block_size * block_size
-            moved = (entry.get("blocks") or {}).get("load" if mode == "load" else "save") or None
+            loading = mode in ("load", "reload")
+            tokens_moved = entry["cached"] if loading else (tokens - 1) // block_size * block_size
+            moved = (entry.get("blocks") or {}).get("load" if loading else "save") or None
             entry["bare"] = llm.collective_rpc(
                 bare_gather_scatter, args=(tokens_moved // block_size, BARE_REPS, int(spec["seed"]) + i, moved)
             )[0]
+            if spec.get("bare_files") and mode == "load" and moved:
+                bpc = max(1, int(spec["bare_files"]["chunk_size"]) // block_size)
+                args = (moved, bpc, str(spec["bare_files"]["dir"]), BARE_REPS)
+                entry["bare"].update(llm.collective_rpc(bare_file_read, args=args)[0])
         result["prompts"].append(entry)
     result["total_s"] = time.monotonic() - t0
     return result
