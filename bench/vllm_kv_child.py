@@ -293,25 +293,19 @@ def bare_file_read(obj: Any, blocks: list[int], blocks_per_chunk: int, directory
     so the engine's cache is unchanged. Host caches only (``file_read_s`` None otherwise)."""
     import xxhash
 
-    caches = [c for c in _worker(obj).model_runner.kv_caches if isinstance(c, torch.Tensor)]
-    if not blocks or not caches or not all(c.is_contiguous() and c.device.type == "cpu" for c in caches):
-        return {"file_read_s": None}
-    block_bytes = caches[0][0].numel() * caches[0].element_size()
-    chunks = [blocks[i : i + blocks_per_chunk] for i in range(0, len(blocks), blocks_per_chunk)]
+    from lmcache_async.integration.vllm.kv_layout import PagedCaches
 
-    def pieces(chunk: list[int]) -> list[memoryview]:
-        out: list[memoryview] = []
-        for c in caches:
-            start = prev = chunk[0]
-            for b in [*chunk[1:], None]:
-                if b is not None and b == prev + 1:
-                    prev = b
-                    continue
-                n = (prev - start + 1) * block_bytes
-                out.append(memoryview((ctypes.c_char * n).from_address(c.data_ptr() + start * block_bytes)).cast("B"))
-                if b is not None:
-                    start = prev = b
-        return out
+    caches = [c for c in _worker(obj).model_runner.kv_caches if isinstance(c, torch.Tensor)]
+    if not blocks or not caches:
+        return {"file_read_s": None}
+    paged = PagedCaches({str(i): c for i, c in enumerate(caches)}, int(caches[0].shape[2]), blocks_per_chunk)
+    if not paged.host_blocks:
+        return {"file_read_s": None}
+    bpc = blocks_per_chunk
+    chunks = [blocks[i : i + bpc] for i in range(0, len(blocks) - bpc + 1, bpc)]  # whole chunks
+
+    def pieces(chunk: list[int]) -> list[memoryview]:  # the record's bytes, straight in the blocks
+        return paged.read_sink(chunk).views()
 
     os.makedirs(directory, exist_ok=True)
     paths = []
