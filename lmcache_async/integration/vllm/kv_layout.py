@@ -351,7 +351,7 @@ def gather_records(caches: PagedCaches, chunk_blocks: Sequence[Sequence[int]], o
     block_elems = caches.block_bytes // caches.dtype.itemsize
     first = outs[0]
     block_shape = tuple(caches.tensors[0].shape[1:])
-    inner = torch.empty(block_shape, device="meta").stride()  # a record's block is contiguous
+    inner = caches.tensors[0].stride()[1:]  # a block's strides, in a contiguous cache as in a record
     for layer, cache in enumerate(caches.tensors):
         for j in range(bpc):
             # Block j of this layer in every record: records ``stride`` elements apart.

@@ -364,12 +364,10 @@ class KVWorkerSide:
         whole = [(h, bids) for h, bids in whole if len(bids) == self.blocks_per_chunk]  # records: whole chunks
         if not whole:
             return
-        index = caches.check_block_ids([b for _, bids in whole for b in bids])  # checked once
-        bpc = self.blocks_per_chunk
-        together = caches.host_blocks  # every record first, then one gather over all of them
-        pending: list[tuple[list[int], torch.Tensor]] = []
+        chunk_ids: list[list[int]] = []  # the blocks of each record in ``outs``
+        outs: list[torch.Tensor] = []
         try:
-            for i, (chunk_hash, bids) in enumerate(whole):
+            for chunk_hash, bids in whole:
                 key = self.db.make_key(chunk_hash)
                 if sm.holds_locally(key):
                     self._add(save_skipped=1)
@@ -380,28 +378,36 @@ class KVWorkerSide:
                         self._add(save_rejected=1)
                         break
                     objs.append(obj)
-                    out = obj.tensor
+                    outs.append(obj.tensor)
                     values.append(obj)
                 else:  # no pool to gather into: a fresh host tensor the put copies from
-                    out = torch.empty(caches.record_shape, dtype=caches.dtype)
-                    values.append(out)
-                if together:
-                    pending.append((bids, out))
-                else:
-                    gather_blocks(caches, index[i * bpc : (i + 1) * bpc], out, self._stream)
+                    outs.append(torch.empty(caches.record_shape, dtype=caches.dtype))
+                    values.append(outs[-1])
+                chunk_ids.append(bids)
                 keys.append(key)
             if not keys:
                 return
-            if pending:
-                gather_records(caches, [b for b, _ in pending], [o for _, o in pending])
-            if self._stream is not None:
-                self._stream.synchronize()
+            self._gather(caches, chunk_ids, outs)
             stored = sm.batched_put_sync(keys, values)
         finally:
             for obj in objs:
                 obj.ref_count_down()
         ok = sum(1 for r in stored if r)
         self._add(saved_chunks=ok, saved_bytes=ok * caches.record_bytes, save_rejected=len(stored) - ok)
+
+    def _gather(self, caches: PagedCaches, chunk_ids: list[list[int]], outs: list[torch.Tensor]) -> None:
+        """Copy each chunk's blocks into its record (model-runner thread); complete on return.
+        Host caches: all records in one :func:`gather_records`; CUDA: the ids go to the device
+        once, each record is gathered on the side stream, then that stream is synchronised."""
+        if caches.host_blocks:
+            gather_records(caches, chunk_ids, outs)
+            return
+        index = caches.check_block_ids([b for ids in chunk_ids for b in ids])
+        bpc = self.blocks_per_chunk
+        for i, out in enumerate(outs):
+            gather_blocks(caches, index[i * bpc : (i + 1) * bpc], out, self._stream)
+        if self._stream is not None:
+            self._stream.synchronize()
 
     def stats(self) -> dict[str, Any]:
         """The worker's counters and the manager's per-tier stats."""
