@@ -16,11 +16,12 @@
 * ``bare_files`` (load mode: ``{"dir", "chunk_size"}``): after the bare gather/scatter,
   :func:`bare_file_read` times a bare ``preadv`` + xxh3 of the loaded blocks from page-cache
   files, the read a disk-tier load must make;
-* ``bare_at_save`` (store mode, our connector): the connector's ``wait_for_save`` is replaced by
-  a bare gather of the blocks the step saves (one ``memmove`` per block and layer, record by
-  record) into fresh memory of a pre-touched, huge-page arena like the CPU tier's pool, so
-  ``save`` is the bare copy at the very moment vLLM hands a connector its blocks (the cache
-  state right after the forward) — the same-moment baseline of our save;
+* ``bare_at_save`` (store mode, our connector): each ``wait_for_save`` that saves runs our save
+  and, right before or after it (alternating step by step), a bare gather of the same blocks
+  (one ``memmove`` per block and layer, record by record) into fresh memory of a pre-touched,
+  huge-page arena like the CPU tier's pool: ``bare_at_save_s`` is the bare copy at the very
+  moment vLLM hands a connector its blocks (the cache state right after the forward), paired
+  with ``save`` (our save alone) of the same step — the same-moment baseline of our save;
 * ``kv_transfer_config`` (a dict for ``vllm.config.KVTransferConfig``; absent for reference),
   ``flush`` (call the worker connector's ``flush()`` after each prompt, outside the timing).
 
@@ -157,10 +158,12 @@ def step_blocks(conn: Any, kind: str) -> list[int]:
 
 
 def install_bare_save(obj: Any, arena_gib: float) -> bool:
-    """Replace the worker connector's ``wait_for_save`` by a bare gather of the step's whole
-    chunks (see the module doc, ``bare_at_save``); runs in the worker. Each save lands in memory
-    of the arena not written since its pre-touch (the next records' place, as in a CPU tier that
-    is still filling), wrapping around when full."""
+    """Pair each of the worker connector's saves with a bare gather of the same blocks at the
+    same moment (see the module doc, ``bare_at_save``); runs in the worker, after the timers
+    (which so time our ``wait_for_save`` alone). Each bare save lands in memory of the arena not
+    written since its pre-touch (the next records' place, as in a CPU tier that is still
+    filling), wrapping around when full. The two copies alternate which goes first, step by
+    step, so neither always finds the blocks in the cache the other left."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from lmcache_async.memory import populate_pages
@@ -174,9 +177,10 @@ def install_bare_save(obj: Any, arena_gib: float) -> bool:
     populate_pages(arena.data_ptr(), nbytes)
     block_bytes = caches[0][0].numel() * caches[0].element_size()
     record = block_bytes * len(caches)
-    state = {"at": 0}
+    state: dict[str, Any] = {"at": 0, "steps": 0, "bare_s": 0.0, "ours_first": 0, "bare_first": 0}
+    ours = conn.wait_for_save
 
-    def bare_save() -> None:
+    def bare_gather() -> None:
         bpc = conn.blocks_per_chunk
         for run in getattr(conn._get_connector_metadata(), "saves", None) or []:
             for _, _, first, bids in run.chunks(bpc):
@@ -191,10 +195,41 @@ def install_bare_save(obj: Any, arena_gib: float) -> bool:
                         ctypes.memmove(dst + (layer * bpc + j) * block_bytes, base + b * block_bytes, block_bytes)
                 state["at"] += record * bpc
 
-    bare_save.__name__ = "wait_for_save"
+    def timed_bare() -> None:
+        t0 = time.perf_counter()
+        bare_gather()
+        state["bare_s"] += time.perf_counter() - t0
+
+    def paired() -> None:
+        if not (getattr(conn._get_connector_metadata(), "saves", None) or []):
+            ours()
+            return
+        state["steps"] += 1
+        if state["steps"] % 2:
+            state["ours_first"] += 1
+            ours()
+            timed_bare()
+        else:
+            state["bare_first"] += 1
+            timed_bare()
+            ours()
+
+    paired.__name__ = "wait_for_save"
     conn._bench_arena = arena
-    conn.wait_for_save = bare_save
+    conn._bench_paired = state
+    conn.wait_for_save = paired
     return True
+
+
+def take_bare_at_save(obj: Any) -> dict[str, Any]:
+    """The paired bare gathers' seconds since the last call (then reset), with how many steps
+    ran our save first and how many the bare gather."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    state = get_kv_transfer_group()._bench_paired
+    out = {"bare_at_save_s": state["bare_s"], "ours_first": state["ours_first"], "bare_first": state["bare_first"]}
+    state.update(bare_s=0.0, ours_first=0, bare_first=0)
+    return out
 
 
 def flush_connector(obj: Any) -> float:
@@ -209,6 +244,44 @@ def flush_connector(obj: Any) -> float:
     return time.perf_counter() - t0
 
 
+EVICT_BYTES = 128 << 20
+"""Bytes :func:`_evict_caches` reads: four times this host's 32 MiB L3."""
+_evict_buffer: list[torch.Tensor] = []
+
+
+def _evict_caches() -> None:
+    """Push what the CPU's caches hold out with clean lines: read :data:`EVICT_BYTES` of a
+    buffer of this process (written once), leaving nothing dirty to write back."""
+    if not _evict_buffer:
+        _evict_buffer.append(torch.ones(EVICT_BYTES // 8, dtype=torch.int64))
+    int(_evict_buffer[0].sum())
+
+
+def _timed_memmoves(
+    caches: list[torch.Tensor],
+    staging: list[torch.Tensor],
+    ids: list[int],
+    block_bytes: int,
+    *,
+    gather: bool,
+    cold: bool,
+) -> float:
+    """Seconds of one ``memmove`` per block and layer between the caches' blocks ``ids`` and
+    ``staging`` (``gather``: into the staging; else back into the blocks), after
+    :func:`_evict_caches` when ``cold``."""
+    if cold:
+        _evict_caches()
+    t0 = time.perf_counter()
+    for c, s in zip(caches, staging, strict=True):
+        blocks, rows = c.data_ptr(), s.data_ptr()
+        for i, b in enumerate(ids):
+            if gather:
+                ctypes.memmove(rows + i * block_bytes, blocks + b * block_bytes, block_bytes)
+            else:
+                ctypes.memmove(blocks + b * block_bytes, rows + i * block_bytes, block_bytes)
+    return time.perf_counter() - t0
+
+
 def bare_gather_scatter(
     obj: Any, num_blocks: int, reps: int, seed: int, blocks: list[int] | None = None
 ) -> dict[str, Any]:
@@ -220,7 +293,10 @@ def bare_gather_scatter(
     staging tensors, then scattered back (the same bytes go back, so the engine's cache is
     unchanged), two ways: torch (``index_select(out=)`` / ``index_copy_``) and one ``memmove``
     per block (single-threaded, no OpenMP team). ``gather_s``/``scatter_s`` are the faster of
-    the two medians, so the baseline is the best bare copy of those blocks.
+    the two medians, so the baseline is the best bare copy of those blocks. Repetitions follow
+    one another, so much of what they copy is still in the CPU's caches (32 MiB of L3 here):
+    ``cold_gather_s``/``cold_scatter_s`` are the ``memmove`` copies again after
+    :func:`_evict_caches`, as a load finds a record that was stored a while ago.
     """
     caches = [c for c in _worker(obj).model_runner.kv_caches if isinstance(c, torch.Tensor)]
     if not caches or num_blocks <= 0:
@@ -234,7 +310,8 @@ def bare_gather_scatter(
     block_bytes = staging[0][0].numel() * staging[0].element_size()
     host = all(c.is_contiguous() and c.device.type == "cpu" for c in caches)
     rng = random.Random(seed)
-    times: dict[str, list[float]] = {k: [] for k in ("torch_gather", "torch_scatter", "mm_gather", "mm_scatter")}
+    names = ("torch_gather", "torch_scatter", "mm_gather", "mm_scatter", "cold_gather", "cold_scatter")
+    times: dict[str, list[float]] = {k: [] for k in names}
     for rep in range(reps + 1):  # the first repetition warms up and is not recorded
         chosen = blocks if blocks else sorted(rng.sample(range(total), num_blocks))
         ids = torch.tensor(chosen, dtype=torch.long)
@@ -251,24 +328,20 @@ def bare_gather_scatter(
         if not host:
             continue
         il = ids.tolist()
-        t0 = time.perf_counter()
-        for c, s in zip(caches, staging, strict=True):
-            base, dst = c.data_ptr(), s.data_ptr()
-            for i, b in enumerate(il):
-                ctypes.memmove(dst + i * block_bytes, base + b * block_bytes, block_bytes)
-        t1 = time.perf_counter()
-        for c, s in zip(caches, staging, strict=True):
-            base, src = c.data_ptr(), s.data_ptr()
-            for i, b in enumerate(il):
-                ctypes.memmove(base + b * block_bytes, src + i * block_bytes, block_bytes)
-        t2 = time.perf_counter()
-        if rep:
-            times["mm_gather"].append(t1 - t0)
-            times["mm_scatter"].append(t2 - t1)
+        for prefix, cold in (("mm", False), ("cold", True)):
+            # "cold": the same memmoves with neither side in the CPU's caches, as for a record a
+            # tier kept for a while (the caches are filled with clean lines of another buffer).
+            gather_s = _timed_memmoves(caches, staging, il, block_bytes, gather=True, cold=cold)
+            scatter_s = _timed_memmoves(caches, staging, il, block_bytes, gather=False, cold=cold)
+            if rep:
+                times[f"{prefix}_gather"].append(gather_s)
+                times[f"{prefix}_scatter"].append(scatter_s)
     med = {k: statistics.median(v) if v else None for k, v in times.items()}
     nbytes = sum(s.numel() * s.element_size() for s in staging)
     return {
         "gather_s": min(v for v in (med["torch_gather"], med["mm_gather"]) if v is not None),
+        "cold_gather_s": med["cold_gather"],
+        "cold_scatter_s": med["cold_scatter"],
         "scatter_s": min(v for v in (med["torch_scatter"], med["mm_scatter"]) if v is not None),
         **{f"{k}_s": v for k, v in med.items()},
         "layers": len(caches),
@@ -381,15 +454,18 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     llm = _engine(spec)
     result["start_s"] = time.monotonic() - t0
     bare_args = (float(spec.get("arena_gib", 1.0)),)
-    # before the timers, which wrap what is installed
-    if spec.get("bare_at_save") and not llm.collective_rpc(install_bare_save, args=bare_args)[0]:
-        raise RuntimeError("bare_at_save needs host caches in vLLM's CPU layout")
     timed = bool(llm.collective_rpc(install_connector_timers)[0])
+    # after the timers, so they time our wait_for_save alone
+    paired = bool(spec.get("bare_at_save"))
+    if paired and not llm.collective_rpc(install_bare_save, args=bare_args)[0]:
+        raise RuntimeError("bare_at_save needs host caches in vLLM's CPU layout")
     vocab, tokens = int(spec["vocab"]), int(spec["tokens"])
     # Warm-up: a short prompt of its own (seeded apart from the measured ones).
     _one(llm, prompt_ids(10_000_019 + int(spec["seed"]), WARMUP_TOKENS, vocab))
     if timed:
         llm.collective_rpc(take_connector_seconds)
+        if paired:
+            llm.collective_rpc(take_bare_at_save)
         if spec.get("flush"):
             llm.collective_rpc(flush_connector)
     mode = spec["mode"]
@@ -409,6 +485,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             entry.update(store_ttft_s=stored["ttft_s"], store_token=stored["token"], store_save=stored.get("save"))
         if timed:
             entry.update(llm.collective_rpc(take_connector_seconds)[0])
+        if paired:
+            entry.update(llm.collective_rpc(take_bare_at_save)[0])
             if spec.get("flush"):
                 entry["flush_s"] = llm.collective_rpc(flush_connector)[0]
         if mode == "reference":

@@ -132,7 +132,7 @@ def _records_at_one_distance(caches: PagedCaches, n: int, gap: int) -> tuple[tor
 
 @pytest.mark.parametrize("bpc", [1, 2])
 @pytest.mark.parametrize("gap", [0, 5])
-def test_gather_records_at_one_distance_equals_a_gather_per_record(bpc: int, gap: int) -> None:
+def test_gather_records_equals_a_gather_per_record_and_writes_nothing_else(bpc: int, gap: int) -> None:
     src = cpu_caches()
     caches = PagedCaches(src, BS, bpc)
     chunks = [[7, 1][:bpc], [2, 3][:bpc], [0, 6][:bpc]]
@@ -147,13 +147,17 @@ def test_gather_records_at_one_distance_equals_a_gather_per_record(bpc: int, gap
     assert filler.numel() == gap * len(chunks) and bool(filler.isnan().all())  # the gaps were not written
 
 
-def test_gather_records_elsewhere_gathers_each_record_on_its_own() -> None:
+def test_gather_records_fills_separate_and_descending_records() -> None:
     src = cpu_caches()
     caches = PagedCaches(src, BS, 2)
     chunks = [[4, 5], [1, 0]]
     outs = [torch.empty(caches.record_shape), torch.empty(caches.record_shape)]  # two allocations
     _, reversed_outs = _records_at_one_distance(caches, 2, 0)
-    for records in (outs, reversed_outs[::-1]):  # separate, or in one buffer in descending order
+    dims = len(caches.record_shape)
+    strided = [torch.empty(caches.record_shape[::-1]).permute(*range(dims - 1, -1, -1)) for _ in range(2)]
+    assert not strided[0].is_contiguous()
+    # separate, in one buffer in descending order, or not contiguous (each gathered by torch)
+    for records in (outs, reversed_outs[::-1], strided):
         gather_records(caches, chunks, records)
         for bids, out in zip(chunks, records, strict=True):
             for layer, t in enumerate(src.values()):

@@ -17,8 +17,7 @@ unchanged, so the layout never has to be decoded.
 
 On host caches (:attr:`PagedCaches.host_blocks`) every block of a layer is one run of memory:
 the gather and scatter of one record are one ``memmove`` per run of consecutive blocks (no
-torch call, no OpenMP team); :func:`gather_records` fills many records a pool laid out one
-after another with one ``index_select`` per layer and block position; and
+torch call, no OpenMP team), also when :func:`gather_records` fills all of a step's records; and
 :meth:`PagedCaches.read_sink` describes a chunk's blocks as the pieces of a
 :class:`~lmcache_async.read_sinks.ReadSink`, so a record is read from a tier straight into them.
 
@@ -32,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -257,6 +255,23 @@ def _on_stream(stream: Any) -> Iterator[None]:
         yield
 
 
+def _is_host_record(caches: PagedCaches, out: torch.Tensor) -> bool:
+    """True when ``out`` is a whole contiguous host record of the caches' shape and dtype."""
+    return (
+        tuple(out.shape) == caches.record_shape
+        and out.dtype == caches.dtype
+        and out.device.type == "cpu"
+        and out.is_contiguous()
+    )
+
+
+def _copy_runs(out: torch.Tensor, runs: Sequence[tuple[int, int, int]]) -> None:
+    """Copy the :meth:`PagedCaches.block_copies` runs into the host record ``out``."""
+    base = out.data_ptr()
+    for addr, off, nbytes in runs:
+        _memmove(base + off, addr, nbytes)
+
+
 def gather_blocks(
     caches: PagedCaches,
     block_ids: Sequence[int] | torch.Tensor,
@@ -277,11 +292,8 @@ def gather_blocks(
     axis = caches.layout.block_axis
     if out.dim() != len(caches.record_shape) or out.shape[0] != caches.num_layers:
         raise ValueError(f"out has shape {tuple(out.shape)}; expected a record {caches.record_shape}")
-    whole_record = tuple(out.shape) == caches.record_shape and out.dtype == caches.dtype
-    if caches.host_blocks and whole_record and out.device.type == "cpu" and out.is_contiguous():
-        base = out.data_ptr()
-        for addr, off, nbytes in caches.block_copies(idx.tolist()):
-            _memmove(base + off, addr, nbytes)
+    if caches.host_blocks and _is_host_record(caches, out):
+        _copy_runs(out, caches.block_copies(idx.tolist()))
         return
     if caches.device.type == "cpu":
         whole = n == out.shape[axis + 1]
@@ -296,44 +308,17 @@ def gather_blocks(
             out[layer].narrow(axis, 0, n).copy_(staged, non_blocking=True)
 
 
-def _even_stride(caches: PagedCaches, outs: Sequence[torch.Tensor]) -> int | None:
-    """Elements between consecutive ``outs`` when they are whole contiguous host records of
-    one storage, in address order at one constant distance of at least a record (records a
-    pool handed out one after another); None otherwise."""
-    if len(outs) < 2:
-        return None
-    first = outs[0]
-    item = first.element_size()
-    storage = first.untyped_storage().data_ptr()
-    for t in outs:
-        if (
-            tuple(t.shape) != caches.record_shape
-            or t.dtype != caches.dtype
-            or t.device.type != "cpu"
-            or not t.is_contiguous()
-            or t.untyped_storage().data_ptr() != storage
-        ):
-            return None
-    step = outs[1].data_ptr() - first.data_ptr()
-    if step < caches.record_bytes or step % item:
-        return None
-    for a, b in itertools.pairwise(outs):
-        if b.data_ptr() - a.data_ptr() != step:
-            return None
-    return step // item
-
-
 def gather_records(caches: PagedCaches, chunk_blocks: Sequence[Sequence[int]], outs: Sequence[torch.Tensor]) -> None:
     """Gather whole chunks into their records: ``outs[i]`` (a host record of
     :attr:`PagedCaches.record_shape`, owned by the caller) gets the blocks ``chunk_blocks[i]``
     (``blocks_per_chunk`` ids each) of every layer; host caches (:attr:`PagedCaches.host_blocks`)
-    only, on the calling thread (it makes torch calls: the model runner's thread).
+    only, on the calling thread.
 
-    When the records lie at one constant distance in one buffer (a pool's consecutive blocks),
-    each block position of each layer is one ``index_select`` over all chunks into a strided
-    view of the records — torch's copy loop on its intra-op threads, faster here than a
-    ``memmove`` per block; otherwise each record is gathered like :func:`gather_blocks`.
-    ``ValueError`` for a block id outside the caches or a chunk of another length."""
+    Every argument is checked before the first byte moves (``ValueError`` for a block id
+    outside the caches or a chunk of another length). A contiguous record of the caches' dtype
+    is then filled with one ``memmove`` per run of consecutive blocks per layer (no torch call,
+    no OpenMP team; faster here than one ``index_select`` per layer over all records into
+    strided views of a pool's consecutive blocks); any other record like :func:`gather_blocks`."""
     if not caches.host_blocks:
         raise ValueError("gather_records needs host caches in vLLM's CPU layout")
     if len(chunk_blocks) != len(outs):
@@ -342,25 +327,12 @@ def gather_records(caches: PagedCaches, chunk_blocks: Sequence[Sequence[int]], o
     for i, bids in enumerate(chunk_blocks):
         if len(bids) != bpc:
             raise ValueError(f"chunk_blocks[{i}] has {len(bids)} blocks; a chunk has {bpc}")
-    idx = caches.check_block_ids([b for bids in chunk_blocks for b in bids]).view(len(outs), bpc)
-    stride = _even_stride(caches, outs)
-    if stride is None:
-        for bids, out in zip(chunk_blocks, outs, strict=True):
+    copies = [caches.block_copies(bids) for bids in chunk_blocks]  # checks every id first
+    for bids, runs, out in zip(chunk_blocks, copies, outs, strict=True):
+        if _is_host_record(caches, out):
+            _copy_runs(out, runs)
+        else:
             gather_blocks(caches, bids, out)
-        return
-    block_elems = caches.block_bytes // caches.dtype.itemsize
-    first = outs[0]
-    block_shape = tuple(caches.tensors[0].shape[1:])
-    inner = caches.tensors[0].stride()[1:]  # a block's strides, in a contiguous cache as in a record
-    for layer, cache in enumerate(caches.tensors):
-        for j in range(bpc):
-            # Block j of this layer in every record: records ``stride`` elements apart.
-            dst = first.as_strided(
-                (len(outs), *block_shape),
-                (stride, *inner),
-                first.storage_offset() + (layer * bpc + j) * block_elems,
-            )
-            torch.index_select(cache, 0, idx[:, j], out=dst)
 
 
 def scatter_blocks(

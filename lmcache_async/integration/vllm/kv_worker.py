@@ -19,10 +19,9 @@ Framework-free (no vLLM import). Runs on vLLM's model-runner thread.
   (with ``kv_load_failure_policy="recompute"``) recomputes them. Nothing raises into the step.
 * **Save** (:meth:`KVWorkerSide.save`, from ``wait_for_save``): each planned chunk the CPU tier
   does not already hold is gathered straight into a block of the manager's pool (one copy; on
-  host caches all of the step's records at once, an ``index_select`` per layer and block
-  position when the pool laid them out one after another; a manager without a CPU tier, e.g.
-  on the node server alone, gets a host tensor it copies from);
-  then the run's chunks are put in one batch (borrowed: no second copy), and lower tiers are
+  host caches all of the step's records at once, a ``memmove`` per run of blocks per layer; a
+  manager without a CPU tier, e.g. on the node server alone, gets a host tensor it copies
+  from); then the run's chunks are put in one batch (borrowed: no second copy), and lower tiers are
   written through in the background. A full pool stops the run (counted): a later request
   stores the rest.
 
