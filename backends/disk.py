@@ -116,7 +116,10 @@ class DiskBackend(StorageBackend):
         self.budget_bytes = budget_bytes
         self.fsync: FsyncPolicy = fsync
         self.store = DiskStore(
-            self.root, budget_bytes, fsync=fsync, write_retry_s=write_retry_s,
+            self.root,
+            budget_bytes,
+            fsync=fsync,
+            write_retry_s=write_retry_s,
             write_retry_max_s=write_retry_max_s,
         )
         self._executor = executor
@@ -153,9 +156,7 @@ class DiskBackend(StorageBackend):
         return cf
 
     @staticmethod
-    async def _await(
-        cf: concurrent.futures.Future[T], orphan: Callable[[T], None] | None = None
-    ) -> T:
+    async def _await(cf: concurrent.futures.Future[T], orphan: Callable[[T], None] | None = None) -> T:
         """Await an executor job; if the caller is cancelled while the job runs, ``orphan``
         receives the job's result once it finishes (so buffers it allocated are released)."""
         try:
@@ -267,9 +268,7 @@ class DiskBackend(StorageBackend):
                     if not f.cancelled():
                         f.exception()
                 if not_done:
-                    logger.warning(
-                        "disk tier %s: %d file operations still running at close", self.root, len(not_done)
-                    )
+                    logger.warning("disk tier %s: %d file operations still running at close", self.root, len(not_done))
         finally:
             self.store.close()  # jobs still running afterwards fail cleanly (counted)
 
@@ -359,7 +358,11 @@ class DiskBackend(StorageBackend):
         return out
 
     def _write_ended(
-        self, loop: asyncio.AbstractEventLoop, digest: bytes, done: asyncio.Future[bool], index: int,
+        self,
+        loop: asyncio.AbstractEventLoop,
+        digest: bytes,
+        done: asyncio.Future[bool],
+        index: int,
         cf: concurrent.futures.Future[list[str | BaseException]],
     ) -> None:
         """Done-callback of an abandoned write job (any thread): settle the shared outcome of its
@@ -431,6 +434,17 @@ class DiskBackend(StorageBackend):
             return False
         kstr = key.to_string()
         return self.store.read_into(key_digest(kstr), kstr, sink)
+
+    def read_into_many(self, keys: Sequence[CacheEngineKey], sinks: Sequence[ReadSink], prefix: bool) -> list[bool]:
+        """:meth:`read_into` for each pair, in order (the batch form of
+        :class:`~lmcache_async.backend.DirectReader`); ``prefix`` stops at the first key not
+        filled."""
+        out = [False] * len(keys)
+        for i, (key, sink) in enumerate(zip(keys, sinks, strict=True)):
+            out[i] = self.read_into(key, sink)
+            if prefix and not out[i]:
+                break
+        return out
 
     def _lookup(self, key: CacheEngineKey) -> bool:
         """One ``os.stat`` of the entry's file (an index hit is not trusted: the file may have
@@ -560,7 +574,8 @@ def create(ctx: BackendContext) -> DiskBackend | None:
         logger.warning(
             "local_disk is set to %r but max_local_disk_size is %s GiB: the disk tier is "
             "disabled; set max_local_disk_size to the directory's budget in GiB",
-            cfg.local_disk, cfg.max_local_disk_size,
+            cfg.local_disk,
+            cfg.max_local_disk_size,
         )
         return None
     return DiskBackend(

@@ -13,11 +13,13 @@ Two surfaces:
   so the loop never waits on the socket.
 
 A read copies the entry out of the shared pool into a buffer from the read allocator (the
-manager's staging area unless the caller passes one) and ends its lease at once; the caller
-owns that buffer. A write from the manager's put path (:meth:`ServerTier.put_direct`, the
-:class:`~lmcache_async.put_path.DirectPutTier` call, used when there is no CPU tier) copies
-the caller's tensor straight into the block the server granted: one copy, on the caller's
-thread, readable by every client when it returns. Holds (:meth:`ServerTier.hold`) pin entries
+manager's staging area unless the caller passes one); the caller owns that buffer. A read into
+caller memory (:meth:`ServerTier.read_into_many`, the
+:class:`~lmcache_async.backend.DirectReader` call ``read_into_sync`` makes) copies straight from
+the pool into the caller's pieces, one round trip per batch. A write from the manager's put path
+(:meth:`ServerTier.put_direct`, the :class:`~lmcache_async.put_path.DirectPutTier` call, used
+when there is no CPU tier) copies the caller's tensor straight into the block the server
+granted: one copy, on the caller's thread, readable by every client when it returns. Holds (:meth:`ServerTier.hold`) pin entries
 for readers in other processes (the encoder-cache connector backs its promises to workers with
 them).
 
@@ -38,6 +40,7 @@ import torch
 from lmcache_async.backend import Allocate, BackendContext, StorageBackend
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import HeapAllocator, MemoryFormat, MemoryObj
+from lmcache_async.read_sinks import ReadSink
 from lmcache_async.server.client import ServerClient
 from lmcache_async.server.protocol import MAX_BATCH
 
@@ -103,6 +106,15 @@ class ServerTier(StorageBackend):
         """One result per key (one round trip); buffers from ``alloc`` (default: staging)."""
         got = self.client.get([_kb(k) for k in keys], alloc or self._staging)
         return [None] * len(keys) if got is None else got
+
+    def read_into_many(self, keys: Sequence[CacheEngineKey], sinks: Sequence[ReadSink], prefix: bool) -> list[bool]:
+        """Each entry copied from the shared pool straight into its sink, on the caller's thread
+        (:class:`~lmcache_async.backend.DirectReader`; one round trip for the batch, none for
+        entries whose location this client remembers); all False when the server could not be
+        asked (counted by the client). See :meth:`ServerClient.read_into
+        <lmcache_async.server.client.ServerClient.read_into>`."""
+        got = self.client.read_into([_kb(k) for k in keys], sinks, prefix)
+        return [False] * len(keys) if got is None else got
 
     def contains_nowait(self, key: CacheEngineKey) -> bool | None:
         """Presence asked over the socket; None when the server could not be asked."""
@@ -251,6 +263,8 @@ class ServerTier(StorageBackend):
             "generation": self.client.generation,
             "direct_puts": self.direct_puts,
             "direct_put_failures": self.direct_put_failures,
+            "read_mismatch": st["read_mismatches"],
+            "rereads": st["rereads"],
         }
 
 

@@ -33,8 +33,9 @@ Two protocols declare the caller-thread surface the manager uses without a loop 
 * :class:`PoolTier` — a :class:`LocalTier` that also indexes blocks of the manager's CPU pool
   (``allocate``, ``insert``, ``remove_nowait``, ...): the write front every put lands in first.
 
-A third, :class:`DirectReader` (``read_into``), lets a lower tier with local I/O (the disk tier)
-read an entry straight into caller-owned memory on the caller's thread.
+A third, :class:`DirectReader` (``read_into_many``), lets a lower tier read entries straight into
+caller-owned memory on the caller's thread: the disk tier (local file I/O) and the node cache
+server's client (a copy out of the node's shared pool).
 
 Registry: built-ins by dotted path (imported on first use), third parties through the
 ``lmcache_async.backends`` entry-point group or :func:`register_backend`. The core never imports
@@ -269,23 +270,30 @@ class LocalTier(Protocol):
 
 @runtime_checkable
 class DirectReader(Protocol):
-    """A lower tier that can read one entry straight into caller-owned host memory on the
-    caller's thread: the local disk tier, whose reads are local file I/O.
+    """A lower tier that reads entries straight into caller-owned host memory on the caller's
+    thread: the local disk tier (a file read into the caller's pieces) and the node cache
+    server's client (a copy out of the node's shared pool, one round trip per batch).
 
     :meth:`StorageManager.read_into_sync
     <lmcache_async.storage_manager.StorageManager.read_into_sync>` calls it on the calling
-    thread (never the loop's); the call blocks for the read and is not cancellable, which is
-    why only tiers with local, bounded I/O implement it.
+    thread (never the loop's); the call blocks for the reads and is not cancellable, which is
+    why only tiers whose reads are local and bounded (by a file read, or by the tier's own
+    timeout) implement it. A tier that is also a :class:`LocalTier` reads memory, not a device:
+    the KV connector loads its hits synchronously, like the CPU tier's
+    (:meth:`StorageManager.memory_prefix_len
+    <lmcache_async.storage_manager.StorageManager.memory_prefix_len>`).
     """
 
     #: The registry name (the tier's identity).
     name: str
 
-    def read_into(self, key: CacheEngineKey, sink: ReadSink) -> bool:
-        """Fill ``sink`` with ``key``'s verified payload: True for a hit. False for a miss, a
-        record of another shape or dtype, damage or trouble (counted in ``stats()``); the sink
-        may then be partly written and its bytes are not to be used. Never raises for storage
-        trouble; thread-safe."""
+    def read_into_many(self, keys: Sequence[CacheEngineKey], sinks: Sequence[ReadSink], prefix: bool) -> list[bool]:
+        """Fill ``sinks[i]`` with ``keys[i]``'s verified payload; one flag per key, True for a
+        hit. False for a miss, an entry of another shape or dtype, damage or trouble (counted
+        in ``stats()``); that sink may then be partly written and its bytes are not to be used.
+        ``prefix``: stop at the first key not filled (every later flag False, nothing later
+        read). Never raises for storage trouble; thread-safe; every write into a sink is over
+        when it returns."""
         ...
 
 

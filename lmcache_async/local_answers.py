@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from lmcache_async.backend import PoolTier
+from lmcache_async.backend import LocalTier, PoolTier
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj
 from lmcache_async.tier_guard import TierGuard
 
-__all__ = ["contains_here", "prefix_here"]
+__all__ = ["contains_here", "memory_prefix", "prefix_here"]
 
 
 def contains_here(
@@ -69,3 +69,27 @@ def prefix_here(
             break
         n += 1
     return n, need_loop and n < len(keys)
+
+
+def memory_prefix(
+    keys: Sequence[CacheEngineKey],
+    cpu: PoolTier | None,
+    pending: Mapping[CacheEngineKey, MemoryObj],
+    readers: Sequence[LocalTier],
+) -> int:
+    """Length of the prefix of ``keys`` held where a read is a memory copy on this thread: the
+    pool tier, the pending write-through, or one of ``readers`` (local tiers that read into
+    caller memory, e.g. the node server's shared pool; each asked once, ``present_flags``)."""
+    n = cpu.prefix_len(keys) if cpu is not None else 0
+    while n < len(keys) and keys[n] in pending:
+        n += 1
+    if n == len(keys) or not readers:
+        return n
+    start = n
+    flags = [r.present_flags(keys[start:]) for r in readers]
+    while n < len(keys):
+        k = keys[n]
+        if not (k in pending or (cpu is not None and k in cpu) or any(f[n - start] for f in flags)):
+            break
+        n += 1
+    return n

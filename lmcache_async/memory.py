@@ -167,8 +167,10 @@ class MemoryObj:
     """A typed, reference-counted view of one block of memory.
 
     ``tensor`` is a view of the block with the object's ``shape`` and ``dtype``; it stays valid
-    while the holder keeps its reference. Ref-count changes are thread-safe. Use as a context
-    manager to release the caller's reference on exit.
+    while the holder keeps its reference. A pool block's view is made on first use (an
+    allocation then costs no torch call: callers that only copy bytes use :attr:`data_ptr` or
+    :meth:`byte_view`). Ref-count changes are thread-safe. Use as a context manager to release
+    the caller's reference on exit.
     """
 
     __slots__ = (
@@ -189,12 +191,13 @@ class MemoryObj:
         alloc: _AllocatorBase,
         offset: int,
         size: int,
-        tensor: torch.Tensor,
+        tensor: torch.Tensor | None,
         shape: tuple[int, ...],
         dtype: torch.dtype,
         fmt: MemoryFormat,
         nbytes: int | None = None,
     ) -> None:
+        """``tensor`` None: the allocator makes the view on first use (:meth:`_AllocatorBase._view`)."""
         self._alloc = alloc
         self.offset = offset
         self.size = size  # bytes reserved (aligned)
@@ -211,7 +214,9 @@ class MemoryObj:
         """The typed view; raises ``RuntimeError`` once the last reference was released."""
         t = self._tensor
         if t is None:
-            raise RuntimeError("MemoryObj was released; its tensor is no longer valid")
+            if self._refs <= 0:
+                raise RuntimeError("MemoryObj was released; its tensor is no longer valid")
+            t = self._tensor = self._alloc._view(self.offset, self.shape, self.dtype)
         return t
 
     @property
@@ -313,6 +318,11 @@ class _AllocatorBase:
 
     def _free_locked(self, offset: int, size: int) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def _view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The typed view of a block whose :class:`MemoryObj` was made without one (only
+        :class:`PoolAllocator` makes such objects; the others pass their tensor)."""
+        raise RuntimeError(f"{type(self).__name__} {self.name!r} gives every block its view at allocation")
 
 
 class HeapAllocator(_AllocatorBase):
@@ -494,19 +504,15 @@ class PoolAllocator(_AllocatorBase):
     def allocate(
         self, shape: Sequence[int], dtype: torch.dtype, fmt: MemoryFormat = MemoryFormat.UNDEFINED
     ) -> MemoryObj | None:
-        """A block holding ``shape``/``dtype``, or ``None`` at once when none fits."""
+        """A block holding ``shape``/``dtype``, or ``None`` at once when none fits. No torch
+        call: the block's tensor view is made on the object's first :attr:`MemoryObj.tensor`."""
         shp = validate_shape(shape)
-        typed = self._typed.get(dtype)
-        if typed is None:
-            if not isinstance(dtype, torch.dtype):
-                raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
-            with torch.inference_mode(False):  # see the view below
-                typed = self._typed[dtype] = self.buffer.view(dtype)
-        itemsize = dtype.itemsize
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
         numel = 1
         for d in shp:
             numel *= d
-        n = numel * itemsize
+        n = numel * dtype.itemsize
         align = self.align
         units = -(-n // align) or 1
         if units * align > self.capacity - self.used_bytes:
@@ -521,25 +527,31 @@ class PoolAllocator(_AllocatorBase):
             size = units * align
             self.used_bytes += size
             self.num_objects += 1
-        off = start * align
-        # Blocks are reused at the same offsets for the same shapes under steady churn; creating
-        # a view costs more than the rest of the allocation, so views are reused (a hit takes no
-        # lock; only a miss, which creates a view anyway, takes the lock to insert).
-        vkey = (off, shp, dtype)
+        return MemoryObj(self, start * align, size, None, shp, dtype, fmt, n)
+
+    def _view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The block's typed view (any thread). Blocks are reused at the same offsets for the
+        same shapes under steady churn, and making a view costs more than the rest of an
+        allocation, so views are cached and reused (a hit takes no lock; only a miss, which
+        makes a view anyway, takes the lock to insert)."""
+        typed = self._typed.get(dtype)
+        if typed is None:
+            with torch.inference_mode(False):  # see the view below
+                typed = self._typed[dtype] = self.buffer.view(dtype)
+        vkey = (offset, shape, dtype)
         cached = self._view_cache.get(vkey)
         # (a holder may have changed a view's metadata in place, e.g. with ``t_()``)
-        if cached is not None and cached[0].stride() == cached[1] and cached[0].shape == shp:
-            view = cached[0]
-        else:
-            strides = (1,) if len(shp) == 1 else _contiguous_strides(shp)
-            # Outside inference mode even when the caller is in it (a vLLM worker): the view is
-            # cached and reused by later callers, and an inference-mode view of the pool could
-            # not be written in place by a caller outside inference mode.
-            with torch.inference_mode(False):
-                view = typed.as_strided(shp, strides, off // itemsize)
-            with self.lock:
-                self._cache_view_locked(vkey, view, strides)
-        return MemoryObj(self, off, size, view, shp, dtype, fmt, n)
+        if cached is not None and cached[0].stride() == cached[1] and cached[0].shape == shape:
+            return cached[0]
+        strides = (1,) if len(shape) == 1 else _contiguous_strides(shape)
+        # Outside inference mode even when the caller is in it (a vLLM worker): the view is
+        # cached and reused by later callers, and an inference-mode view of the pool could
+        # not be written in place by a caller outside inference mode.
+        with torch.inference_mode(False):
+            view = typed.as_strided(shape, strides, offset // dtype.itemsize)
+        with self.lock:
+            self._cache_view_locked(vkey, view, strides)
+        return view
 
     def _cache_view_locked(
         self, vkey: tuple[int, tuple[int, ...], torch.dtype], view: torch.Tensor, strides: tuple[int, ...]

@@ -129,7 +129,7 @@ class PutPath:
         else:
             raise TypeError(f"value must be a torch.Tensor or MemoryObj, got {type(value).__name__}")
         src_obj = value if isinstance(value, MemoryObj) else None
-        tensor, shape, dtype, fmt = _payload(value, fmt)
+        shape, dtype, fmt = _layout(value, fmt)
         if not isinstance(fmt, MemoryFormat):
             raise TypeError(f"fmt must be a MemoryFormat, got {type(fmt).__name__}")
         cpu = self.cpu
@@ -139,8 +139,9 @@ class PutPath:
             direct = self.direct
             if direct is not None:
                 flags = direct.put_direct([(key, value)], fmt)
-                return self._after_direct(direct, None if flags is None else flags[0], key, tensor, shape, dtype, fmt)
-            return self._stage_write(key, tensor, shape, dtype, fmt)
+                stored = None if flags is None else flags[0]
+                return self._after_direct(direct, stored, key, _tensor_of(value), shape, dtype, fmt)
+            return self._stage_write(key, _tensor_of(value), shape, dtype, fmt)
         # Only what this manager holds itself makes a put the content-addressed no-op. A lower
         # tier's "present" is unverified (an index entry, a file's size) and may stand for a
         # damaged record: the CPU tier takes the entry and the write-through lets each lower
@@ -155,10 +156,10 @@ class PutPath:
             if got is None:
                 # CPU full of entries nobody may evict (readers, pending write-through):
                 # carry this one to the lower tiers through the staging area instead.
-                return self._stage_write(key, tensor, shape, dtype, fmt)
+                return self._stage_write(key, _tensor_of(value), shape, dtype, fmt)
             obj = got
             try:
-                obj.tensor.copy_(tensor)
+                obj.tensor.copy_(_tensor_of(value))
             except BaseException:
                 obj.ref_count_down()
                 raise
@@ -202,8 +203,9 @@ class PutPath:
         todo = [i for i, k in enumerate(keys) if k not in self._pending]
         got = direct.put_direct([(keys[i], values[i]) for i in todo], fmt) if todo else []
         for j, i in enumerate(todo):
-            tensor, shape, dtype, vfmt = _payload(values[i], fmt)
-            out[i] = self._after_direct(direct, None if got is None else got[j], keys[i], tensor, shape, dtype, vfmt)
+            shape, dtype, vfmt = _layout(values[i], fmt)
+            stored = None if got is None else got[j]
+            out[i] = self._after_direct(direct, stored, keys[i], _tensor_of(values[i]), shape, dtype, vfmt)
         return out
 
     def _after_direct(
@@ -311,10 +313,13 @@ class PutPath:
         return True
 
 
-def _payload(
-    value: torch.Tensor | MemoryObj, fmt: MemoryFormat
-) -> tuple[torch.Tensor, tuple[int, ...], torch.dtype, MemoryFormat]:
-    """The bytes a put stores: tensor, shape, dtype and format (a MemoryObj carries its own)."""
+def _layout(value: torch.Tensor | MemoryObj, fmt: MemoryFormat) -> tuple[tuple[int, ...], torch.dtype, MemoryFormat]:
+    """Shape, dtype and format of what a put stores (a MemoryObj carries its own format)."""
     if isinstance(value, MemoryObj):
-        return value.tensor, value.shape, value.dtype, value.fmt
-    return value, tuple(value.shape), value.dtype, fmt
+        return value.shape, value.dtype, value.fmt
+    return tuple(value.shape), value.dtype, fmt
+
+
+def _tensor_of(value: torch.Tensor | MemoryObj) -> torch.Tensor:
+    """The bytes a put stores, as a tensor (a pool block's view is made only when a copy needs it)."""
+    return value.tensor if isinstance(value, MemoryObj) else value

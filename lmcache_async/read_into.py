@@ -1,17 +1,22 @@
 """Entries straight into caller-owned memory: the work of ``StorageManager.read_into_sync``.
 
-For each key, in order, on the calling thread:
+On the calling thread, in three steps:
 
-1. the tiers that answer on the caller's thread (the CPU tier, the queued write-through, other
-   :class:`~lmcache_async.backend.LocalTier` s): a hit is copied into the sink (one ``memmove``
-   per piece) and its reference released;
-2. the lower tiers that read local files (:class:`~lmcache_async.backend.DirectReader`, the
-   disk tier): the payload is read from the file into the sink, checked, no buffer between;
+1. the **front** — the CPU tier, the queued write-through and the other
+   :class:`~lmcache_async.backend.LocalTier` s that are no direct readers — key by key: a hit is
+   copied into the sink (one ``memmove`` per piece) and its reference released;
+2. the **direct readers** (:class:`~lmcache_async.backend.DirectReader`: the disk tier, which
+   reads the record file straight into the sink and checks it there, and the node cache
+   server's client, which copies out of the node's shared pool), in search order, each asked
+   once for the batch of keys still missing (the server answers a batch in one round trip);
 3. the keys still missing, when other lower tiers exist (remote, NIXL, third-party): one hop
    for all of them (those tiers read into pool blocks as for ``batched_get``; hits are promoted
-   into the CPU tier), then copied on the calling thread. With ``prefix``, steps 1-2 stop at
-   the first key they miss; that key and every later one go to step 3 together (so a later
-   key only the disk tier holds is a miss there: the prefix ends at it).
+   into the CPU tier), then copied on the calling thread.
+
+With ``prefix`` the steps follow the keys in order: the front stops at its first miss, the
+direct readers read on from there as far as each can (then the front is asked again from where
+they stopped), and what no tier here could fill goes to step 3, which ends at its first miss.
+Nothing after the first key that is not filled is read.
 
 Every write into the caller's memory happens on the calling thread, before the call returns:
 the loop-side reads of step 3 land in buffers the manager owns, so a hop that times out (its
@@ -31,7 +36,7 @@ from lmcache_async.lower_tiers import release_objs
 from lmcache_async.memory import MemoryObj
 from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.read_sinks import ReadSink
-from lmcache_async.tier_guard import NO_ANSWER, NoAnswer, TierGuard
+from lmcache_async.tier_guard import TierGuard
 
 __all__ = ["READ_INTO_COUNTERS", "ReadInto", "check_read_into"]
 
@@ -40,7 +45,7 @@ logger = logging.getLogger(__name__)
 READ_INTO_COUNTERS = ("hits", "misses", "mismatches", "timeouts")
 """Counters of :class:`ReadInto` (``stats()["read_into"]``)."""
 
-Front = Callable[[CacheEngineKey], "MemoryObj | NoAnswer | None"]
+Front = Callable[[CacheEngineKey], "MemoryObj | None"]
 LowerGet = Callable[[list[CacheEngineKey]], list[MemoryObj | None]]
 
 
@@ -58,11 +63,12 @@ def check_read_into(keys: Sequence[CacheEngineKey], sinks: Sequence[ReadSink]) -
 class ReadInto:
     """``read_into_sync`` over one manager's tiers (see the module docstring).
 
-    ``front(key)`` is the manager's caller-thread answer (an entry with the caller's reference,
-    None for a miss with nothing below to ask, :data:`NO_ANSWER` when lower tiers must be
-    asked); ``guards`` the lower tiers in search order; ``lower_get(keys)`` a bounded blocking
-    read of ``keys`` from the lower tiers that are not direct readers (entries with the
-    caller's reference; raises ``TimeoutError`` past its bound). Thread-safe.
+    ``front(key)`` is the manager's caller-thread answer from the front (an entry with the
+    caller's reference, or None); ``guards`` the lower tiers in search order (the direct
+    readers among them are asked on the calling thread); ``lower_get(keys)`` a bounded
+    blocking read of ``keys`` from the lower tiers that are neither direct readers nor
+    :class:`~lmcache_async.backend.LocalTier` s (entries with the caller's reference; raises
+    ``TimeoutError`` past its bound). Thread-safe.
     """
 
     def __init__(self, front: Front, guards: list[TierGuard], lower_get: LowerGet) -> None:
@@ -102,18 +108,18 @@ class ReadInto:
         finally:
             obj.ref_count_down()
 
-    def _here(self, key: CacheEngineKey, sink: ReadSink) -> bool | NoAnswer:
-        """Steps 1-2 for one key: True when filled; False for a miss with nothing else to ask;
-        :data:`NO_ANSWER` when only the loop-side tiers are left to ask."""
-        r = self._front(key)
-        if isinstance(r, MemoryObj):
-            return self._fill(sink, r, key)
-        if r is None:
-            return False
-        if any(g.read_into_here(key, sink) for g in self._guards if g.direct is not None):
-            return True
-        # Asked of the loop: the lower tiers that neither answer here nor read directly.
-        return NO_ANSWER if any(not g.answers_locally and g.direct is None for g in self._guards) else False
+    def _from_front(self, key: CacheEngineKey, sink: ReadSink) -> bool | None:
+        """Step 1 for one key: True when filled, False when the front holds it in another shape
+        or dtype (not asked further), None when the front does not hold it."""
+        obj = self._front(key)
+        return None if obj is None else self._fill(sink, obj, key)
+
+    def _direct(self) -> list[TierGuard]:
+        return [g for g in self._guards if g.direct is not None]
+
+    def _loop_side(self) -> bool:
+        """Whether lower tiers that only the loop reads exist (step 3 has someone to ask)."""
+        return any(not g.answers_locally and g.direct is None for g in self._guards)
 
     def run(self, keys: Sequence[CacheEngineKey], sinks: Sequence[ReadSink], prefix: bool) -> list[bool]:
         """One flag per key: True when its sink holds the entry's payload. ``prefix``: stop at
@@ -121,22 +127,62 @@ class ReadInto:
         check_read_into(keys, sinks)
         n = len(keys)
         out = [False] * n
-        later: list[int] = []
-        for i in range(n):
-            r = self._here(keys[i], sinks[i])
-            if r is True:
-                out[i] = True
-                continue
-            if r is NO_ANSWER:
-                later.extend(range(i, n) if prefix else (i,))
-            if prefix:
-                break
-        if later:
-            self._from_loop(keys, sinks, later, prefix, out)
+        if prefix:
+            self._run_prefix(keys, sinks, out)
+        else:
+            self._run_each(keys, sinks, out)
         filled = sum(out)
         self._add("hits", filled)
         self._add("misses", (1 if filled < n else 0) if prefix else n - filled)  # keys asked, not found
         return out
+
+    def _run_prefix(self, keys: Sequence[CacheEngineKey], sinks: Sequence[ReadSink], out: list[bool]) -> None:
+        n = len(keys)
+        direct = self._direct()
+        pos = 0
+        while pos < n:
+            here = self._from_front(keys[pos], sinks[pos])
+            if here is True:
+                out[pos] = True
+                pos += 1
+                continue
+            if here is False:  # held in another shape: the prefix ends here
+                return
+            read = 0
+            for guard in direct:  # from ``pos`` on, as far as one direct reader can
+                flags = guard.read_into_here(keys[pos:], sinks[pos:], True)
+                while read < len(flags) and flags[read]:
+                    read += 1
+                if read:
+                    break
+            if not read:
+                break
+            out[pos : pos + read] = [True] * read
+            pos += read
+        if pos < n and self._loop_side():
+            self._from_loop(keys, sinks, list(range(pos, n)), True, out)
+
+    def _run_each(self, keys: Sequence[CacheEngineKey], sinks: Sequence[ReadSink], out: list[bool]) -> None:
+        missing: list[int] = []
+        for i in range(len(keys)):
+            here = self._from_front(keys[i], sinks[i])
+            if here is None:
+                missing.append(i)
+            else:
+                out[i] = here
+        for guard in self._direct():
+            if not missing:
+                return
+            flags = guard.read_into_here([keys[i] for i in missing], [sinks[i] for i in missing], False)
+            still = []
+            for i, ok in zip(missing, flags, strict=True):
+                if ok:
+                    out[i] = True
+                else:
+                    still.append(i)
+            missing = still
+        if missing and self._loop_side():
+            self._from_loop(keys, sinks, missing, False, out)
 
     def _from_loop(
         self, keys: Sequence[CacheEngineKey], sinks: Sequence[ReadSink], idx: list[int], prefix: bool, out: list[bool]

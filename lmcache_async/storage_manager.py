@@ -34,7 +34,7 @@ from lmcache_async.backend import BackendContext, LocalTier, PoolTier, Presence,
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.errors import LoopThreadCallError, ManagerClosedError
 from lmcache_async.keys import CacheEngineKey
-from lmcache_async.local_answers import contains_here, prefix_here
+from lmcache_async.local_answers import contains_here, memory_prefix, prefix_here
 from lmcache_async.loop import LoopThread
 from lmcache_async.lower_tiers import LowerTiers, release_objs
 from lmcache_async.manager_lifecycle import Lifecycle, Opening
@@ -139,7 +139,8 @@ class StorageManager(Lifecycle):
 
         size_gib = config.max_local_cpu_size if cpu_size_gib is None else cpu_size_gib
         self.pool: PoolAllocator | None = None
-        if config.local_cpu and size_gib > 0:
+        if config.local_cpu and size_gib > 0 and "cpu" in config.tier_order:
+            # (a tier order without ``cpu`` has no CPU tier: no pool to allocate and pre-touch)
             self.pool = PoolAllocator(
                 gib_to_bytes(size_gib), name=f"{name} CPU pool ({cpu_size_key})", reserve_bytes=reserve
             )
@@ -191,7 +192,13 @@ class StorageManager(Lifecycle):
         #: Lower tiers the read paths must ask on the loop (the others answer on this thread).
         self._loop_readers = any(not g.answers_locally for g in self._lower)
         self._put = PutPath(name, self._cpu, self._tiers, self._staging, self._wt, logger)
-        self._read_into = ReadInto(self._get_front, self._lower, self._lower_get_indirect_sync)
+        #: Local tiers that read into caller memory (the node server's pool): read_into_sync
+        #: asks them in a batch as direct readers, not key by key in its front.
+        self._memory_readers: list[LocalTier] = [
+            g.local for g in self._lower if g.local is not None and g.direct is not None
+        ]
+        self._front_only = [t for t in self._local if not any(t is r for r in self._memory_readers)]
+        self._read_into = ReadInto(self._read_front, self._lower, self._lower_get_indirect_sync)
         self._closed = False
         at_exit.close_at_exit(self)
 
@@ -334,6 +341,20 @@ class StorageManager(Lifecycle):
             n += 1
         return n
 
+    def memory_prefix_len(self, keys: Sequence[CacheEngineKey]) -> int:
+        """Length of the prefix of ``keys`` that :meth:`read_into_sync` fills with memory copies
+        on the caller's thread: held by the CPU tier, the queued write-through, or a local tier
+        that reads into caller memory (the node cache server's shared pool: one round trip,
+        bounded by ``remote_timeout_s``; trouble answers 0 for it). Tiers that read a device or
+        the network (disk, remote, NIXL) are not counted: the KV connector loads those hits
+        asynchronously. Caller's thread; an answer may be stale by a racing eviction (the read
+        then misses, which the caller handles)."""
+        self._check_usable()
+        for k in keys:
+            if type(k) is not CacheEngineKey:
+                self._check_key(k)
+        return memory_prefix(keys, self._cpu, self._pending, self._memory_readers)
+
     def lookup_local(self, key: CacheEngineKey) -> MemoryObj | None:
         """The entry of ``key`` from a tier answering on the caller's thread (the CPU tier first,
         then each other :class:`LocalTier` in order), with one reference the caller owns; None
@@ -365,12 +386,9 @@ class StorageManager(Lifecycle):
     flush_sync = sync_twin(flush)
 
     # ---- get -----------------------------------------------------------------------------------
-    def _get_front(self, key: CacheEngineKey) -> MemoryObj | Literal[NoAnswer.NO_ANSWER] | None:
-        """The local tiers' (or the queued write-through's) answer with the caller's reference,
-        None for a miss with no lower tier to ask, :data:`NO_ANSWER` when the loop must be asked."""
-        self._check_usable()
-        if type(key) is not CacheEngineKey:
-            self._check_key(key)
+    def _front_entry(self, key: CacheEngineKey, local: Sequence[LocalTier]) -> MemoryObj | None:
+        """The entry from the CPU tier, the queued write-through or one of the ``local`` tiers,
+        with the caller's reference; None when none of them holds it."""
         cpu = self._cpu
         if cpu is not None:
             obj = cpu.lookup(key)
@@ -381,11 +399,28 @@ class StorageManager(Lifecycle):
         if pend is not None and pend.try_ref_count_up():
             return pend
         self._cpu_misses += 1
-        for tier in self._local:
+        for tier in local:
             obj = tier.lookup(key)
             if obj is not None:
                 return obj
+        return None
+
+    def _get_front(self, key: CacheEngineKey) -> MemoryObj | Literal[NoAnswer.NO_ANSWER] | None:
+        """The local tiers' (or the queued write-through's) answer with the caller's reference,
+        None for a miss with no lower tier to ask, :data:`NO_ANSWER` when the loop must be asked."""
+        self._check_usable()
+        if type(key) is not CacheEngineKey:
+            self._check_key(key)
+        obj = self._front_entry(key, self._local)
+        if obj is not None:
+            return obj
         return NO_ANSWER if self._loop_readers else None
+
+    def _read_front(self, key: CacheEngineKey) -> MemoryObj | None:
+        """``read_into_sync``'s front (keys checked by the caller): the CPU tier, the queued
+        write-through and the local tiers that are no direct readers."""
+        self._check_usable()
+        return self._front_entry(key, self._front_only)
 
     async def get(self, key: CacheEngineKey) -> MemoryObj | None:
         """The entry (the caller owns one reference) or None, falling through the tiers.

@@ -16,7 +16,7 @@ import asyncio
 import enum
 import logging
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar, TypeVarTuple
 
 from lmcache_async.backend import DirectReader, LocalTier, StorageBackend
@@ -130,30 +130,37 @@ class TierGuard:
         self.breaker.success()
         return result
 
-    def read_into_here(self, key: CacheEngineKey, sink: ReadSink) -> bool:
-        """The tier's :meth:`~lmcache_async.backend.DirectReader.read_into` on the calling thread
-        (a caller thread, never the loop), under the breaker; False (a miss) when the backend
-        is no :class:`~lmcache_async.backend.DirectReader`, the breaker skips it or it raises
-        (counted, logged). The ``direct_*`` counters are written here, under their own lock."""
+    def read_into_here(self, keys: Sequence[CacheEngineKey], sinks: Sequence[ReadSink], prefix: bool) -> list[bool]:
+        """The tier's :meth:`~lmcache_async.backend.DirectReader.read_into_many` on the calling
+        thread (a caller thread, never the loop), under the breaker; one flag per key, all False
+        (misses) when the backend is no :class:`~lmcache_async.backend.DirectReader`, the
+        breaker skips it or it raises (counted, logged). The ``direct_*`` counters are written
+        here, under their own lock (with ``prefix``, the keys after the first one not filled
+        were not asked and are not counted)."""
         reader = self.direct
-        if reader is None:
-            return False
+        n = len(keys)
+        if reader is None or not n:
+            return [False] * n
         if not self.breaker.allow():
             with self._direct_lock:
-                self.direct_counts["skipped"] += 1
-            return False
+                self.direct_counts["skipped"] += n
+            return [False] * n
         try:
-            hit = bool(reader.read_into(key, sink))
+            flags = [bool(f) for f in reader.read_into_many(keys, sinks, prefix)]
+            if len(flags) != n:
+                raise ValueError(f"read_into_many answered {len(flags)} flags for {n} keys")
         except Exception as exc:
             self.breaker.failure()
             with self._direct_lock:
                 self.direct_counts["errors"] += 1
             self._log.warning("tier %s: read_into failed: %s: %s", self.name, type(exc).__name__, exc)
-            return False
+            return [False] * n
         self.breaker.success()
+        hits = sum(flags)
         with self._direct_lock:
-            self.direct_counts["hits" if hit else "misses"] += 1
-        return hit
+            self.direct_counts["hits"] += hits
+            self.direct_counts["misses"] += (1 if hits < n else 0) if prefix else n - hits
+        return flags
 
     @property
     def answers_locally(self) -> bool:

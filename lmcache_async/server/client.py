@@ -26,6 +26,7 @@ it. Holds (:meth:`ServerClient.hold`) pin entries for readers in other processes
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import json
 import logging
@@ -41,6 +42,7 @@ import torch
 from lmcache_async.circuit import CircuitBreaker
 from lmcache_async.memory import MemoryObj
 from lmcache_async.ratelog import RateLimitedLog
+from lmcache_async.read_sinks import ReadSink
 from lmcache_async.server.connection import Connection as _Connection
 from lmcache_async.server.connection import ServerUnavailable
 from lmcache_async.server.connection import connect as _connect
@@ -154,6 +156,8 @@ class ServerClient:
         self.rereads = 0
         #: Entries copied from a location this client already knew (no round trip).
         self.known_reads = 0
+        #: Reads into a sink of another shape or dtype than the entry's (a miss).
+        self.read_mismatches = 0
         self.generation = 0
 
     # ---- connection management (call with the lock held) -------------------------------------------
@@ -420,6 +424,113 @@ class ServerClient:
             if leases:
                 _release(conn, leases)
 
+    # ---- reads into caller memory --------------------------------------------------------------------
+    def read_into(self, keys: Sequence[bytes], sinks: Sequence[ReadSink], prefix: bool = False) -> list[bool] | None:
+        """Each entry copied straight from the mapped pool into its sink (caller-owned memory
+        of the sink's shape and dtype): one flag per key, True when the sink holds the entry's
+        committed bytes. False for a miss, an entry of another shape or dtype (counted in
+        ``read_mismatches``) or a key longer than :data:`MAX_KEY_BYTES`; that sink's bytes are
+        then not to be used. ``prefix``: stop at the first key not filled (nothing later is
+        copied). None: the server could not be asked; sinks may be partly written.
+
+        The reads of :meth:`get` with no buffer between the pool and the sink: one READ round
+        trip for the keys whose location this connection does not remember, then per key in
+        order one ``memmove`` per piece and the version check; a copy whose entry left the
+        index meanwhile is copied again under a lease (one GET round trip). Where lease-free
+        reads are not safe (:data:`OPTIMISTIC_READS`) every key is read under a lease."""
+        n = len(keys)
+        if len(sinks) != n:
+            raise ValueError(f"sinks has {len(sinks)} entries for {n} keys")
+        if not n:
+            return []
+        if (fit := self._fitting(keys)) is not None:
+            if prefix:  # the prefix ends at the first key that cannot be sent
+                m = next(i for i, j in enumerate([*fit, n]) if i != j)
+                head = self.read_into(keys[:m], sinks[:m], True) if m else []
+                return None if head is None else head + [False] * (n - m)
+            got = self.read_into([keys[i] for i in fit], [sinks[i] for i in fit], False)
+            return _spread(fit, got, n, False)
+        out: list[bool] = []
+        for i in range(0, n, MAX_BATCH):
+            got = self._locked(
+                "READ", self._read_into_locked, keys[i : i + MAX_BATCH], sinks[i : i + MAX_BATCH], prefix
+            )
+            if got is None:
+                return None if not out else out + [False] * (n - len(out))
+            out.extend(got)
+            if prefix and not all(got):
+                break
+        return out + [False] * (n - len(out))
+
+    def _read_into_locked(
+        self, conn: _Connection, deadline: float, keys: Sequence[bytes], sinks: Sequence[ReadSink], prefix: bool
+    ) -> list[bool]:
+        n = len(keys)
+        if not OPTIMISTIC_READS:
+            return [self._lease_into(conn, deadline, k, s) for k, s in zip(keys, sinks, strict=True)]
+        where = conn.where
+        known = [where.get(k) for k in keys] if where else [None] * n
+        if any(loc is not None for loc in known) and not _peer_open(conn):
+            raise ConnectionError("cache server closed the connection")  # see _read_locked
+        ask = [i for i, loc in enumerate(known) if loc is None]
+        hits = list(known)
+        if ask:
+            v = _exchange(conn, Op.READ, encode_keys([keys[i] for i in ask]), deadline, self._pending(conn))
+            assert conn.mapping is not None
+            for i, hit in zip(ask, _hits(v, len(ask), conn.mapping.pool_bytes, 2, "READ"), strict=True):
+                hits[i] = hit
+        mapping = conn.mapping
+        assert mapping is not None
+        base, versions = mapping.data.data_ptr(), mapping.versions
+        out = [False] * n
+        served: list[bytes] = []
+        for i, hit in enumerate(hits):
+            key, sink = keys[i], sinks[i]
+            if hit is not None:
+                version, off, meta = hit
+                if not sink.fits(meta.shape, meta.dtype):
+                    self.read_mismatches += 1
+                else:
+                    _copy_into(sink, base + off)
+                    if version_sum(versions, off, meta.nbytes) == version:
+                        out[i] = True
+                        if known[i] is not None:
+                            served.append(key)
+                        elif self.remember_locations:
+                            if len(where) >= LOCATIONS_MAX:
+                                del where[next(iter(where))]
+                            where[key] = hit
+                    else:  # the entry left the index during the copy: read it under a lease
+                        where.pop(key, None)
+                        self.rereads += 1
+                        out[i] = self._lease_into(conn, deadline, key, sink)
+            if prefix and not out[i]:
+                break
+        if served:
+            conn.touched.extend(served)
+            self.known_reads += len(served)
+            if not ask and len(conn.touched) >= TOUCH_BATCH:
+                _send_frames(conn, self._pending(conn), deadline)
+        return out
+
+    def _lease_into(self, conn: _Connection, deadline: float, key: bytes, sink: ReadSink) -> bool:
+        """``key`` copied into ``sink`` under a lease (one GET round trip; the lease is released
+        with one unanswered frame); False for a miss or another shape or dtype."""
+        assert conn.mapping is not None
+        v = _exchange(conn, Op.GET, encode_keys([key]), deadline, self._pending(conn))
+        (hit,) = _hits(v, 1, conn.mapping.pool_bytes, 1, "GET")
+        if hit is None:
+            return False
+        lease, off, meta = hit
+        try:
+            if not sink.fits(meta.shape, meta.dtype):
+                self.read_mismatches += 1
+                return False
+            _copy_into(sink, conn.mapping.data.data_ptr() + off)
+            return True
+        finally:
+            _release(conn, [lease])
+
     # ---- zero-copy reads -----------------------------------------------------------------------------
     @contextlib.contextmanager
     def get_view(self, key: bytes) -> Iterator[EntryView | None]:
@@ -652,6 +763,7 @@ class ServerClient:
             "stale_views": self.stale_views,
             "rereads": self.rereads,
             "known_reads": self.known_reads,
+            "read_mismatches": self.read_mismatches,
             "connected": self._conn is not None,
             "circuit": self.breaker.state,
         }
@@ -734,6 +846,13 @@ def _copy_checked(
             out[i] = None
             stale.append(i)
     return out, stale
+
+
+def _copy_into(sink: ReadSink, src: int) -> None:
+    """Copy a payload at address ``src`` of the mapped pool into ``sink``'s pieces, in order."""
+    for addr, n in sink.pieces:
+        ctypes.memmove(addr, src, n)
+        src += n
 
 
 def _splice(out: list[MemoryObj | None], at: Sequence[int], got: Sequence[MemoryObj | None]) -> None:

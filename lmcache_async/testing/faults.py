@@ -5,7 +5,7 @@
 that went away), ``"hang"`` makes every coroutine wait forever (a peer that stopped answering;
 the wait is cancellable, as the manager's timeout needs). ``close`` is always forwarded, so a
 test can end in any mode. A wrapped :class:`~lmcache_async.backend.DirectReader` (the disk
-tier) stays one: its blocking ``read_into`` is forwarded in ``"ok"`` mode and raises
+tier) stays one: its blocking ``read_into_many`` is forwarded in ``"ok"`` mode and raises
 ``ConnectionError`` otherwise (a caller-thread read cannot hang-and-be-cancelled; it fails).
 The wrapped backend is still the one under test: in ``"ok"`` mode the wrapper adds nothing but
 its name.
@@ -46,15 +46,15 @@ class FaultyTier(StorageBackend):
         self.mode: FaultMode = "ok"
         self.injected = 0
         if isinstance(inner, DirectReader):  # an instance attribute: the protocol check sees it
-            self.read_into = self._read_into
+            self.read_into_many = self._read_into_many
 
-    def _read_into(self, key: CacheEngineKey, sink: ReadSink) -> bool:
+    def _read_into_many(self, keys: Sequence[CacheEngineKey], sinks: Sequence[ReadSink], prefix: bool) -> list[bool]:
         if self.mode != "ok":
             self.injected += 1
             raise ConnectionError(f"{self.name}: injected failure")
         reader = self.inner
         assert isinstance(reader, DirectReader)
-        return reader.read_into(key, sink)
+        return reader.read_into_many(keys, sinks, prefix)
 
     async def _gate(self) -> None:
         mode = self.mode

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import random
 import threading
 import time
@@ -26,6 +27,26 @@ def test_allocation_is_a_typed_view_with_shape():
     obj.tensor.fill_(1.5)
     assert bytes(obj.byte_view()) == obj.tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
     obj.ref_count_down()
+    assert p.used_bytes == 0
+
+
+def test_a_pool_block_gets_its_view_on_first_use_and_keeps_it_until_released():
+    p = pool()
+    obj = p.allocate((4, 8), torch.float32)
+    assert obj is not None and p.view_cache_entries == 0  # an allocation makes no tensor
+    src = torch.arange(32, dtype=torch.float32)
+    ctypes.memmove(obj.data_ptr, src.data_ptr(), 128)  # bytes by address
+    view = obj.tensor
+    assert view is obj.tensor and torch.equal(view, src.view(4, 8))
+    with torch.inference_mode():  # a view made inside inference mode is still writable outside it
+        late = p.allocate((4, 8), torch.float32)
+        assert late is not None
+        inner = late.tensor
+    inner.add_(1)
+    obj.ref_count_down()
+    late.ref_count_down()
+    with pytest.raises(RuntimeError, match="released"):
+        _ = obj.tensor
     assert p.used_bytes == 0
 
 

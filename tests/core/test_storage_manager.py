@@ -273,6 +273,16 @@ def test_lower_tier_without_cpu_tier_has_read_your_writes(make_manager):
         assert torch.all(obj.tensor == 4.0)
 
 
+def test_a_tier_order_without_cpu_allocates_no_cpu_pool(make_manager):
+    sm = make_manager(tier_order=["testmem"])  # local_cpu is on by default
+    assert sm.pool is None and sm.tier_names == ["testmem"]
+    assert sm.allocate((8,), torch.float32) is None  # no CPU tier: no pool block to hand out
+    assert sm.put_sync(make_key(1), torch.full((8,), 2.0))
+    sm.flush_sync()
+    with sm.get_sync(make_key(1)) as obj:
+        assert torch.all(obj.tensor == 2.0)
+
+
 def test_batched_get_falls_through_per_key(make_manager):
     sm = make_manager(tier_order=["cpu", "testmem"], max_local_cpu_size=2 / 1024)
     keys = [make_key(i) for i in range(4)]

@@ -14,6 +14,7 @@ from lmcache_async.integration.vllm.kv_layout import (
     check_chunk_alignment,
     gather_blocks,
     gather_records,
+    gather_records_at,
     scatter_blocks,
 )
 from lmcache_async.read_sinks import ReadSink, coalesce
@@ -162,6 +163,22 @@ def test_gather_records_fills_separate_and_descending_records() -> None:
         for bids, out in zip(chunks, records, strict=True):
             for layer, t in enumerate(src.values()):
                 assert torch.equal(out[layer, 0], t[bids[0]]) and torch.equal(out[layer, 1], t[bids[1]])
+
+
+def test_gather_records_at_addresses_equals_gather_records() -> None:
+    src = cpu_caches()
+    caches = PagedCaches(src, BS, 2)
+    chunks = [[4, 5], [1, 0], [7, 2]]
+    want = [torch.full(caches.record_shape, float("nan")) for _ in chunks]
+    gather_records(caches, chunks, want)
+    got = [torch.full(caches.record_shape, float("nan")) for _ in chunks]
+    gather_records_at(caches, chunks, [t.data_ptr() for t in got])
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a, b)
+    spare = torch.full(caches.record_shape, float("nan"))
+    with pytest.raises(ValueError, match="outside"):
+        gather_records_at(caches, [[0, 1], [2, NB]], [spare.data_ptr(), spare.data_ptr()])
+    assert bool(spare.isnan().all())  # checked before any copy
 
 
 def test_gather_records_refuses_bad_arguments_before_any_copy() -> None:

@@ -12,6 +12,7 @@ import torch
 
 import lmcache_async.server.client as client_mod
 from lmcache_async.memory import MemoryFormat, PoolAllocator
+from lmcache_async.read_sinks import ReadSink
 from lmcache_async.server.client import ServerClient, _touch_frames
 from lmcache_async.server.protocol import FRAME, MAX_BATCH, Op, Reader
 from lmcache_async.server.shm import OPTIMISTIC_READS, REGION_BYTES, PoolMapping, SharedPool
@@ -237,3 +238,119 @@ def test_a_pool_whose_header_misplaces_the_version_table_is_refused() -> None:
             PoolMapping(os.dup(pool.fd), 9, pool.capacity, 4096)
     finally:
         pool.close()
+
+
+# ---- reads straight into caller memory (ServerClient.read_into) ----------------------------------
+def _sink(dst: torch.Tensor) -> ReadSink:
+    """A sink over the float32 tensor ``dst`` in two pieces (the pieces of a paged cache)."""
+    base, n = dst.data_ptr(), dst.numel() * 4
+    return ReadSink(tuple(dst.shape), torch.float32, ((base, 1000 * 4), (base + 1000 * 4, n - 1000 * 4)))
+
+
+def test_read_into_copies_entries_straight_into_caller_memory(shared_server, pool) -> None:  # type: ignore[no-untyped-def]
+    client = ServerClient(shared_server.socket, "into", timeout_s=5.0)
+    try:
+        assert _put(client, pool, 11) and _put(client, pool, 12)
+        dsts = [torch.zeros(SHAPE) for _ in range(3)]
+        assert client.read_into([_kb(11), _kb(12), _kb(13)], [_sink(d) for d in dsts]) == [True, True, False]
+        assert torch.equal(dsts[0], _expected(11)) and torch.equal(dsts[1], _expected(12))
+        assert not dsts[2].any()
+        again = torch.zeros(SHAPE)
+        assert client.read_into([_kb(12)], [_sink(again)]) == [True]  # a known location: no round trip
+        assert torch.equal(again, _expected(12)) and client.stats()["known_reads"] == 1
+        assert pool.used_bytes == 0
+    finally:
+        client.close()
+
+
+def test_read_into_with_prefix_copies_nothing_after_the_first_miss(shared_server, pool) -> None:  # type: ignore[no-untyped-def]
+    client = ServerClient(shared_server.socket, "into-prefix", timeout_s=5.0)
+    try:
+        assert _put(client, pool, 21) and _put(client, pool, 23)
+        dsts = [torch.zeros(SHAPE) for _ in range(3)]
+        got = client.read_into([_kb(21), _kb(22), _kb(23)], [_sink(d) for d in dsts], prefix=True)
+        assert got == [True, False, False]
+        assert torch.equal(dsts[0], _expected(21)) and not dsts[2].any()
+    finally:
+        client.close()
+
+
+def test_read_into_a_sink_of_another_shape_is_a_counted_miss(shared_server, pool) -> None:  # type: ignore[no-untyped-def]
+    client = ServerClient(shared_server.socket, "into-shape", timeout_s=5.0)
+    try:
+        assert _put(client, pool, 31)
+        wrong = torch.zeros(32, 128)
+        sink = ReadSink((32, 128), torch.float32, ((wrong.data_ptr(), wrong.numel() * 4),))
+        assert client.read_into([_kb(31)], [sink]) == [False]
+        assert not wrong.any() and client.stats()["read_mismatches"] == 1
+        right = torch.zeros(SHAPE)
+        assert client.read_into([_kb(31)], [_sink(right)]) == [True]  # the entry is kept
+        assert torch.equal(right, _expected(31))
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("then", ["removed", "replaced"])
+def test_read_into_raced_by_a_removal_reads_again_under_a_lease(shared_server, pool, monkeypatch, then: str) -> None:  # type: ignore[no-untyped-def]
+    ns = f"into-race-{then}"
+    reader = ServerClient(shared_server.socket, ns, timeout_s=5.0)
+    other = ServerClient(shared_server.socket, ns, timeout_s=5.0)
+    real_copy: Callable[..., None] = client_mod._copy_into
+    raced = []
+
+    def copy_during_a_removal(*args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        if not raced:
+            raced.append(True)
+            assert other.remove([_kb(41)]) == [True]
+            for j in range(42, 46):  # entries of the same size may take the freed block
+                assert _put(other, pool, j)
+            if then == "replaced":
+                assert _put(other, pool, 41, seed=410)
+        real_copy(*args, **kwargs)
+
+    try:
+        assert _put(other, pool, 41)
+        monkeypatch.setattr(client_mod, "_copy_into", copy_during_a_removal)
+        dst = torch.zeros(SHAPE)
+        got = reader.read_into([_kb(41)], [_sink(dst)])
+        assert raced and reader.stats()["rereads"] == 1
+        if then == "removed":
+            assert got == [False]
+        else:
+            assert got == [True] and torch.equal(dst, _expected(410))
+        assert _ns(shared_server, ns)["leases"] == 0 or _wait_no_leases(shared_server, ns)
+    finally:
+        reader.close()
+        other.close()
+
+
+def test_read_into_from_a_known_location_of_a_replaced_entry_reads_its_new_bytes(shared_server, pool) -> None:  # type: ignore[no-untyped-def]
+    reader = ServerClient(shared_server.socket, "into-replaced", timeout_s=5.0)
+    other = ServerClient(shared_server.socket, "into-replaced", timeout_s=5.0)
+    try:
+        assert _put(other, pool, 51, seed=510)
+        dst = torch.zeros(SHAPE)
+        assert reader.read_into([_kb(51)], [_sink(dst)]) == [True]
+        assert other.remove([_kb(51)]) == [True]
+        for j in range(52, 56):  # may take the freed block
+            assert _put(other, pool, j)
+        assert _put(other, pool, 51, seed=511)
+        assert reader.read_into([_kb(51)], [_sink(dst)]) == [True]
+        assert torch.equal(dst, _expected(511))
+    finally:
+        reader.close()
+        other.close()
+
+
+def test_read_into_a_server_that_went_away_answers_none(make_server, pool) -> None:  # type: ignore[no-untyped-def]
+    srv = make_server().start()
+    client = ServerClient(srv.socket, "into-gone", timeout_s=2.0)
+    try:
+        assert _put(client, pool, 61)
+        srv.kill()
+        t0 = time.monotonic()
+        assert client.read_into([_kb(61)], [_sink(torch.zeros(SHAPE))]) is None
+        assert time.monotonic() - t0 < 2.5
+        assert client.stats()["errors"] >= 1
+    finally:
+        client.close()

@@ -47,6 +47,7 @@ __all__ = [
     "check_chunk_alignment",
     "gather_blocks",
     "gather_records",
+    "gather_records_at",
     "scatter_blocks",
 ]
 
@@ -265,9 +266,8 @@ def _is_host_record(caches: PagedCaches, out: torch.Tensor) -> bool:
     )
 
 
-def _copy_runs(out: torch.Tensor, runs: Sequence[tuple[int, int, int]]) -> None:
-    """Copy the :meth:`PagedCaches.block_copies` runs into the host record ``out``."""
-    base = out.data_ptr()
+def _copy_runs(base: int, runs: Sequence[tuple[int, int, int]]) -> None:
+    """Copy the :meth:`PagedCaches.block_copies` runs into the host record at address ``base``."""
     for addr, off, nbytes in runs:
         _memmove(base + off, addr, nbytes)
 
@@ -293,7 +293,7 @@ def gather_blocks(
     if out.dim() != len(caches.record_shape) or out.shape[0] != caches.num_layers:
         raise ValueError(f"out has shape {tuple(out.shape)}; expected a record {caches.record_shape}")
     if caches.host_blocks and _is_host_record(caches, out):
-        _copy_runs(out, caches.block_copies(idx.tolist()))
+        _copy_runs(out.data_ptr(), caches.block_copies(idx.tolist()))
         return
     if caches.device.type == "cpu":
         whole = n == out.shape[axis + 1]
@@ -308,6 +308,23 @@ def gather_blocks(
             out[layer].narrow(axis, 0, n).copy_(staged, non_blocking=True)
 
 
+def _chunk_copies(
+    caches: PagedCaches, chunk_blocks: Sequence[Sequence[int]], n_records: int
+) -> list[list[tuple[int, int, int]]]:
+    """:meth:`PagedCaches.block_copies` of every whole chunk, each argument checked before any
+    byte moves (``ValueError``: not host caches, a count or chunk length that differs, a block
+    id outside the caches)."""
+    if not caches.host_blocks:
+        raise ValueError("gathering records needs host caches in vLLM's CPU layout")
+    if len(chunk_blocks) != n_records:
+        raise ValueError(f"{len(chunk_blocks)} chunks for {n_records} records")
+    bpc = caches.blocks_per_chunk
+    for i, bids in enumerate(chunk_blocks):
+        if len(bids) != bpc:
+            raise ValueError(f"chunk_blocks[{i}] has {len(bids)} blocks; a chunk has {bpc}")
+    return [caches.block_copies(bids) for bids in chunk_blocks]
+
+
 def gather_records(caches: PagedCaches, chunk_blocks: Sequence[Sequence[int]], outs: Sequence[torch.Tensor]) -> None:
     """Gather whole chunks into their records: ``outs[i]`` (a host record of
     :attr:`PagedCaches.record_shape`, owned by the caller) gets the blocks ``chunk_blocks[i]``
@@ -319,20 +336,22 @@ def gather_records(caches: PagedCaches, chunk_blocks: Sequence[Sequence[int]], o
     is then filled with one ``memmove`` per run of consecutive blocks per layer (no torch call,
     no OpenMP team; faster here than one ``index_select`` per layer over all records into
     strided views of a pool's consecutive blocks); any other record like :func:`gather_blocks`."""
-    if not caches.host_blocks:
-        raise ValueError("gather_records needs host caches in vLLM's CPU layout")
-    if len(chunk_blocks) != len(outs):
-        raise ValueError(f"{len(chunk_blocks)} chunks for {len(outs)} records")
-    bpc = caches.blocks_per_chunk
-    for i, bids in enumerate(chunk_blocks):
-        if len(bids) != bpc:
-            raise ValueError(f"chunk_blocks[{i}] has {len(bids)} blocks; a chunk has {bpc}")
-    copies = [caches.block_copies(bids) for bids in chunk_blocks]  # checks every id first
+    copies = _chunk_copies(caches, chunk_blocks, len(outs))
     for bids, runs, out in zip(chunk_blocks, copies, outs, strict=True):
         if _is_host_record(caches, out):
-            _copy_runs(out, runs)
+            _copy_runs(out.data_ptr(), runs)
         else:
             gather_blocks(caches, bids, out)
+
+
+def gather_records_at(caches: PagedCaches, chunk_blocks: Sequence[Sequence[int]], addresses: Sequence[int]) -> None:
+    """:func:`gather_records` into records given by address: ``addresses[i]`` is the first
+    byte of :attr:`PagedCaches.record_bytes` of contiguous, writable host memory the caller owns
+    (a pool block of the record's shape and dtype), filled in the record's layout. No torch
+    call: the pool's blocks need no tensor view. Same checks, on the calling thread."""
+    copies = _chunk_copies(caches, chunk_blocks, len(addresses))
+    for runs, base in zip(copies, addresses, strict=True):
+        _copy_runs(base, runs)
 
 
 def scatter_blocks(

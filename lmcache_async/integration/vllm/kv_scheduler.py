@@ -12,10 +12,12 @@ nothing of vLLM. Runs on vLLM's scheduler thread (one thread; no locking).
 * **Save plan** (:meth:`build_meta`): every prompt chunk whose tokens are all computed by the
   end of this step and that was neither loaded nor saved before becomes a save run.
 
-A hit the CPU tier of this process holds is loaded synchronously (``start_load_kv``, before
-the forward: a memory copy). A hit that needs a lower tier (disk, remote, NIXL; always so for a
-scheduler without a worker in its process) is loaded asynchronously: vLLM parks the request
-until the worker reports the load finished, so no step waits on that I/O.
+A hit held in memory the worker reads on its own thread — the CPU tier of this process, or the
+node cache server's shared pool (:meth:`StorageManager.memory_prefix_len
+<lmcache_async.storage_manager.StorageManager.memory_prefix_len>`) — is loaded synchronously
+(``start_load_kv``, before the forward: memory copies). A hit that needs a device or the network
+(disk, remote, NIXL) is loaded asynchronously: vLLM parks the request until the worker reports
+the load finished, so no step waits on that I/O.
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ class KVSchedulerSide:
                 return 0, False
             needed = -(-hit // self.chunk_size)
             first = num_computed_tokens // self.chunk_size
-            is_async = first + sm.local_prefix_len(keys[first:needed]) < needed
+            is_async = first + sm.memory_prefix_len(keys[first:needed]) < needed
         except Exception as exc:  # a tier down or slow is a miss; never raise into the step
             self.counters["lookup_errors"] += 1
             self._log.warning("KV connector: lookup failed (treated as a miss): %s", exc, key="lookup")

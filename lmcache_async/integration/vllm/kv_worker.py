@@ -43,7 +43,13 @@ import torch
 
 from lmcache_async.engines.hidden_states import HiddenStateStore, hs_entry_key
 from lmcache_async.integration.vllm.kv_hs_group import HiddenStateGroup, load_hs_run, save_hs_run
-from lmcache_async.integration.vllm.kv_layout import PagedCaches, gather_blocks, gather_records, scatter_blocks
+from lmcache_async.integration.vllm.kv_layout import (
+    PagedCaches,
+    gather_blocks,
+    gather_records,
+    gather_records_at,
+    scatter_blocks,
+)
 from lmcache_async.integration.vllm.kv_metadata import BlockRun, HSRun, KVStepMetadata
 from lmcache_async.memory import MemoryFormat, MemoryObj
 from lmcache_async.ratelog import RateLimitedLog
@@ -363,8 +369,7 @@ class KVWorkerSide:
         whole = [(h, bids) for h, bids in whole if len(bids) == self.blocks_per_chunk]  # records: whole chunks
         if not whole:
             return
-        chunk_ids: list[list[int]] = []  # the blocks of each record in ``outs``
-        outs: list[torch.Tensor] = []
+        chunk_ids: list[list[int]] = []  # the blocks of each record in ``values``
         try:
             for chunk_hash, bids in whole:
                 key = self.db.make_key(chunk_hash)
@@ -377,16 +382,14 @@ class KVWorkerSide:
                         self._add(save_rejected=1)
                         break
                     objs.append(obj)
-                    outs.append(obj.tensor)
                     values.append(obj)
                 else:  # no pool to gather into: a fresh host tensor the put copies from
-                    outs.append(torch.empty(caches.record_shape, dtype=caches.dtype))
-                    values.append(outs[-1])
+                    values.append(torch.empty(caches.record_shape, dtype=caches.dtype))
                 chunk_ids.append(bids)
                 keys.append(key)
             if not keys:
                 return
-            self._gather(caches, chunk_ids, outs)
+            self._gather(caches, chunk_ids, values)
             stored = sm.batched_put_sync(keys, values)
         finally:
             for obj in objs:
@@ -394,13 +397,20 @@ class KVWorkerSide:
         ok = sum(1 for r in stored if r)
         self._add(saved_chunks=ok, saved_bytes=ok * caches.record_bytes, save_rejected=len(stored) - ok)
 
-    def _gather(self, caches: PagedCaches, chunk_ids: list[list[int]], outs: list[torch.Tensor]) -> None:
+    def _gather(self, caches: PagedCaches, chunk_ids: list[list[int]], records: list[MemoryObj | torch.Tensor]) -> None:
         """Copy each chunk's blocks into its record (model-runner thread); complete on return.
-        Host caches: all records in one :func:`gather_records`; CUDA: the ids go to the device
-        once, each record is gathered on the side stream, then that stream is synchronised."""
+        Host caches: all records at once, pool blocks by address (:func:`gather_records_at`:
+        no tensor view, no torch call) and tensors with :func:`gather_records`; CUDA: the ids go
+        to the device once, each record is gathered on the side stream, then that stream is
+        synchronised."""
         if caches.host_blocks:
-            gather_records(caches, chunk_ids, outs)
+            blocks = [r for r in records if isinstance(r, MemoryObj) and r.nbytes == caches.record_bytes]
+            if len(blocks) == len(records):  # pool blocks of the record's shape: contiguous host memory
+                gather_records_at(caches, chunk_ids, [b.data_ptr for b in blocks])
+            else:
+                gather_records(caches, chunk_ids, [r.tensor if isinstance(r, MemoryObj) else r for r in records])
             return
+        outs = [r.tensor if isinstance(r, MemoryObj) else r for r in records]
         index = caches.check_block_ids([b for ids in chunk_ids for b in ids])
         bpc = self.blocks_per_chunk
         for i, out in enumerate(outs):
