@@ -72,6 +72,10 @@ class CPUBackend(StorageBackend):
             obj.ref_count_up()
             return obj
 
+    def lookup_many(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
+        """:meth:`lookup` of each key (the caller owns one reference of each entry returned)."""
+        return [self.lookup(k) for k in keys]
+
     def contains_nowait(self, key: CacheEngineKey) -> bool:
         """Presence without touching the entry (lock-free, one dict lookup)."""
         return key in self._keys

@@ -19,9 +19,9 @@ caller memory (:meth:`ServerTier.read_into_many`, the
 the pool into the caller's pieces, one round trip per batch. A write from the manager's put path
 (:meth:`ServerTier.put_direct`, the :class:`~lmcache_async.put_path.DirectPutTier` call, used
 when there is no CPU tier) copies the caller's tensor straight into the block the server
-granted: one copy, on the caller's thread, readable by every client when it returns. Holds (:meth:`ServerTier.hold`) pin entries
-for readers in other processes (the encoder-cache connector backs its promises to workers with
-them).
+granted: one copy, on the caller's thread, readable by every client when it returns. Holds
+(:meth:`ServerTier.hold`) pin entries for readers in other processes (the encoder-cache
+connector backs its promises to workers with them).
 
 Trouble (server down, restarted, slow, malformed answer) is a miss/False, counted in
 ``stats()``; the client's circuit breaker skips the server while it is down and the first call

@@ -251,6 +251,11 @@ class LocalTier(Protocol):
         tier could not tell). The buffer stays valid while the reference is held."""
         ...
 
+    def lookup_many(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
+        """:meth:`lookup` of each key, one answer per key (a tier behind a socket answers the
+        batch in one round trip); the caller owns one reference of each entry returned."""
+        ...
+
     def contains_nowait(self, key: CacheEngineKey) -> bool | None:
         """Presence without touching the entry; None: cannot tell on this thread."""
         ...

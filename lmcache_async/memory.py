@@ -217,6 +217,9 @@ class MemoryObj:
             if self._refs <= 0:
                 raise RuntimeError("MemoryObj was released; its tensor is no longer valid")
             t = self._tensor = self._alloc._view(self.offset, self.shape, self.dtype)
+            if self._refs <= 0:  # released meanwhile by a holder (the caller held no reference)
+                self._tensor = None
+                raise RuntimeError("MemoryObj was released; its tensor is no longer valid")
         return t
 
     @property

@@ -140,7 +140,7 @@ class PutPath:
             if direct is not None:
                 flags = direct.put_direct([(key, value)], fmt)
                 stored = None if flags is None else flags[0]
-                return self._after_direct(direct, stored, key, _tensor_of(value), shape, dtype, fmt)
+                return self._after_direct(direct, stored, key, value, shape, dtype, fmt)
             return self._stage_write(key, _tensor_of(value), shape, dtype, fmt)
         # Only what this manager holds itself makes a put the content-addressed no-op. A lower
         # tier's "present" is unverified (an index entry, a file's size) and may stand for a
@@ -205,7 +205,7 @@ class PutPath:
         for j, i in enumerate(todo):
             shape, dtype, vfmt = _layout(values[i], fmt)
             stored = None if got is None else got[j]
-            out[i] = self._after_direct(direct, stored, keys[i], _tensor_of(values[i]), shape, dtype, vfmt)
+            out[i] = self._after_direct(direct, stored, keys[i], values[i], shape, dtype, vfmt)
         return out
 
     def _after_direct(
@@ -213,7 +213,7 @@ class PutPath:
         direct: DirectPutTier,
         stored: bool | None,
         key: CacheEngineKey,
-        tensor: torch.Tensor,
+        value: torch.Tensor | MemoryObj,
         shape: tuple[int, ...],
         dtype: torch.dtype,
         fmt: MemoryFormat,
@@ -227,7 +227,7 @@ class PutPath:
         rest = self._after_direct_targets
         nbytes = payload_nbytes(shape, dtype)
         if stored:
-            if rest and not self._carry(key, tensor, shape, dtype, fmt, nbytes, rest):
+            if rest and not self._carry(key, _tensor_of(value), shape, dtype, fmt, nbytes, rest):
                 self._refuse_log.warning(
                     "StorageManager %r: an entry of %d bytes (%s) is in tier %s only: no staging room "
                     "to carry it to the tiers after it",
@@ -238,7 +238,7 @@ class PutPath:
                 )
             return True
         if rest:
-            return self._stage_write(key, tensor, shape, dtype, fmt, rest)
+            return self._stage_write(key, _tensor_of(value), shape, dtype, fmt, rest)
         self.put_rejected += 1
         self._refuse_log.warning(
             "StorageManager %r: refused an entry of %d bytes (%s): tier %s %s",

@@ -5,10 +5,10 @@ On the calling thread, in three steps:
 1. the **front** — the CPU tier, the queued write-through and the other
    :class:`~lmcache_async.backend.LocalTier` s that are no direct readers — key by key: a hit is
    copied into the sink (one ``memmove`` per piece) and its reference released;
-2. the **direct readers** (:class:`~lmcache_async.backend.DirectReader`: the disk tier, which
-   reads the record file straight into the sink and checks it there, and the node cache
-   server's client, which copies out of the node's shared pool), in search order, each asked
-   once for the batch of keys still missing (the server answers a batch in one round trip);
+2. the **direct readers** (:class:`~lmcache_async.backend.DirectReader`: the node cache
+   server's client, which copies out of the node's shared pool, then the disk tier, which reads
+   the record file straight into the sink and checks it there), each asked once for the batch
+   of keys still missing (the server answers a batch in one round trip);
 3. the keys still missing, when other lower tiers exist (remote, NIXL, third-party): one hop
    for all of them (those tiers read into pool blocks as for ``batched_get``; hits are promoted
    into the CPU tier), then copied on the calling thread.
@@ -115,7 +115,11 @@ class ReadInto:
         return None if obj is None else self._fill(sink, obj, key)
 
     def _direct(self) -> list[TierGuard]:
-        return [g for g in self._guards if g.direct is not None]
+        """The direct readers: those that read memory (local tiers: the node server's pool)
+        first, then those that read a device (the disk tier), each group in search order; every
+        copy is verified, so the order decides only how fast a key held twice is read."""
+        direct = [g for g in self._guards if g.direct is not None]
+        return [g for g in direct if g.answers_locally] + [g for g in direct if not g.answers_locally]
 
     def _loop_side(self) -> bool:
         """Whether lower tiers that only the loop reads exist (step 3 has someone to ask)."""

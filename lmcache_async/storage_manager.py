@@ -30,7 +30,7 @@ from typing import Any, Literal, TypeVar
 import torch
 
 from lmcache_async import at_exit
-from lmcache_async.backend import BackendContext, LocalTier, PoolTier, Presence, StorageBackend
+from lmcache_async.backend import BackendContext, DirectReader, LocalTier, PoolTier, Presence, StorageBackend
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.errors import LoopThreadCallError, ManagerClosedError
 from lmcache_async.keys import CacheEngineKey
@@ -197,7 +197,7 @@ class StorageManager(Lifecycle):
         self._memory_readers: list[LocalTier] = [
             g.local for g in self._lower if g.local is not None and g.direct is not None
         ]
-        self._front_only = [t for t in self._local if not any(t is r for r in self._memory_readers)]
+        self._front_only = [t for t in self._local if not isinstance(t, DirectReader)]
         self._read_into = ReadInto(self._read_front, self._lower, self._lower_get_indirect_sync)
         self._closed = False
         at_exit.close_at_exit(self)
@@ -437,23 +437,34 @@ class StorageManager(Lifecycle):
         for k in keys:  # check every key before taking any reference
             if type(k) is not CacheEngineKey:
                 self._check_key(k)
-        out: list[MemoryObj | None] = []
+        self._check_usable()
+        out: list[MemoryObj | None] = [None] * len(keys)
         missing: list[int] = []
         for i, k in enumerate(keys):
-            r = self._get_front(k)
-            if r is NO_ANSWER:
-                out.append(None)
+            obj = self._front_entry(k, ())
+            if obj is None:
                 missing.append(i)
             else:
-                out.append(r)
-        if missing:
-            try:
-                got = await self._hop(self._tiers.batched_get([keys[i] for i in missing]), release_objs)
-            except BaseException:
-                release_objs(out)
-                raise
-            for i, obj in zip(missing, got, strict=True):
                 out[i] = obj
+        try:
+            for tier in self._local:  # one batch per tier answering on this thread (one round trip)
+                if not missing:
+                    break
+                here = tier.lookup_many([keys[i] for i in missing])
+                still = []
+                for i, obj in zip(missing, here, strict=True):
+                    if obj is None:
+                        still.append(i)
+                    else:
+                        out[i] = obj
+                missing = still
+            if missing and self._loop_readers:
+                got = await self._hop(self._tiers.batched_get([keys[i] for i in missing]), release_objs)
+                for i, obj in zip(missing, got, strict=True):
+                    out[i] = obj
+        except BaseException:
+            release_objs(out)
+            raise
         return out
 
     def _get_hit(self, key: CacheEngineKey) -> MemoryObj | Literal[NotHere.NOT_HERE] | None:
@@ -480,11 +491,13 @@ class StorageManager(Lifecycle):
 
         Blocking, on the calling thread (not the manager's loop thread:
         :class:`LoopThreadCallError`): a CPU-tier hit is copied with one ``memmove`` per piece,
-        the disk tier reads the file straight into the pieces, other lower tiers are read
-        through one bounded hop and copied here. Every write into the sinks is done when this
-        returns, so there is no coroutine form (see :mod:`lmcache_async.read_into`). Lower-tier
-        hits are not promoted by a direct read; hits of the loop-side tiers are, as for
-        :meth:`get`. ``ValueError``/``TypeError`` name ``keys``/``sinks`` for caller mistakes."""
+        the node server's tier copies out of its shared pool straight into the pieces (one round
+        trip per batch, bounded by ``remote_timeout_s``), the disk tier reads the file straight
+        into the pieces, other lower tiers are read through one bounded hop and copied here.
+        Every write into the sinks is done when this returns, so there is no coroutine form (see
+        :mod:`lmcache_async.read_into`). Lower-tier hits are not promoted by a direct read; hits
+        of the loop-side tiers are, as for :meth:`get`. ``ValueError``/``TypeError`` name
+        ``keys``/``sinks`` for caller mistakes."""
         self._check_usable()
         if self._lt.in_loop_thread():
             raise LoopThreadCallError("read_into_sync was called on the manager's loop thread")

@@ -437,7 +437,8 @@ class ServerClient:
         trip for the keys whose location this connection does not remember, then per key in
         order one ``memmove`` per piece and the version check; a copy whose entry left the
         index meanwhile is copied again under a lease (one GET round trip). Where lease-free
-        reads are not safe (:data:`OPTIMISTIC_READS`) every key is read under a lease."""
+        reads are not safe (:data:`OPTIMISTIC_READS`) the batch is read under leases (one GET
+        round trip, the leases released after the copies)."""
         n = len(keys)
         if len(sinks) != n:
             raise ValueError(f"sinks has {len(sinks)} entries for {n} keys")
@@ -467,7 +468,7 @@ class ServerClient:
     ) -> list[bool]:
         n = len(keys)
         if not OPTIMISTIC_READS:
-            return [self._lease_into(conn, deadline, k, s) for k, s in zip(keys, sinks, strict=True)]
+            return self._leased_into(conn, deadline, keys, sinks, prefix)
         where = conn.where
         known = [where.get(k) for k in keys] if where else [None] * n
         if any(loc is not None for loc in known) and not _peer_open(conn):
@@ -488,7 +489,11 @@ class ServerClient:
             key, sink = keys[i], sinks[i]
             if hit is not None:
                 version, off, meta = hit
-                if not sink.fits(meta.shape, meta.dtype):
+                if known[i] is not None and not sink.fits(meta.shape, meta.dtype):
+                    # a remembered location may be stale: what lies there now decides
+                    where.pop(key, None)
+                    out[i] = self._leased_into(conn, deadline, [key], [sink], prefix)[0]
+                elif not sink.fits(meta.shape, meta.dtype):
                     self.read_mismatches += 1
                 else:
                     _copy_into(sink, base + off)
@@ -503,33 +508,43 @@ class ServerClient:
                     else:  # the entry left the index during the copy: read it under a lease
                         where.pop(key, None)
                         self.rereads += 1
-                        out[i] = self._lease_into(conn, deadline, key, sink)
+                        out[i] = self._leased_into(conn, deadline, [key], [sink], prefix)[0]
             if prefix and not out[i]:
                 break
         if served:
             conn.touched.extend(served)
             self.known_reads += len(served)
-            if not ask and len(conn.touched) >= TOUCH_BATCH:
+            if len(conn.touched) >= TOUCH_BATCH:
                 _send_frames(conn, self._pending(conn), deadline)
         return out
 
-    def _lease_into(self, conn: _Connection, deadline: float, key: bytes, sink: ReadSink) -> bool:
-        """``key`` copied into ``sink`` under a lease (one GET round trip; the lease is released
-        with one unanswered frame); False for a miss or another shape or dtype."""
+    def _leased_into(
+        self, conn: _Connection, deadline: float, keys: Sequence[bytes], sinks: Sequence[ReadSink], prefix: bool
+    ) -> list[bool]:
+        """``keys`` copied into their sinks under leases: one GET round trip for the batch, the
+        copies in order (with ``prefix``, none after the first miss or entry of another shape or
+        dtype), then every lease released with one unanswered frame."""
         assert conn.mapping is not None
-        v = _exchange(conn, Op.GET, encode_keys([key]), deadline, self._pending(conn))
-        (hit,) = _hits(v, 1, conn.mapping.pool_bytes, 1, "GET")
-        if hit is None:
-            return False
-        lease, off, meta = hit
+        v = _exchange(conn, Op.GET, encode_keys(keys), deadline, self._pending(conn))
+        hits = _hits(v, len(keys), conn.mapping.pool_bytes, 1, "GET")
+        base = conn.mapping.data.data_ptr()
+        out = [False] * len(keys)
         try:
-            if not sink.fits(meta.shape, meta.dtype):
-                self.read_mismatches += 1
-                return False
-            _copy_into(sink, conn.mapping.data.data_ptr() + off)
-            return True
+            for i, hit in enumerate(hits):
+                if hit is not None:
+                    _lease, off, meta = hit
+                    if sinks[i].fits(meta.shape, meta.dtype):
+                        _copy_into(sinks[i], base + off)
+                        out[i] = True
+                    else:
+                        self.read_mismatches += 1
+                if prefix and not out[i]:
+                    break
         finally:
-            _release(conn, [lease])
+            leases = [h[0] for h in hits if h is not None]
+            if leases:
+                _release(conn, leases)
+        return out
 
     # ---- zero-copy reads -----------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -35,6 +35,7 @@ class HeapTier(StorageBackend):
         self._lock = threading.Lock()
         self.caller_threads: set[int] = set()
         self.touched: list[CacheEngineKey] = []
+        self.batches: list[int] = []
 
     # caller-thread surface (LocalTier)
     def lookup(self, key: CacheEngineKey) -> MemoryObj | None:
@@ -44,6 +45,10 @@ class HeapTier(StorageBackend):
             if obj is not None:
                 obj.ref_count_up()
             return obj
+
+    def lookup_many(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
+        self.batches.append(len(keys))
+        return [self.lookup(k) for k in keys]
 
     def contains_nowait(self, key: CacheEngineKey) -> bool:
         return key in self._entries
@@ -163,6 +168,25 @@ def test_lookup_local_reads_the_cpu_tier_then_each_local_tier(make_manager) -> N
     assert sm.lookup_local(make_key(6)) is None
     sm.close_sync()
     assert sm.lookup_local(in_cpu) is None
+
+
+def test_a_batched_get_asks_a_local_tier_once_for_every_key_the_cpu_tier_misses(make_manager) -> None:
+    sm, tier = _local_manager(make_manager)
+    heap = HeapAllocator("seed")
+    for i in (1, 2, 3):  # in the local tier only
+        obj = heap.allocate((4,), torch.float32)
+        obj.tensor.fill_(float(i))
+        sm.loop_thread.submit(tier.put(make_key(i), obj)).result(10)
+        obj.ref_count_down()
+    assert sm.put_sync(make_key(0), torch.zeros(4))  # in the CPU tier
+    sm.flush_sync()
+    tier.batches.clear()
+    got = sm.batched_get_sync([make_key(i) for i in range(5)])
+    assert [None if o is None else float(o.tensor[0]) for o in got] == [0.0, 1.0, 2.0, 3.0, None]
+    assert tier.batches == [4]  # one call for keys 1-4, none per key
+    for o in got:
+        if o is not None:
+            o.ref_count_down()
 
 
 def test_prefix_and_touch_reach_local_tiers(make_manager) -> None:

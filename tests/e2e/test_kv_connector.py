@@ -147,6 +147,7 @@ def test_a_new_process_restores_the_prefix_from_disk_with_the_same_tokens(runs: 
     assert first["num_cached_tokens"] == expected_hit()
     assert first["by_source"].get("external_kv_transfer") == expected_hit()
     assert first["tokens"] == ref[0]
+    assert runs["load_disk"]["connector"]["async_load_runs"] >= 1  # a disk hit: read on the load thread
 
 
 def test_a_new_process_restores_the_prefix_from_redis_with_the_same_tokens(runs: dict[str, Any]) -> None:

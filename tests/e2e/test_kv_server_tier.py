@@ -8,7 +8,8 @@ processes) uses ``tier_order: [server]`` with no disk tier:
 2. ``store``: the worker process saves every chunk to the server;
 3. ``load``: a new engine: its scheduler process, which has no worker store of its own, sees on
    the server what the first engine's worker process saved; vLLM reports the external hit, the
-   worker process loads it, the tokens equal the baseline's. Then the server is killed: the next
+   worker process loads it synchronously (memory copies out of the shared pool), the tokens equal
+   the baseline's. Then the server is killed: the next
    prompt is a miss within the timeout and is computed, same tokens, engine alive.
 """
 
@@ -89,6 +90,8 @@ def test_a_scheduler_process_sees_what_a_worker_process_saved(server_runs: dict[
     assert first["by_source"].get("external_kv_transfer") == expected_hit()
     assert first["tokens"] == ref[0]
     assert server_runs["load"]["connector"]["loaded_blocks"] == expected_hit() // 128
+    # in the node's shared pool: loaded synchronously in start_load_kv, like a CPU-tier hit
+    assert server_runs["load"]["connector"]["async_load_runs"] == 0
 
 
 def test_a_killed_server_only_costs_recompute(server_runs: dict[str, Any]) -> None:

@@ -181,6 +181,37 @@ def test_gather_records_at_addresses_equals_gather_records() -> None:
     assert bool(spare.isnan().all())  # checked before any copy
 
 
+@pytest.mark.parametrize("bpc", [1, 2])
+@pytest.mark.parametrize("layout", ["consecutive", "gaps", "mixed", "outside"])
+def test_gather_records_at_in_an_arena_equals_a_memmove_per_block(bpc: int, layout: str) -> None:
+    """Runs of records at one distance in the arena go through ``index_select``; the rest
+    through ``memmove``: the same bytes either way, and nothing between the records is written."""
+    src = cpu_caches()
+    caches = PagedCaches(src, BS, bpc)
+    n = 5
+    chunks = [[(3 * i + j) % NB for j in range(bpc)] for i in range(n)]
+    size = caches.record_bytes
+    arena = torch.full((n * 3 * size // 4,), float("nan"))  # float32: 4 bytes per element
+    base = arena.data_ptr()
+    elsewhere = torch.full((size // 4,), float("nan"))
+    offsets = {
+        "consecutive": [i * size for i in range(n)],
+        "gaps": [i * (size + 64) for i in range(n)],
+        "mixed": [0, size, 2 * size, 5 * size, 7 * size + 128],
+        "outside": [0, size, None, 4 * size, 5 * size],
+    }[layout]
+    addresses = [elsewhere.data_ptr() if off is None else base + off for off in offsets]
+    gather_records_at(caches, chunks, addresses, arena.view(torch.uint8))
+    want = [torch.empty(caches.record_shape) for _ in chunks]
+    gather_records(caches, chunks, want)
+    flat = arena.view(torch.uint8)
+    for off, w in zip(offsets, want, strict=True):
+        got = elsewhere if off is None else flat[off : off + size].view(torch.float32)
+        assert torch.equal(got, w.reshape(-1))
+    written = sum(size for off in offsets if off is not None) // 4
+    assert int(arena.isnan().logical_not().sum()) == written  # nothing outside the records
+
+
 def test_gather_records_refuses_bad_arguments_before_any_copy() -> None:
     caches = PagedCaches(cpu_caches(), BS, 2)
     _, outs = _records_at_one_distance(caches, 2, 0)

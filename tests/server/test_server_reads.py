@@ -354,3 +354,30 @@ def test_read_into_a_server_that_went_away_answers_none(make_server, pool) -> No
         assert client.stats()["errors"] >= 1
     finally:
         client.close()
+
+
+def test_read_into_under_leases_reads_a_batch_in_one_round_trip_and_keeps_the_prefix(
+    shared_server, pool, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """Where lease-free reads are not safe (not x86-64), the batch is read under leases."""
+    monkeypatch.setattr(client_mod, "OPTIMISTIC_READS", False)
+    client = ServerClient(shared_server.socket, "into-leased", timeout_s=5.0)
+    exchanges = []
+    real_exchange = client_mod._exchange
+
+    def counting_exchange(*args, **kwargs):  # type: ignore[no-untyped-def]
+        exchanges.append(args[1])
+        return real_exchange(*args, **kwargs)
+
+    try:
+        assert _put(client, pool, 71) and _put(client, pool, 73)
+        monkeypatch.setattr(client_mod, "_exchange", counting_exchange)
+        dsts = [torch.zeros(SHAPE) for _ in range(3)]
+        got = client.read_into([_kb(71), _kb(72), _kb(73)], [_sink(d) for d in dsts], prefix=True)
+        assert got == [True, False, False] and exchanges == [Op.GET]
+        assert torch.equal(dsts[0], _expected(71)) and not dsts[2].any()
+        assert client.read_into([_kb(71), _kb(72), _kb(73)], [_sink(d) for d in dsts]) == [True, False, True]
+        assert torch.equal(dsts[2], _expected(73))
+        assert _ns(shared_server, "into-leased")["leases"] == 0 or _wait_no_leases(shared_server, "into-leased")
+    finally:
+        client.close()

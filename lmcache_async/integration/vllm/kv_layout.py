@@ -344,14 +344,85 @@ def gather_records(caches: PagedCaches, chunk_blocks: Sequence[Sequence[int]], o
             gather_blocks(caches, bids, out)
 
 
-def gather_records_at(caches: PagedCaches, chunk_blocks: Sequence[Sequence[int]], addresses: Sequence[int]) -> None:
+def gather_records_at(
+    caches: PagedCaches,
+    chunk_blocks: Sequence[Sequence[int]],
+    addresses: Sequence[int],
+    arena: torch.Tensor | None = None,
+) -> None:
     """:func:`gather_records` into records given by address: ``addresses[i]`` is the first
     byte of :attr:`PagedCaches.record_bytes` of contiguous, writable host memory the caller owns
-    (a pool block of the record's shape and dtype), filled in the record's layout. No torch
-    call: the pool's blocks need no tensor view. Same checks, on the calling thread."""
+    (a pool block of the record's shape and dtype), filled in the record's layout. Same checks,
+    on the calling thread; no tensor view of a record is needed.
+
+    ``arena``: a contiguous host tensor holding the records (the pool's buffer). Records that lie
+    in it one after another at one distance (a pool's consecutive blocks) are then gathered with
+    one ``index_select`` per layer and block position into a strided view of them: torch's copy
+    on its intra-op threads, which in a vLLM worker right after the forward (its OpenMP team
+    warm) beats one ``memmove`` per block (3.6 against 4.4 ms for 23 records of 2 MiB on this
+    2-core machine). Every other record gets one ``memmove`` per run of consecutive blocks."""
     copies = _chunk_copies(caches, chunk_blocks, len(addresses))
-    for runs, base in zip(copies, addresses, strict=True):
-        _copy_runs(base, runs)
+    done = [False] * len(addresses)
+    if arena is not None:
+        for first, count, step in _even_runs(caches, addresses, arena):
+            run = range(first, first + count)
+            _select_run(caches, [chunk_blocks[i] for i in run], arena, addresses[first], step)
+            for i in run:
+                done[i] = True
+    for i, (runs, base) in enumerate(zip(copies, addresses, strict=True)):
+        if not done[i]:
+            _copy_runs(base, runs)
+
+
+def _even_runs(caches: PagedCaches, addresses: Sequence[int], arena: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``(first index, count, distance in bytes)`` of each run of two or more records that lie
+    inside ``arena``, in address order at one distance of at least a record."""
+    if arena.device.type != "cpu" or not arena.is_contiguous():
+        return []
+    lo = arena.data_ptr()
+    hi = lo + arena.numel() * arena.element_size()
+    size, item = caches.record_bytes, caches.dtype.itemsize
+
+    def fits(a: int) -> bool:
+        return lo <= a and a + size <= hi and (a - lo) % item == 0
+
+    out: list[tuple[int, int, int]] = []
+    i, n = 0, len(addresses)
+    while i < n - 1:
+        step = addresses[i + 1] - addresses[i]
+        if step < size or step % item or not fits(addresses[i]):
+            i += 1
+            continue
+        j = i + 1
+        while j < n and addresses[j] - addresses[j - 1] == step and fits(addresses[j]):
+            j += 1
+        if j - i >= 2:
+            out.append((i, j - i, step))
+        i = j
+    return out
+
+
+def _select_run(
+    caches: PagedCaches, chunk_blocks: Sequence[Sequence[int]], arena: torch.Tensor, address: int, step: int
+) -> None:
+    """Gather the chunks of a run of records (the first at ``address``, each ``step`` bytes after
+    the one before, all inside ``arena``) with one ``index_select`` per layer and block position."""
+    item = caches.dtype.itemsize
+    flat = arena.reshape(-1).view(torch.uint8)
+    typed = flat[: flat.numel() - flat.numel() % item].view(caches.dtype)
+    block_shape = tuple(caches.tensors[0].shape[1:])
+    inner = torch.empty(block_shape, device="meta").stride()  # a record's block is contiguous
+    block_elems = caches.block_bytes // item
+    first = (address - arena.data_ptr()) // item
+    idx = torch.as_tensor([list(bids) for bids in chunk_blocks], dtype=torch.int64)
+    bpc = caches.blocks_per_chunk
+    for layer, cache in enumerate(caches.tensors):
+        for j in range(bpc):
+            # Block j of this layer in every record of the run: records ``step`` bytes apart.
+            dst = typed.as_strided(
+                (len(chunk_blocks), *block_shape), (step // item, *inner), first + (layer * bpc + j) * block_elems
+            )
+            torch.index_select(cache, 0, idx[:, j], out=dst)
 
 
 def scatter_blocks(

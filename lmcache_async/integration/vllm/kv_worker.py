@@ -6,7 +6,8 @@ Framework-free (no vLLM import). Runs on vLLM's model-runner thread.
   layout): the records of every load run are read straight into the request's blocks
   (:meth:`~lmcache_async.storage_manager.StorageManager.read_into_sync` with one
   :class:`~lmcache_async.read_sinks.ReadSink` per chunk: a CPU-tier hit is one ``memmove`` per
-  run of consecutive blocks, a disk record one ``preadv`` checked in place). Synchronous runs
+  run of consecutive blocks, a hit in the node server's pool the same copies after one round
+  trip for the run, a disk record one ``preadv`` checked in place). Synchronous runs
   are done before the forward; asynchronous ones (lower-tier hits) are read on the connector's
   load thread (``lmcache-async-kv-load``) into blocks vLLM keeps for the request and nothing
   else touches, and :meth:`finished_loads` (from ``get_finished``) reports a request once its
@@ -51,7 +52,7 @@ from lmcache_async.integration.vllm.kv_layout import (
     scatter_blocks,
 )
 from lmcache_async.integration.vllm.kv_metadata import BlockRun, HSRun, KVStepMetadata
-from lmcache_async.memory import MemoryFormat, MemoryObj
+from lmcache_async.memory import MemoryFormat, MemoryObj, PoolAllocator
 from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.storage_manager import StorageManager
 from lmcache_async.token_database import ChunkedTokenDatabase
@@ -62,6 +63,7 @@ __all__ = ["KVWorkerSide"]
 
 COUNTER_NAMES = (
     "load_runs",
+    "async_load_runs",
     "loaded_chunks",
     "loaded_blocks",
     "loaded_bytes",
@@ -159,6 +161,7 @@ class KVWorkerSide:
             if fetched is not None:
                 self._apply_guarded(run, fetched, hs_runs.get(run.req_id))
         for run in meta.async_loads:
+            self._add(async_load_runs=1)
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-async-kv-load")
             try:
@@ -230,8 +233,9 @@ class KVWorkerSide:
     def _read_into_blocks(
         self, caches: PagedCaches, keys: list[Any], chunks: list[tuple[int, int, int, list[int]]]
     ) -> int:
-        """Read the run's records straight into its blocks (any thread; ``memmove`` and file
-        reads only, no torch op); the blocks filled, a prefix of the run. A chunk that is
+        """Read the run's records straight into its blocks (any thread; ``memmove``, file reads
+        and the node server's round trips only, no torch op); the blocks filled, a prefix of the
+        run. A chunk that is
         missing, damaged or of another shape ends it (its blocks may be partly written: they
         are failed with the rest)."""
         bpc = self.blocks_per_chunk
@@ -400,13 +404,16 @@ class KVWorkerSide:
     def _gather(self, caches: PagedCaches, chunk_ids: list[list[int]], records: list[MemoryObj | torch.Tensor]) -> None:
         """Copy each chunk's blocks into its record (model-runner thread); complete on return.
         Host caches: all records at once, pool blocks by address (:func:`gather_records_at`:
-        no tensor view, no torch call) and tensors with :func:`gather_records`; CUDA: the ids go
+        no tensor view; the pool's consecutive blocks with one ``index_select`` per layer) and
+        tensors with :func:`gather_records`; CUDA: the ids go
         to the device once, each record is gathered on the side stream, then that stream is
         synchronised."""
         if caches.host_blocks:
             blocks = [r for r in records if isinstance(r, MemoryObj) and r.nbytes == caches.record_bytes]
             if len(blocks) == len(records):  # pool blocks of the record's shape: contiguous host memory
-                gather_records_at(caches, chunk_ids, [b.data_ptr for b in blocks])
+                pool = blocks[0].allocator if blocks else None
+                arena = pool.buffer if isinstance(pool, PoolAllocator) else None
+                gather_records_at(caches, chunk_ids, [b.data_ptr for b in blocks], arena)
             else:
                 gather_records(caches, chunk_ids, [r.tensor if isinstance(r, MemoryObj) else r for r in records])
             return
