@@ -36,9 +36,12 @@ the two goes first: the copy a save must make, at the moment it must make it (ri
 forward), without anything else of a connector, beside our save of the same step. The load
 process also times a **bare file read** of the blocks it loaded: one page-cache file per chunk
 ``preadv``'d straight into the blocks and hashed with xxh3 (the read a disk-tier load must make).
-A last process (**ours_reload**, CPU tier only) stores each prompt, resets vLLM's own prefix
+Another process (**ours_reload**, CPU tier only) stores each prompt, resets vLLM's own prefix
 cache and runs the prompt again: a hit of our CPU tier in the same process, loaded
-synchronously, beside the bare scatter of the same blocks.
+synchronously, beside the bare scatter of the same blocks. Last, an ``lmcache-async serve``
+process (a pre-touched 1 GiB pool) serves **ours_server_store** and **ours_server_load**
+(``tier_order: [cpu, server]``): run 1 writes its records through to the node's shared pool,
+run 2, a new process, loads them from there synchronously (memory copies out of the pool).
 
 Run it with the Python of the vLLM environment (``bash scripts/e2e_env.sh`` prints it)::
 

@@ -249,6 +249,15 @@ class MemoryObj:
         """Address of the payload's first byte."""
         return self._alloc.address(self.offset)
 
+    @property
+    def host_address(self) -> int | None:
+        """Address of the payload when it is one contiguous run of host memory (a pool block
+        always is; no view is made for it), None otherwise (a device tensor, a strided view)."""
+        t = self._tensor
+        if t is None:  # a pool block with no view yet: contiguous host memory by construction
+            return self._alloc.address(self.offset)
+        return t.data_ptr() if t.device.type == "cpu" and t.is_contiguous() else None
+
     # ---- reference counting --------------------------------------------------------------
     def ref_count_up(self) -> None:
         """Take one more reference. Raises ``RuntimeError`` on a released object."""

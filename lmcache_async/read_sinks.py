@@ -87,12 +87,12 @@ class ReadSink:
         return [address_view(addr, n) for addr, n in self.pieces]
 
     def fill_from(self, obj: MemoryObj) -> bool:
-        """Copy ``obj``'s payload into the pieces (one ``memmove`` each); False, nothing
-        written, when ``obj`` is not a host entry of this sink's shape and dtype."""
-        t = obj.tensor
-        if not self.fits(obj.shape, obj.dtype) or t.device.type != "cpu" or not t.is_contiguous():
+        """Copy ``obj``'s payload into the pieces (one ``memmove`` each; no tensor view is made);
+        False, nothing written, when ``obj`` is not a contiguous host entry of this sink's
+        shape and dtype."""
+        src = obj.host_address
+        if src is None or not self.fits(obj.shape, obj.dtype):
             return False
-        src = t.data_ptr()
         for addr, n in self.pieces:
             _memmove(addr, src, n)
             src += n

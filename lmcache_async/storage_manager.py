@@ -22,6 +22,7 @@ Ownership: ``get`` hands the caller one reference to a :class:`MemoryObj` (relea
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Coroutine, Sequence
@@ -315,6 +316,15 @@ class StorageManager(Lifecycle):
         check_put_batch(keys, values)
         with self._wt.deferred_wake():  # one wake-up of the write-through for the whole batch
             return self._put.put_batch(keys, values, fmt)
+
+    def batched_writes(self) -> contextlib.AbstractContextManager[None]:
+        """``with manager.batched_writes():`` the puts this thread makes inside the block wake
+        the write-through to the lower tiers once, when the block ends (also on an exception),
+        not at the end of each put: waking the loop hands its thread the GIL, and a caller with
+        more Python to run (the rest of a vLLM worker's save) would wait for it back. Puts are
+        readable at once as always; only the lower tiers' writes start later. Keep the block
+        short and free of I/O: other threads' queued writes wait for its wake-up too. Nests."""
+        return self._wt.deferred_wake()
 
     put_sync = sync_twin(put)
     batched_put_sync = sync_twin(batched_put)

@@ -34,6 +34,7 @@ def test_a_pool_block_gets_its_view_on_first_use_and_keeps_it_until_released():
     p = pool()
     obj = p.allocate((4, 8), torch.float32)
     assert obj is not None and p.view_cache_entries == 0  # an allocation makes no tensor
+    assert obj.host_address == obj.data_ptr and p.view_cache_entries == 0  # nor does its address
     src = torch.arange(32, dtype=torch.float32)
     ctypes.memmove(obj.data_ptr, src.data_ptr(), 128)  # bytes by address
     view = obj.tensor
@@ -43,6 +44,9 @@ def test_a_pool_block_gets_its_view_on_first_use_and_keeps_it_until_released():
         assert late is not None
         inner = late.tensor
     inner.add_(1)
+    assert obj.host_address == obj.data_ptr == view.data_ptr()
+    view.t_()  # a holder changed the view's metadata in place: no longer one contiguous run
+    assert obj.host_address is None
     obj.ref_count_down()
     late.ref_count_down()
     with pytest.raises(RuntimeError, match="released"):

@@ -75,3 +75,21 @@ def test_the_wake_of_a_batch_that_raises_is_not_lost(
     sm.flush_sync()
     (back,) = read_back(make_manager, tmp_path, [key(1)])
     assert back is not None and torch.equal(back, torch.full((64,), 3.0))
+
+
+def test_puts_inside_batched_writes_wake_the_write_through_once_when_the_block_ends(
+    make_manager: Callable[..., StorageManager], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sm = make_manager(local_disk=str(tmp_path), max_local_disk_size=0.1)
+    wakes = count_wakes(sm, monkeypatch)
+    keys = [key(20 + i) for i in range(6)]
+    with sm.batched_writes():
+        for i, k in enumerate(keys[:3]):
+            assert sm.put_sync(k, torch.full((64,), float(i)))
+        assert sm.batched_put_sync(keys[3:], [torch.full((64,), float(i)) for i in range(3, 6)]) == [True] * 3
+        assert wakes == []  # neither the single puts nor the nested batch woke the loop
+        assert sm.contains_sync(keys[0])  # readable at once all the same
+    assert len(wakes) == 1
+    sm.flush_sync()
+    back = read_back(make_manager, tmp_path, keys)
+    assert all(t is not None and torch.equal(t, torch.full((64,), float(i))) for i, t in enumerate(back))

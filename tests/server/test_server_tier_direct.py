@@ -6,24 +6,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from support.server_config import server_tier_config
 
-from lmcache_async import LMCacheEngineConfig, StorageManager
+from lmcache_async import StorageManager
 from lmcache_async.memory import MemoryFormat
 from lmcache_async.put_path import DirectPutTier
 from lmcache_async.testing.conformance import make_key
 
-
-def _config(socket: str, namespace: str, **over: Any) -> LMCacheEngineConfig:
-    base: dict[str, Any] = {
-        "local_cpu": False,
-        "tier_order": ["server"],
-        "cache_server_socket": socket,
-        "cache_server_namespace": namespace,
-        "staging_size": 1 / 64,
-        "remote_timeout_s": 10.0,
-    }
-    base.update(over)
-    return LMCacheEngineConfig.from_defaults(**base)
+_config = server_tier_config
 
 
 def _server_stats(sm: StorageManager) -> dict[str, Any]:

@@ -7,9 +7,9 @@ hits count as memory the caller reads on its own thread (``memory_prefix_len``).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
+from support.server_config import server_tier_config
 
 from lmcache_async import LMCacheEngineConfig, StorageManager
 from lmcache_async.backend import DirectReader, LocalTier
@@ -19,17 +19,7 @@ from lmcache_async.testing.conformance import make_key
 SHAPE = (64, 128)
 
 
-def _config(socket: str, namespace: str, **over: Any) -> LMCacheEngineConfig:
-    base: dict[str, Any] = {
-        "tier_order": ["server"],
-        "local_cpu": False,
-        "cache_server_socket": socket,
-        "cache_server_namespace": namespace,
-        "staging_size": 1 / 64,
-        "remote_timeout_s": 10.0,
-    }
-    base.update(over)
-    return LMCacheEngineConfig.from_defaults(**base)
+_config = server_tier_config
 
 
 def _value(i: int) -> torch.Tensor:

@@ -17,9 +17,12 @@ unchanged, so the layout never has to be decoded.
 
 On host caches (:attr:`PagedCaches.host_blocks`) every block of a layer is one run of memory:
 the gather and scatter of one record are one ``memmove`` per run of consecutive blocks (no
-torch call, no OpenMP team), also when :func:`gather_records` fills all of a step's records; and
-:meth:`PagedCaches.read_sink` describes a chunk's blocks as the pieces of a
-:class:`~lmcache_async.read_sinks.ReadSink`, so a record is read from a tier straight into them.
+torch call, no OpenMP team: safe on any thread), also when :func:`gather_records` fills all of a
+step's records; :func:`gather_records_at` fills records given by address and, for records a pool
+laid out one after another, uses one ``index_select`` per layer instead (torch's intra-op
+threads: the model-runner thread only); and :meth:`PagedCaches.read_sink` describes a chunk's
+blocks as the pieces of a :class:`~lmcache_async.read_sinks.ReadSink`, so a record is read from
+a tier straight into them.
 
 On CUDA the record lives in host memory (pinned when the pool is): :func:`gather_blocks` gathers
 on the device into a staging tensor and copies it to the host on the given stream; the caller

@@ -20,11 +20,13 @@ Framework-free (no vLLM import). Runs on vLLM's model-runner thread.
   (with ``kv_load_failure_policy="recompute"``) recomputes them. Nothing raises into the step.
 * **Save** (:meth:`KVWorkerSide.save`, from ``wait_for_save``): each planned chunk the CPU tier
   does not already hold is gathered straight into a block of the manager's pool (one copy; on
-  host caches all of the step's records at once, a ``memmove`` per run of blocks per layer; a
-  manager without a CPU tier, e.g. on the node server alone, gets a host tensor it copies
-  from); then the run's chunks are put in one batch (borrowed: no second copy), and lower tiers are
-  written through in the background. A full pool stops the run (counted): a later request
-  stores the rest.
+  host caches all of the step's records at once, by address: one ``index_select`` per layer
+  over the records the pool laid out one after another, a ``memmove`` per run of blocks per
+  layer for the others; a manager without a CPU tier, e.g. on the node server alone, gets a
+  host tensor it copies from); then the run's chunks are put in one batch (borrowed: no second
+  copy), and lower tiers are written through in the background, woken once the whole save is
+  done (``StorageManager.batched_writes``). A full pool stops the run (counted): a later
+  request stores the rest.
 
 Every record is ``[num_layers, *blocks of one chunk]`` in the caches' dtype
 (:mod:`.kv_layout`). The manager's returned ``MemoryObj`` references are always released.
@@ -337,22 +339,24 @@ class KVWorkerSide:
 
     # ---- save ----
     def save(self, meta: KVStepMetadata) -> None:
-        """Store this step's completed chunks; never raises (faults are counted and logged)."""
-        for run in meta.saves:
-            try:
-                self._save_run(run)
-            except Exception as exc:
-                self._fault("save", exc)
-        group, hs = self.hs_group, self.hs
-        if group is None or hs is None:
-            return
-        for hs_run in meta.hs_saves:
-            try:
-                save_hs_run(group, hs, self.manager, hs_run)
-                self._add(hs_saved_runs=1)
-                self.recent_hs_runs.append(("save", hs_run))
-            except Exception as exc:
-                self._fault("hidden-state save", exc)
+        """Store this step's completed chunks; never raises (faults are counted and logged).
+        The lower tiers' write-through is woken once, when the whole save is done."""
+        with self.manager.batched_writes():
+            for run in meta.saves:
+                try:
+                    self._save_run(run)
+                except Exception as exc:
+                    self._fault("save", exc)
+            group, hs = self.hs_group, self.hs
+            if group is None or hs is None:
+                return
+            for hs_run in meta.hs_saves:
+                try:
+                    save_hs_run(group, hs, self.manager, hs_run)
+                    self._add(hs_saved_runs=1)
+                    self.recent_hs_runs.append(("save", hs_run))
+                except Exception as exc:
+                    self._fault("hidden-state save", exc)
 
     def _save_run(self, run: BlockRun) -> None:
         """Gather every new whole chunk of ``run`` into pool blocks, then put them in one batch
