@@ -280,7 +280,7 @@ def measure(plan: Plan) -> dict[str, Any]:
             raw["ours_load"] = run_child(plan, workdir, "ours_load", load)
             shutil.rmtree(ours_dir, ignore_errors=True)
             # The same engine and prompts with the save replaced by a bare gather of its blocks.
-            bare = _spec(plan, vocab, "store", ours)
+            bare = _spec(plan, vocab, "store", ours, flush=True)
             bare["bare_at_save"] = True
             raw["bare_at_save"] = run_child(plan, workdir, "bare_at_save", bare)
             shutil.rmtree(ours_dir, ignore_errors=True)

@@ -485,10 +485,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             entry.update(store_ttft_s=stored["ttft_s"], store_token=stored["token"], store_save=stored.get("save"))
         if timed:
             entry.update(llm.collective_rpc(take_connector_seconds)[0])
+            if spec.get("flush"):  # the next prompt's save must not run beside this write-through
+                entry["flush_s"] = llm.collective_rpc(flush_connector)[0]
         if paired:
             entry.update(llm.collective_rpc(take_bare_at_save)[0])
-            if spec.get("flush"):
-                entry["flush_s"] = llm.collective_rpc(flush_connector)[0]
         if mode == "reference":
             hit = _one(llm, ids)
             entry.update(hit_ttft_s=hit["ttft_s"], hit_token=hit["token"], hit_cached=hit["cached"])
