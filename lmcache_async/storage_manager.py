@@ -35,7 +35,7 @@ from lmcache_async.backend import BackendContext, DirectReader, LocalTier, PoolT
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.errors import LoopThreadCallError, ManagerClosedError
 from lmcache_async.keys import CacheEngineKey
-from lmcache_async.local_answers import contains_here, memory_prefix, prefix_here
+from lmcache_async.local_answers import contains_here, prefix_here
 from lmcache_async.loop import LoopThread
 from lmcache_async.lower_tiers import LowerTiers, release_objs
 from lmcache_async.manager_lifecycle import Lifecycle, Opening
@@ -193,11 +193,10 @@ class StorageManager(Lifecycle):
         #: Lower tiers the read paths must ask on the loop (the others answer on this thread).
         self._loop_readers = any(not g.answers_locally for g in self._lower)
         self._put = PutPath(name, self._cpu, self._tiers, self._staging, self._wt, logger)
-        #: Local tiers that read into caller memory (the node server's pool): read_into_sync
-        #: asks them in a batch as direct readers, not key by key in its front.
-        self._memory_readers: list[LocalTier] = [
-            g.local for g in self._lower if g.local is not None and g.direct is not None
-        ]
+        #: Local tiers that also read into caller memory (the node server's pool): memory the
+        #: caller reads itself (memory_prefix_len); read_into_sync asks them as direct readers,
+        #: in a batch, so its front asks only the other local tiers.
+        self._memory_readers = [g for g in self._lower if g.local is not None and g.direct is not None]
         self._front_only = [t for t in self._local if not isinstance(t, DirectReader)]
         self._read_into = ReadInto(self._read_front, self._lower, self._lower_get_indirect_sync)
         self._closed = False
@@ -363,7 +362,7 @@ class StorageManager(Lifecycle):
         for k in keys:
             if type(k) is not CacheEngineKey:
                 self._check_key(k)
-        return memory_prefix(keys, self._cpu, self._pending, self._memory_readers)
+        return prefix_here(keys, self._cpu, self._pending, self._memory_readers)[0]
 
     def lookup_local(self, key: CacheEngineKey) -> MemoryObj | None:
         """The entry of ``key`` from a tier answering on the caller's thread (the CPU tier first,

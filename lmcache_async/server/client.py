@@ -360,14 +360,12 @@ class ServerClient:
         try:
             for i in stale:  # the entry left the index since we were told where it lies
                 where.pop(keys[i], None)  # (a key may come twice in one batch)
-            served = [keys[i] for i, loc in enumerate(known) if loc is not None and out[i] is not None]
-            conn.touched.extend(served)
-            self.known_reads += len(served)
+            self._served_known(conn, [keys[i] for i, loc in enumerate(known) if loc is not None and out[i] is not None])
             ask = sorted([i for i, loc in enumerate(known) if loc is None] + stale)
             if ask:
                 _splice(out, ask, self._read_answered(conn, deadline, [keys[i] for i in ask], alloc))
-            elif len(conn.touched) >= TOUCH_BATCH:
-                _send_frames(conn, self._pending(conn), deadline)
+            else:
+                self._flush_touches(conn, deadline)
         except BaseException:
             _drop_all(out)
             raise
@@ -385,13 +383,9 @@ class ServerClient:
         hits = _hits(v, len(keys), mapping.pool_bytes, 2, "READ")
         out, stale = _copy_checked(mapping, hits, alloc)
         try:
-            if self.remember_locations:
-                where = conn.where
-                for i, hit in enumerate(hits):
-                    if hit is not None and out[i] is not None:
-                        if len(where) >= LOCATIONS_MAX:
-                            del where[next(iter(where))]
-                        where[keys[i]] = hit
+            for i, hit in enumerate(hits):
+                if hit is not None and out[i] is not None:
+                    self._remember(conn, keys[i], hit)
             if stale:
                 self.rereads += len(stale)
                 _splice(out, stale, self._get_keys_locked(conn, deadline, [keys[i] for i in stale], alloc))
@@ -399,6 +393,26 @@ class ServerClient:
             _drop_all(out)
             raise
         return out
+
+    def _remember(self, conn: _Connection, key: bytes, hit: tuple[int, int, EntryMeta]) -> None:
+        """Keep where a READ said ``key`` lies (oldest dropped past :data:`LOCATIONS_MAX`), when
+        locations are remembered."""
+        if self.remember_locations:
+            where = conn.where
+            if len(where) >= LOCATIONS_MAX:
+                del where[next(iter(where))]
+            where[key] = hit
+
+    def _served_known(self, conn: _Connection, served: list[bytes]) -> None:
+        """Count the reads served from remembered locations; the next request reports them
+        (TOUCH)."""
+        conn.touched.extend(served)
+        self.known_reads += len(served)
+
+    def _flush_touches(self, conn: _Connection, deadline: float) -> None:
+        """Send the pending TOUCH on its own once :data:`TOUCH_BATCH` reads wait for one."""
+        if len(conn.touched) >= TOUCH_BATCH:
+            _send_frames(conn, self._pending(conn), deadline)
 
     def _get_keys_locked(
         self, conn: _Connection, deadline: float, keys: Sequence[bytes], alloc: Alloc
@@ -501,21 +515,16 @@ class ServerClient:
                         out[i] = True
                         if known[i] is not None:
                             served.append(key)
-                        elif self.remember_locations:
-                            if len(where) >= LOCATIONS_MAX:
-                                del where[next(iter(where))]
-                            where[key] = hit
+                        else:
+                            self._remember(conn, key, hit)
                     else:  # the entry left the index during the copy: read it under a lease
                         where.pop(key, None)
                         self.rereads += 1
                         out[i] = self._leased_into(conn, deadline, [key], [sink], prefix)[0]
             if prefix and not out[i]:
                 break
-        if served:
-            conn.touched.extend(served)
-            self.known_reads += len(served)
-            if len(conn.touched) >= TOUCH_BATCH:
-                _send_frames(conn, self._pending(conn), deadline)
+        self._served_known(conn, served)
+        self._flush_touches(conn, deadline)
         return out
 
     def _leased_into(

@@ -311,12 +311,9 @@ def gather_blocks(
             out[layer].narrow(axis, 0, n).copy_(staged, non_blocking=True)
 
 
-def _chunk_copies(
-    caches: PagedCaches, chunk_blocks: Sequence[Sequence[int]], n_records: int
-) -> list[list[tuple[int, int, int]]]:
-    """:meth:`PagedCaches.block_copies` of every whole chunk, each argument checked before any
-    byte moves (``ValueError``: not host caches, a count or chunk length that differs, a block
-    id outside the caches)."""
+def _check_chunks(caches: PagedCaches, chunk_blocks: Sequence[Sequence[int]], n_records: int) -> None:
+    """Check every argument of a gather of whole chunks before any byte moves (``ValueError``:
+    not host caches, a count or chunk length that differs, a block id outside the caches)."""
     if not caches.host_blocks:
         raise ValueError("gathering records needs host caches in vLLM's CPU layout")
     if len(chunk_blocks) != n_records:
@@ -325,7 +322,9 @@ def _chunk_copies(
     for i, bids in enumerate(chunk_blocks):
         if len(bids) != bpc:
             raise ValueError(f"chunk_blocks[{i}] has {len(bids)} blocks; a chunk has {bpc}")
-    return [caches.block_copies(bids) for bids in chunk_blocks]
+    flat = [b for bids in chunk_blocks for b in bids]
+    if flat and (min(flat) < 0 or max(flat) >= caches.num_blocks):
+        raise ValueError(f"block_ids {flat} outside [0, {caches.num_blocks})")
 
 
 def gather_records(caches: PagedCaches, chunk_blocks: Sequence[Sequence[int]], outs: Sequence[torch.Tensor]) -> None:
@@ -337,12 +336,12 @@ def gather_records(caches: PagedCaches, chunk_blocks: Sequence[Sequence[int]], o
     Every argument is checked before the first byte moves (``ValueError`` for a block id
     outside the caches or a chunk of another length). A contiguous record of the caches' dtype
     is then filled with one ``memmove`` per run of consecutive blocks per layer (no torch call,
-    no OpenMP team; faster here than one ``index_select`` per layer over all records into
-    strided views of a pool's consecutive blocks); any other record like :func:`gather_blocks`."""
-    copies = _chunk_copies(caches, chunk_blocks, len(outs))
-    for bids, runs, out in zip(chunk_blocks, copies, outs, strict=True):
+    no OpenMP team); any other record like :func:`gather_blocks`. Records in a pool's blocks
+    are better given by address (:func:`gather_records_at`)."""
+    _check_chunks(caches, chunk_blocks, len(outs))
+    for bids, out in zip(chunk_blocks, outs, strict=True):
         if _is_host_record(caches, out):
-            _copy_runs(out.data_ptr(), runs)
+            _copy_runs(out.data_ptr(), caches.block_copies(bids))
         else:
             gather_blocks(caches, bids, out)
 
@@ -364,7 +363,7 @@ def gather_records_at(
     on its intra-op threads, which in a vLLM worker right after the forward (its OpenMP team
     warm) beats one ``memmove`` per block (3.6 against 4.4 ms for 23 records of 2 MiB on this
     2-core machine). Every other record gets one ``memmove`` per run of consecutive blocks."""
-    copies = _chunk_copies(caches, chunk_blocks, len(addresses))
+    _check_chunks(caches, chunk_blocks, len(addresses))
     done = [False] * len(addresses)
     if arena is not None:
         for first, count, step in _even_runs(caches, addresses, arena):
@@ -372,9 +371,9 @@ def gather_records_at(
             _select_run(caches, [chunk_blocks[i] for i in run], arena, addresses[first], step)
             for i in run:
                 done[i] = True
-    for i, (runs, base) in enumerate(zip(copies, addresses, strict=True)):
-        if not done[i]:
-            _copy_runs(base, runs)
+    for bids, base, gathered in zip(chunk_blocks, addresses, done, strict=True):
+        if not gathered:
+            _copy_runs(base, caches.block_copies(bids))
 
 
 def _even_runs(caches: PagedCaches, addresses: Sequence[int], arena: torch.Tensor) -> list[tuple[int, int, int]]:

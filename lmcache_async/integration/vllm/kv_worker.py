@@ -237,9 +237,8 @@ class KVWorkerSide:
     ) -> int:
         """Read the run's records straight into its blocks (any thread; ``memmove``, file reads
         and the node server's round trips only, no torch op); the blocks filled, a prefix of the
-        run. A chunk that is
-        missing, damaged or of another shape ends it (its blocks may be partly written: they
-        are failed with the rest)."""
+        run. A chunk that is missing, damaged or of another shape ends it (its blocks may be
+        partly written: they are failed with the rest)."""
         bpc = self.blocks_per_chunk
         scratch: list[torch.Tensor] = []  # the chunk blocks a partial run does not load
         sinks = []
@@ -409,9 +408,8 @@ class KVWorkerSide:
         """Copy each chunk's blocks into its record (model-runner thread); complete on return.
         Host caches: all records at once, pool blocks by address (:func:`gather_records_at`:
         no tensor view; the pool's consecutive blocks with one ``index_select`` per layer) and
-        tensors with :func:`gather_records`; CUDA: the ids go
-        to the device once, each record is gathered on the side stream, then that stream is
-        synchronised."""
+        tensors with :func:`gather_records`; CUDA: the ids go to the device once, each record is
+        gathered on the side stream, then that stream is synchronised."""
         if caches.host_blocks:
             blocks = [r for r in records if isinstance(r, MemoryObj) and r.nbytes == caches.record_bytes]
             if len(blocks) == len(records):  # pool blocks of the record's shape: contiguous host memory
