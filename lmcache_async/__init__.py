@@ -15,6 +15,7 @@ from lmcache_async.errors import (
     MisuseError,
     PoolSizeError,
 )
+from lmcache_async.key_extras import KeyExtras, MMItem
 from lmcache_async.keys import CacheEngineKey, stable_u64_from_str
 from lmcache_async.lazy_registry import LazyRegistry
 from lmcache_async.memory import MemoryFormat, MemoryObj
@@ -57,11 +58,13 @@ __all__ = [
     "ECCacheEngine",
     "ForkedProcessError",
     "HiddenStateStore",
+    "KeyExtras",
     "LMCacheEngine",
     "LMCacheEngineConfig",
     "LMCacheEngineMetadata",
     "LocalTier",
     "LoopThreadCallError",
+    "MMItem",
     "ManagerClosedError",
     "MemoryFormat",
     "MemoryObj",

@@ -32,6 +32,7 @@ BENCH_SUITES: dict[str, str] = {
     "cpu": f"{BENCH_PACKAGE}.cpu",
     "ec": f"{BENCH_PACKAGE}.ec",
     "kv_hs": f"{BENCH_PACKAGE}.kv_hs",
+    "kv_keys": f"{BENCH_PACKAGE}.kv_keys",
     "disk": f"{BENCH_PACKAGE}.disk",
     "remote": f"{BENCH_PACKAGE}.remote",
     "nixl": f"{BENCH_PACKAGE}.nixl",

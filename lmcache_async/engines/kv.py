@@ -34,6 +34,7 @@ from lmcache_async.engines._devices import CPU, check_device
 from lmcache_async.engines._offload import copy_maybe_off_loop, yield_to_loop
 from lmcache_async.engines.hidden_states import HiddenStateStore
 from lmcache_async.errors import LoopThreadCallError, ManagerClosedError
+from lmcache_async.key_extras import KeyExtras
 from lmcache_async.memory import MemoryFormat, MemoryObj
 from lmcache_async.metadata import NEUTRAL_METADATA, LMCacheEngineMetadata
 from lmcache_async.ratelog import RateLimitedLog
@@ -112,14 +113,14 @@ class LMCacheEngine:
         return kv
 
     # ---- store --------------------------------------------------------------------------------
-    def _plan_store(self, token_ids: Any, kv: torch.Tensor, mask: Any) -> _StoreJob | None:
+    def _plan_store(self, token_ids: Any, kv: torch.Tensor, mask: Any, extras: KeyExtras | None) -> _StoreJob | None:
         """Checks and plans a store on the caller's thread; None when there is nothing to write.
 
         Looks up (without a hop: the CPU tier and the queued write-through only) the prefix
         already held and touches it, so this call's own allocations never evict it."""
         self._check_open()
         kv = self._check_kv(kv)
-        plan = ChunkPlan(self.token_database, token_ids)
+        plan = ChunkPlan(self.token_database, token_ids, extras)
         n_tokens = plan.n_tokens
         skip = 0 if mask is None else num_masked_prefix(mask, n_tokens, plan.chunk_size)
         rows = kv.shape[2]
@@ -185,7 +186,7 @@ class LMCacheEngine:
             release_all(held)
         return stored
 
-    def store(self, token_ids: Any, kv: torch.Tensor, *, mask: Any = None) -> int:
+    def store(self, token_ids: Any, kv: torch.Tensor, *, mask: Any = None, extras: KeyExtras | None = None) -> int:
         """Store the KV of ``token_ids``; returns the number of chunks this call wrote.
 
         ``kv`` is ``[2, num_layers, num_tokens, hidden]`` on any device and of any dtype, its
@@ -203,11 +204,18 @@ class LMCacheEngine:
         chunk even after evicting what nobody holds, the chunks before it are kept and the rest
         is skipped (never evicting a chunk this call wrote). Runs on the caller's thread; lower
         tiers are written through in the background (never waited for).
+
+        ``extras`` (:class:`~lmcache_async.key_extras.KeyExtras`: images, LoRA adapter,
+        ``cache_salt``, prompt embeddings) enter the chunk keys: a later :meth:`retrieve` or
+        :meth:`lookup` finds these chunks only under equal extras. ``TypeError`` naming
+        ``extras`` for anything but a ``KeyExtras`` or None.
         """
-        job = self._plan_store(token_ids, kv, mask)
+        job = self._plan_store(token_ids, kv, mask, extras)
         return 0 if job is None else self._write(job)
 
-    async def astore(self, token_ids: Any, kv: torch.Tensor, *, mask: Any = None) -> int:
+    async def astore(
+        self, token_ids: Any, kv: torch.Tensor, *, mask: Any = None, extras: KeyExtras | None = None
+    ) -> int:
         """Coroutine twin of :meth:`store`, awaitable from any loop.
 
         Answered on the caller's thread (a store never waits for lower tiers): no hop. A copy of
@@ -215,7 +223,7 @@ class LMCacheEngine:
         copy executor instead, so the caller's loop keeps serving; a caller cancelled meanwhile
         leaves the store to finish (it holds no pool reference afterwards)."""
         await yield_to_loop()
-        job = self._plan_store(token_ids, kv, mask)
+        job = self._plan_store(token_ids, kv, mask, extras)
         if job is None:
             return 0
         on_manager_loop = self.storage_manager.loop_thread.in_loop_thread()
@@ -256,7 +264,7 @@ class LMCacheEngine:
         return total, out
 
     def retrieve(
-        self, token_ids: Any, *, device: str | torch.device | None = None
+        self, token_ids: Any, *, device: str | torch.device | None = None, extras: KeyExtras | None = None
     ) -> tuple[int, torch.Tensor | None]:
         """``(num_hit_tokens, kv_prefix)``: the KV of the longest cached prefix of ``token_ids``
         as one tensor ``[2, num_layers, num_hit_tokens, hidden]`` (the stored dtype; on ``device``,
@@ -267,10 +275,11 @@ class LMCacheEngine:
         memory. ``device`` is checked before anything is looked up: one this machine cannot hold
         a tensor on raises ``ValueError`` naming ``device`` on a hit and on a miss alike.
         Storage trouble and ``blocking_timeout_secs`` passing are misses (counted in ``timeouts``).
+        ``extras`` as in :meth:`store`: only chunks stored under equal extras are found.
         """
         self._check_open()
         dev = CPU if device is None else check_device(device)
-        plan = ChunkPlan(self.token_database, token_ids)
+        plan = ChunkPlan(self.token_database, token_ids, extras)
         if not len(plan):
             return 0, None
         sm = self.storage_manager
@@ -283,7 +292,7 @@ class LMCacheEngine:
         return self._assemble(plan, objs, dev)
 
     async def aretrieve(
-        self, token_ids: Any, *, device: str | torch.device | None = None
+        self, token_ids: Any, *, device: str | torch.device | None = None, extras: KeyExtras | None = None
     ) -> tuple[int, torch.Tensor | None]:
         """Coroutine twin of :meth:`retrieve`, awaitable from any loop.
 
@@ -295,7 +304,7 @@ class LMCacheEngine:
         await yield_to_loop()
         self._check_open()
         dev = CPU if device is None else check_device(device)
-        plan = ChunkPlan(self.token_database, token_ids)
+        plan = ChunkPlan(self.token_database, token_ids, extras)
         if not len(plan):
             return 0, None
         sm = self.storage_manager
@@ -308,22 +317,22 @@ class LMCacheEngine:
         nbytes = sum(o.tensor.numel() * o.tensor.element_size() for o in objs if o is not None)
         return await copy_maybe_off_loop(lambda: self._assemble(plan, objs, dev), nbytes)
 
-    def lookup(self, token_ids: Any) -> int:
+    def lookup(self, token_ids: Any, *, extras: KeyExtras | None = None) -> int:
         """Length in tokens of the longest prefix of ``token_ids`` whose chunks are present in
-        some tier (nothing is read or touched)."""
+        some tier (nothing is read or touched), under ``extras`` as in :meth:`store`."""
         self._check_open()
-        plan = ChunkPlan(self.token_database, token_ids)
+        plan = ChunkPlan(self.token_database, token_ids, extras)
         if not len(plan):
             return 0
         sm = self.storage_manager
         return plan.tokens_in(self._bounded(lambda: sm.batched_contains_sync(plan.keys), 0, "lookup"))
 
-    async def alookup(self, token_ids: Any) -> int:
+    async def alookup(self, token_ids: Any, *, extras: KeyExtras | None = None) -> int:
         """Coroutine twin of :meth:`lookup`: answered on the caller's thread when the CPU tier
         (or the lower tiers' non-blocking answers) decide it, else one batched hop."""
         await yield_to_loop()
         self._check_open()
-        plan = ChunkPlan(self.token_database, token_ids)
+        plan = ChunkPlan(self.token_database, token_ids, extras)
         if not len(plan):
             return 0
         return plan.tokens_in(await self._abounded(self.storage_manager.batched_contains(plan.keys), 0, "lookup"))

@@ -5,14 +5,18 @@ SPEC keys: ``model`` (directory), ``kv`` (``None`` or the ``kv_connector_extra_c
 ``speculative_config`` dict or None; ``hs_group`` phases read its hidden-state group),
 ``executor`` (vLLM's ``distributed_executor_backend``; ``"mp"`` puts the worker in a process of
 its own, so the scheduler's connector sees only the shared tiers),
-``prompts`` (token-id lists), ``phases`` (each ``{"prompts": [indices], "barrier": name or
-None, "hs": None | "save" | "load"}``), ``max_tokens``, ``hs_layers``, ``workdir``.
+``prompts`` (token-id lists, or ``{"text": ..., "image": seed}`` for a multimodal model: the
+text holds the image token where the picture goes), ``phases`` (each ``{"prompts": [indices],
+"barrier": name or None, "hs": None | "save" | "load", "cache_salt": salt or None, "lora": adapter
+name or None}``), ``lora_modules`` (``{name: [int id, path]}``), ``llm`` (more ``LLM`` keyword
+arguments, e.g. ``enable_lora``), ``max_tokens``, ``hs_layers``, ``workdir``.
 Each prompt is generated alone (so its prefill is one forward the hooks see whole) after vLLM's
 own prefix cache is reset (so a hit can only come from the connector). Before a phase with a
 barrier the child writes ``<barrier>.ready`` and waits for ``<barrier>.go`` (the parent injects
 a fault meanwhile).
 
-RESULT per generated prompt: greedy token ids, ``num_cached_tokens``, the growth of
+RESULT per generated prompt: greedy token ids, ``num_cached_tokens``, the prompt's length and
+(multimodal prompts) the position of its first image placeholder, the growth of
 ``vllm:prompt_tokens_by_source`` per source, the time to the first token, hidden-state
 results; plus the worker's connector counters, disk record paths per prompt and any error.
 """
@@ -40,6 +44,30 @@ def by_source(llm: Any) -> dict[str, float]:
     return out
 
 
+def make_prompt(p: Any, cache_salt: str | None) -> dict[str, Any]:
+    """vLLM's prompt dict: token ids, or text with one image (``{"text", "image": seed}``)."""
+    from e2e_child import image
+
+    out: dict[str, Any]
+    if isinstance(p, dict):
+        out = {"prompt": p["text"], "multi_modal_data": {"image": image(int(p["image"]))}}
+    else:
+        out = {"prompt_token_ids": p}
+    if cache_salt is not None:
+        out["cache_salt"] = cache_salt
+    return out
+
+
+def image_offset(llm: Any, token_ids: Any) -> int | None:
+    """Where the first image placeholder sits in the prompt (None: no image, or no image model)."""
+    hf = getattr(getattr(getattr(llm, "llm_engine", None), "model_config", None), "hf_config", None)
+    image_id = getattr(hf, "image_token_index", None)
+    if image_id is None or not token_ids:
+        return None
+    ids = list(token_ids)
+    return ids.index(image_id) if image_id in ids else None
+
+
 def main(spec_path: str, result_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     workdir = Path(spec["workdir"])
@@ -48,7 +76,7 @@ def main(spec_path: str, result_path: str) -> int:
     try:
         import kv_rpc
         from vllm import LLM, SamplingParams
-        from vllm.inputs import TokensPrompt
+        from vllm.lora.request import LoRARequest
 
         kwargs: dict[str, Any] = dict(
             model=spec["model"],
@@ -64,6 +92,7 @@ def main(spec_path: str, result_path: str) -> int:
             kwargs["distributed_executor_backend"] = spec["executor"]
         if spec.get("speculative"):
             kwargs["speculative_config"] = spec["speculative"]
+        kwargs.update(spec.get("llm") or {})
         kv = spec.get("kv")
         if kv is not None:
             from vllm.config import KVTransferConfig
@@ -81,9 +110,10 @@ def main(spec_path: str, result_path: str) -> int:
         if hs_layers:
             llm.collective_rpc(kv_rpc.install_hs_hooks, args=(hs_layers,))
         prompts = spec["prompts"]
+        loras = {name: LoRARequest(name, int(i), path) for name, (i, path) in (spec.get("lora_modules") or {}).items()}
         params = SamplingParams(max_tokens=spec.get("max_tokens", 16), temperature=0.0)
         disk = (kv or {}).get("local_disk")
-        if kv is not None and disk:
+        if kv is not None and disk and all(isinstance(p, list) for p in prompts):
             result["files"] = [llm.collective_rpc(kv_rpc.chunk_files, args=(p, disk))[0] for p in prompts]
         for phase in spec["phases"]:
             barrier = phase.get("barrier")
@@ -99,7 +129,10 @@ def main(spec_path: str, result_path: str) -> int:
                     llm.collective_rpc(kv_rpc.reset_hs)
                 before = by_source(llm)
                 g0 = time.monotonic()
-                out = llm.generate([TokensPrompt(prompt_token_ids=prompts[idx])], params, use_tqdm=False)[0]
+                lora = loras[phase["lora"]] if phase.get("lora") else None
+                out = llm.generate(
+                    [make_prompt(prompts[idx], phase.get("cache_salt"))], params, use_tqdm=False, lora_request=lora
+                )[0]
                 gen_s = time.monotonic() - g0
                 after = by_source(llm)
                 metrics = getattr(out, "metrics", None)
@@ -114,6 +147,10 @@ def main(spec_path: str, result_path: str) -> int:
                     "tokens": list(out.outputs[0].token_ids) if out.outputs else [],
                     "finished": bool(out.finished),
                     "num_cached_tokens": int(out.num_cached_tokens or 0),
+                    "prompt_len": len(out.prompt_token_ids or ()),
+                    "image_offset": image_offset(llm, out.prompt_token_ids),
+                    "cache_salt": phase.get("cache_salt"),
+                    "lora": phase.get("lora"),
                     "by_source": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after},
                     "generate_s": gen_s,
                     "ttft_s": ttft,

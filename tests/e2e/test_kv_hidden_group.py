@@ -8,7 +8,9 @@ into that layer's blocks with the KV prefix. Three engines, each in its own proc
 1. ``baseline``: no connector, no extraction — the reference greedy tokens;
 2. ``store``: the connector on a disk directory; after each prompt the test reads the hidden-state
    group's rows of the saved prompt from the engine's own cache;
-3. ``load``: a new process on that directory. Prompt 0: vLLM reports the external hit, the tokens
+3. ``load``: a new process on that directory. Prompt 0 (stored under ``cache_salt="t1"``) is
+   asked first under ``"t2"``: nothing is restored, KV or hidden states (keys carry the salt).
+   Then under ``"t1"``: vLLM reports the external hit, the tokens
    equal the baseline's, and the hidden-state group's rows of the restored prefix are bit-exact
    the rows the first engine computed. Then one published hidden-state record of prompt 1 is
    deleted: the KV is restored only up to that chunk (KV never comes back without its hidden
@@ -72,7 +74,8 @@ def hs_runs(kv_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     hs = {"connector": "LMCacheKVHiddenStatesConnector", "speculative": SPECULATIVE, "kv": kv}
     out: dict[str, Any] = {"prompts": prompts}
     out["baseline"] = run_kv_engine(work, "baseline", {**base, "kv": None, "phases": [{"prompts": [0, 1]}]})
-    out["store"] = run_kv_engine(work, "store", {**base, **hs, "phases": [{"prompts": [0, 1], "hs_group": True}]})
+    store = [{"prompts": [0], "hs_group": True, "cache_salt": "t1"}, {"prompts": [1], "hs_group": True}]
+    out["store"] = run_kv_engine(work, "store", {**base, **hs, "phases": store})
     missing = hs_record_file(kv_model_dir, prompts[MISSING_PROMPT], MISSING_CHUNK, AUX_LAYERS[-1], disk)
     out["missing_existed"] = os.path.exists(missing)
     out["load"] = run_kv_engine(
@@ -82,7 +85,8 @@ def hs_runs(kv_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
             **base,
             **hs,
             "phases": [
-                {"prompts": [0], "hs_group": True},
+                {"prompts": [0], "hs_group": True, "cache_salt": "t2"},
+                {"prompts": [0], "hs_group": True, "cache_salt": "t1"},
                 {"prompts": [MISSING_PROMPT], "barrier": "drop", "hs_group": True},
             ],
         },
@@ -111,7 +115,7 @@ def test_a_new_process_restores_kv_and_the_hidden_state_group_bit_exact(hs_runs:
 
     ref = {r["prompt"]: r["tokens"] for r in _ok(hs_runs["baseline"])}
     stored = _ok(hs_runs["store"])[0]
-    loaded = _ok(hs_runs["load"])[0]
+    loaded = [r for r in _ok(hs_runs["load"]) if r["cache_salt"] == "t1"][0]
     assert loaded["prompt"] == 0
     assert loaded["num_cached_tokens"] == expected_hit()
     assert loaded["tokens"] == ref[0]
@@ -120,6 +124,14 @@ def test_a_new_process_restores_kv_and_the_hidden_state_group_bit_exact(hs_runs:
     again = load_file(loaded["hs_group_path"])["rows"]
     assert again.abs().sum() > 0
     assert torch.equal(again, first[: expected_hit()])
+
+
+def test_another_salt_restores_neither_kv_nor_hidden_states(hs_runs: dict[str, Any]) -> None:
+    ref = {r["prompt"]: r["tokens"] for r in _ok(hs_runs["baseline"])}
+    other = [r for r in _ok(hs_runs["load"]) if r["cache_salt"] == "t2"][0]
+    assert other["prompt"] == 0 and other["num_cached_tokens"] == 0
+    assert other["tokens"] == ref[0]
+    assert other["hs_group"]["kind"] == "save"  # computed and stored under t2, nothing loaded
 
 
 def test_a_missing_hidden_state_record_cuts_the_restored_kv_prefix_there(hs_runs: dict[str, Any]) -> None:

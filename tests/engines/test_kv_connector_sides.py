@@ -66,6 +66,24 @@ def new_req_step(req_id: str, block_ids: list[int], computed: int, scheduled: in
     )
 
 
+def vreq(req_id: str, prompt: list[int] | None = None, **extras: Any) -> SimpleNamespace:
+    """The attributes of a scheduler-side vLLM ``Request`` the connector reads (no extras
+    unless given: ``mm_features``, ``lora_request``, ``cache_salt``, ``prompt_embeds``)."""
+    tokens = list(PROMPT if prompt is None else prompt)
+    fields: dict[str, Any] = dict(mm_features=[], lora_request=None, cache_salt=None, prompt_embeds=None)
+    fields.update(extras)
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, num_prompt_tokens=len(tokens), **fields)
+
+
+def build(sched: KVSchedulerSide, step: Any) -> Any:
+    """``sched.build_meta(step)`` after vLLM's ``update_state_after_alloc`` for each new request
+    of the step that the scheduler has not seen yet (vLLM calls it before every schedule)."""
+    for new in getattr(step, "scheduled_new_reqs", ()) or ():
+        if new.req_id not in sched._reqs:
+            sched.after_alloc(vreq(new.req_id, list(new.prompt_token_ids)), None, 0)
+    return sched.build_meta(step)
+
+
 @pytest.fixture
 def stores(tmp_path: Path) -> Iterator[tuple[KVStore, KVStore]]:
     first = KVStore(config(tmp_path / "disk"), META)
@@ -88,7 +106,7 @@ def store_prompt(store: KVStore) -> dict[str, torch.Tensor]:
     sched, worker = sides(store)
     src = caches(seed=1)
     worker.register(src)
-    meta = sched.build_meta(new_req_step("r1", SRC_BLOCKS, 0, len(PROMPT)))
+    meta = build(sched, new_req_step("r1", SRC_BLOCKS, 0, len(PROMPT)))
     assert not meta.loads and len(meta.saves) == 1
     worker.save(meta)
     assert worker.counters["saved_chunks"] == 3
@@ -100,10 +118,10 @@ def load_prompt(store: KVStore) -> tuple[KVSchedulerSide, KVWorkerSide, dict[str
     sched, worker = sides(store)
     dst = caches(seed=None)
     worker.register(dst)
-    n, is_async = sched.num_new_matched_tokens("r2", PROMPT, 0)
+    n, is_async = sched.num_new_matched_tokens(vreq("r2", PROMPT), 0)
     assert is_async  # only the disk tier holds it in this store
-    sched.after_alloc("r2", (DST_BLOCKS,), n)
-    meta = sched.build_meta(new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n))
+    sched.after_alloc(vreq("r2"), (DST_BLOCKS,), n)
+    meta = build(sched, new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n))
     assert not meta.loads and len(meta.async_loads) == 1
     worker.load(meta)
     wait_loads(worker, {"r2"})
@@ -157,10 +175,10 @@ def test_an_asynchronous_load_reads_straight_into_the_blocks_on_the_load_thread(
         return real_read(*args, **kwargs)
 
     monkeypatch.setattr(sm, "read_into_sync", recording_read)
-    n, is_async = sched.num_new_matched_tokens("r2", PROMPT, 0)
+    n, is_async = sched.num_new_matched_tokens(vreq("r2", PROMPT), 0)
     assert is_async and n == 24
-    sched.after_alloc("r2", (DST_BLOCKS,), n)
-    worker.load(sched.build_meta(new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n)))
+    sched.after_alloc(vreq("r2"), (DST_BLOCKS,), n)
+    worker.load(build(sched, new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n)))
     _, fut, _ = worker._inflight["r2"]
     fut.result(timeout=30)
     assert len(read_threads) == 1 and read_threads[0].startswith("lmcache-async-kv-load")
@@ -179,9 +197,9 @@ def test_an_idle_step_waits_for_a_load_in_flight(stores: tuple[KVStore, KVStore]
     store_prompt(stores[0])
     sched, worker = sides(stores[1])
     worker.register(caches(seed=None))
-    n, _ = sched.num_new_matched_tokens("r2", PROMPT, 0)
-    sched.after_alloc("r2", (DST_BLOCKS,), n)
-    meta = sched.build_meta(new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n))
+    n, _ = sched.num_new_matched_tokens(vreq("r2", PROMPT), 0)
+    sched.after_alloc(vreq("r2"), (DST_BLOCKS,), n)
+    meta = build(sched, new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n))
     assert not meta.idle
     worker.load(meta)
     empty = SimpleNamespace(
@@ -190,7 +208,7 @@ def test_an_idle_step_waits_for_a_load_in_flight(stores: tuple[KVStore, KVStore]
         num_scheduled_tokens={},
         total_num_scheduled_tokens=0,
     )
-    assert sched.build_meta(empty).idle
+    assert build(sched, empty).idle
     assert worker.finished_loads(wait_s=30.0) == {"r2"}  # one call: it waited for the read
     assert worker.take_load_errors() == set()
     assert worker.finished_loads(wait_s=30.0) == set()  # nothing in flight: no wait
@@ -200,9 +218,9 @@ def test_closing_with_an_unapplied_load_releases_its_records(stores: tuple[KVSto
     store_prompt(stores[0])
     sched, worker = sides(stores[1])
     worker.register(caches(seed=None))
-    n, _ = sched.num_new_matched_tokens("r2", PROMPT, 0)
-    sched.after_alloc("r2", (DST_BLOCKS,), n)
-    worker.load(sched.build_meta(new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n)))
+    n, _ = sched.num_new_matched_tokens(vreq("r2", PROMPT), 0)
+    sched.after_alloc(vreq("r2"), (DST_BLOCKS,), n)
+    worker.load(build(sched, new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n)))
     _, fut, _ = worker._inflight["r2"]
     fetched = fut.result(timeout=30)
     assert fetched is not None and all(o is not None for o in fetched.objs)
@@ -221,9 +239,9 @@ def test_the_hit_stops_below_the_last_prompt_token_on_a_block_boundary(tmp_path:
         prompt = PROMPT[:24]  # exactly 3 chunks: the last block must be recomputed
         step = new_req_step("a", SRC_BLOCKS[:6], 0, 24)
         step.scheduled_new_reqs[0].prompt_token_ids = prompt
-        worker.save(sched.build_meta(step))
-        assert sched.num_new_matched_tokens("b", prompt, 0) == (20, False)  # the CPU tier holds it
-        assert sched.num_new_matched_tokens("c", prompt, 20) == (0, False)  # vLLM already holds it all
+        worker.save(build(sched, step))
+        assert sched.num_new_matched_tokens(vreq("b", prompt), 0) == (20, False)  # the CPU tier holds it
+        assert sched.num_new_matched_tokens(vreq("c", prompt), 20) == (0, False)  # vLLM already holds it all
     finally:
         store.close()
 
@@ -232,9 +250,9 @@ def test_a_miss_plans_no_load(tmp_path: Path) -> None:
     store = KVStore(config(tmp_path / "d"), META)
     try:
         sched, _ = sides(store)
-        assert sched.num_new_matched_tokens("r", PROMPT, 0) == (0, False)
-        sched.after_alloc("r", ([1, 2],), 0)
-        assert sched.build_meta(new_req_step("r", DST_BLOCKS, 0, 30)).loads == []
+        assert sched.num_new_matched_tokens(vreq("r", PROMPT), 0) == (0, False)
+        sched.after_alloc(vreq("r"), ([1, 2],), 0)
+        assert build(sched, new_req_step("r", DST_BLOCKS, 0, 30)).loads == []
     finally:
         store.close()
 
@@ -244,10 +262,10 @@ def test_locally_computed_blocks_are_not_overwritten(stores: tuple[KVStore, KVSt
     sched, worker = sides(stores[1])
     dst = caches(seed=None)
     worker.register(dst)
-    n, _ = sched.num_new_matched_tokens("r2", PROMPT, 8)  # vLLM's prefix cache holds chunk 0
+    n, _ = sched.num_new_matched_tokens(vreq("r2", PROMPT), 8)  # vLLM's prefix cache holds chunk 0
     assert n == 16
-    sched.after_alloc("r2", (DST_BLOCKS,), n)
-    meta = sched.build_meta(new_req_step("r2", DST_BLOCKS, 8, len(PROMPT) - 24))
+    sched.after_alloc(vreq("r2"), (DST_BLOCKS,), n)
+    meta = build(sched, new_req_step("r2", DST_BLOCKS, 8, len(PROMPT) - 24))
     assert [(r.first_block, r.block_ids) for r in meta.async_loads] == [(2, tuple(DST_BLOCKS[2:6]))]
     worker.load(meta)
     wait_loads(worker, {"r2"})
@@ -263,10 +281,10 @@ def test_a_load_from_the_middle_of_a_chunk_fills_only_the_blocks_it_names(stores
     sched, worker = sides(stores[1])
     dst = caches(seed=None)
     worker.register(dst)
-    n, _ = sched.num_new_matched_tokens("r2", PROMPT, BS)
+    n, _ = sched.num_new_matched_tokens(vreq("r2", PROMPT), BS)
     assert n == 24 - BS
-    sched.after_alloc("r2", (DST_BLOCKS,), n)
-    meta = sched.build_meta(new_req_step("r2", DST_BLOCKS, BS, len(PROMPT) - 24))
+    sched.after_alloc(vreq("r2"), (DST_BLOCKS,), n)
+    meta = build(sched, new_req_step("r2", DST_BLOCKS, BS, len(PROMPT) - 24))
     assert [(r.first_block, r.block_ids) for r in meta.async_loads] == [(1, tuple(DST_BLOCKS[1:6]))]
     worker.load(meta)
     wait_loads(worker, {"r2"})
@@ -283,9 +301,9 @@ def test_a_record_deleted_after_the_lookup_fails_only_its_blocks_and_later_ones(
     store_prompt(stores[0])
     sched, worker = sides(stores[1])
     worker.register(caches(seed=None))
-    n, _ = sched.num_new_matched_tokens("r2", PROMPT, 0)
-    sched.after_alloc("r2", (DST_BLOCKS,), n)
-    meta = sched.build_meta(new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n))
+    n, _ = sched.num_new_matched_tokens(vreq("r2", PROMPT), 0)
+    sched.after_alloc(vreq("r2"), (DST_BLOCKS,), n)
+    meta = build(sched, new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n))
     key = stores[1].token_database.keys(PROMPT)[1]
     stores[0].storage_manager.remove_sync(key)  # behind the second store's back
     stores[1].storage_manager.remove_sync(key)
@@ -301,9 +319,9 @@ def test_a_record_of_another_shape_is_a_load_failure_not_an_exception(stores: tu
     sched, worker = sides(stores[1])
     # this worker's caches have more heads: the stored records do not fit
     worker.register({f"l{i}": torch.zeros(NB, HEADS + 1, BS, 2 * HEAD) for i in range(LAYERS)})
-    n, _ = sched.num_new_matched_tokens("r2", PROMPT, 0)
-    sched.after_alloc("r2", (DST_BLOCKS,), n)
-    worker.load(sched.build_meta(new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n)))
+    n, _ = sched.num_new_matched_tokens(vreq("r2", PROMPT), 0)
+    sched.after_alloc(vreq("r2"), (DST_BLOCKS,), n)
+    worker.load(build(sched, new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n)))
     wait_loads(worker, {"r2"})
     assert worker.take_load_errors() == set(DST_BLOCKS[:6])
 
@@ -312,7 +330,7 @@ def test_a_failing_lookup_is_a_miss_and_counted(tmp_path: Path) -> None:
     store = KVStore(config(tmp_path / "d"), META)
     sched, _ = sides(store)
     store.close()
-    assert sched.num_new_matched_tokens("r", PROMPT, 0) == (0, False)
+    assert sched.num_new_matched_tokens(vreq("r", PROMPT), 0) == (0, False)
     assert sched.counters["lookup_errors"] == 1
 
 
@@ -321,14 +339,14 @@ def test_saves_follow_chunked_prefill_and_decode_blocks(tmp_path: Path) -> None:
     try:
         sched, worker = sides(store)
         worker.register(caches(seed=3))
-        meta = sched.build_meta(new_req_step("r", SRC_BLOCKS[:3], 0, 12))  # 12 tokens this step
+        meta = build(sched, new_req_step("r", SRC_BLOCKS[:3], 0, 12))  # 12 tokens this step
         assert [(r.first_block, r.block_ids) for r in meta.saves] == [(0, tuple(SRC_BLOCKS[:2]))]
         worker.save(meta)
         cached = SimpleNamespace(
             req_ids=["r"], new_block_ids=[(SRC_BLOCKS[3:],)], num_computed_tokens=[12], resumed_req_ids=set()
         )
         step = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={"r": 18})
-        meta = sched.build_meta(step)
+        meta = build(sched, step)
         assert [(r.first_block, r.block_ids) for r in meta.saves] == [(2, tuple(SRC_BLOCKS[2:6]))]
         worker.save(meta)
         assert worker.counters["saved_chunks"] == 3
@@ -343,7 +361,7 @@ def test_a_full_pool_stops_the_save_and_counts_it(tmp_path: Path) -> None:
     try:
         sched, worker = sides(store)
         worker.register(caches(seed=1))
-        worker.save(sched.build_meta(new_req_step("r", SRC_BLOCKS, 0, 30)))
+        worker.save(build(sched, new_req_step("r", SRC_BLOCKS, 0, 30)))
         assert worker.counters["saved_chunks"] == 0
         assert worker.counters["save_rejected"] == 1
     finally:
@@ -434,10 +452,10 @@ def test_a_hit_in_this_process_cpu_tier_is_loaded_before_the_forward(tmp_path: P
         sched, worker = sides(store)
         dst = caches(seed=None)
         worker.register(dst)
-        n, is_async = sched.num_new_matched_tokens("r2", PROMPT, 0)
+        n, is_async = sched.num_new_matched_tokens(vreq("r2", PROMPT), 0)
         assert (n, is_async) == (24, False)
-        sched.after_alloc("r2", (DST_BLOCKS,), n)
-        meta = sched.build_meta(new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n))
+        sched.after_alloc(vreq("r2"), (DST_BLOCKS,), n)
+        meta = build(sched, new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n))
         assert len(meta.loads) == 1 and not meta.async_loads
         worker.load(meta)
         assert worker.finished_loads() == set()  # nothing asynchronous to report
@@ -465,3 +483,35 @@ def test_a_store_without_a_cpu_tier_saves_through_host_tensors(tmp_path: Path) -
                 assert torch.equal(dst[name][d], src[name][s])
     finally:
         fresh.close()
+
+
+def test_keys_carry_the_requests_extras_and_saves_never_fall_back_to_plain_keys(
+    stores: tuple[KVStore, KVStore],
+) -> None:
+    """A prompt saved under ``cache_salt="alice"`` is found under that salt only; a request the
+    scheduler output shows without vLLM having shown its Request is not saved (its extras
+    are unknown); a request whose multimodal feature has no identifier is neither loaded nor
+    saved, counted."""
+    first, second = stores
+    sched, worker = sides(first)
+    worker.register(caches(seed=1))
+    sched.after_alloc(vreq("a", cache_salt="alice"), None, 0)
+    worker.save(sched.build_meta(new_req_step("a", SRC_BLOCKS, 0, len(PROMPT))))
+    assert worker.counters["saved_chunks"] == 3
+    first.storage_manager.flush_sync()
+
+    sched2, _ = sides(second)
+    assert sched2.num_new_matched_tokens(vreq("b1", cache_salt="bob"), 0) == (0, False)
+    assert sched2.num_new_matched_tokens(vreq("b2"), 0) == (0, False)  # no salt: another tenant too
+    n, _ = sched2.num_new_matched_tokens(vreq("b3", cache_salt="alice"), 0)
+    assert n == 24
+
+    sched3, worker3 = sides(second)
+    worker3.register(caches(seed=2))
+    assert not sched3.build_meta(new_req_step("unseen", SRC_BLOCKS, 0, len(PROMPT))).saves
+    assert sched3.counters["unkeyed_saves_skipped"] == 1
+    bad = vreq("bad", mm_features=[SimpleNamespace(identifier=None, mm_position=SimpleNamespace(offset=2, length=4))])
+    assert sched3.num_new_matched_tokens(bad, 0) == (0, False)
+    sched3.after_alloc(bad, None, 0)
+    assert not sched3.build_meta(new_req_step("bad", SRC_BLOCKS, 0, len(PROMPT))).saves
+    assert sched3.counters["unkeyed_requests"] == 1 and sched3.counters["lookups"] == 0

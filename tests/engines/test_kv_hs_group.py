@@ -24,7 +24,7 @@ from lmcache_async.integration.vllm.kv_metadata import HSRun, KVStepMetadata
 from lmcache_async.integration.vllm.kv_scheduler import KVSchedulerSide
 from lmcache_async.integration.vllm.kv_worker import KVWorkerSide
 
-from .test_kv_connector_sides import BPC, BS, CHUNK, META, PROMPT, caches, config
+from .test_kv_connector_sides import BPC, BS, CHUNK, META, PROMPT, build, caches, config, vreq
 
 AUX = [1, 4]
 HIDDEN = 5
@@ -87,7 +87,7 @@ def test_hidden_states_are_saved_with_the_kv_and_restored_by_a_new_store(
     src_kv, src_hs = caches(seed=1), HiddenStateGroup(hs_cache(seed=2), AUX)
     sched, worker = sides(stores[0], src_hs)
     worker.register(src_kv, src_hs)
-    meta = sched.build_meta(step("r1", KV_SRC, HS_SRC, 0, len(PROMPT)))
+    meta = build(sched, step("r1", KV_SRC, HS_SRC, 0, len(PROMPT)))
     assert len(meta.hs_saves) == 1 and (meta.hs_saves[0].start, meta.hs_saves[0].end) == (0, 3 * CHUNK)
     round_trip = KVStepMetadata.from_dict(meta.to_dict())
     assert round_trip == meta
@@ -98,10 +98,10 @@ def test_hidden_states_are_saved_with_the_kv_and_restored_by_a_new_store(
     dst_kv, dst_hs = caches(seed=None), HiddenStateGroup(hs_cache(None), AUX)
     sched2, worker2 = sides(stores[1], dst_hs)
     worker2.register(dst_kv, dst_hs)
-    n, is_async = sched2.num_new_matched_tokens("r2", PROMPT, 0)
+    n, is_async = sched2.num_new_matched_tokens(vreq("r2", PROMPT), 0)
     assert (n, is_async) == (3 * CHUNK, True)
-    sched2.after_alloc("r2", (KV_DST, HS_DST), n)
-    load_meta = sched2.build_meta(step("r2", KV_DST, HS_DST, 0, len(PROMPT) - n))
+    sched2.after_alloc(vreq("r2"), (KV_DST, HS_DST), n)
+    load_meta = build(sched2, step("r2", KV_DST, HS_DST, 0, len(PROMPT) - n))
     assert [(r.start, r.end, r.block_ids) for r in load_meta.hs_loads] == [(0, n, tuple(HS_DST))]
     worker2.load(load_meta)
     assert worker2.finished_loads(wait_s=30.0) == {"r2"}
@@ -118,7 +118,7 @@ def test_kv_beyond_a_missing_hidden_state_chunk_is_recomputed(stores: tuple[KVSt
     src_hs = HiddenStateGroup(hs_cache(seed=2), AUX)
     sched, worker = sides(stores[0], src_hs)
     worker.register(caches(seed=1), src_hs)
-    worker.save(sched.build_meta(step("r1", KV_SRC, HS_SRC, 0, len(PROMPT))))
+    worker.save(build(sched, step("r1", KV_SRC, HS_SRC, 0, len(PROMPT))))
     stores[0].storage_manager.flush_sync()
     key = stores[0].token_database.keys(PROMPT)[1]
     os.unlink(entry_path(str(tmp_path / "disk"), key_digest(hs_entry_key(key, AUX[1]).to_string())))
@@ -126,9 +126,9 @@ def test_kv_beyond_a_missing_hidden_state_chunk_is_recomputed(stores: tuple[KVSt
     dst_hs = HiddenStateGroup(hs_cache(None), AUX)
     sched2, worker2 = sides(stores[1], dst_hs)
     worker2.register(caches(seed=None), dst_hs)
-    n, _ = sched2.num_new_matched_tokens("r2", PROMPT, 0)
-    sched2.after_alloc("r2", (KV_DST, HS_DST), n)
-    worker2.load(sched2.build_meta(step("r2", KV_DST, HS_DST, 0, len(PROMPT) - n)))
+    n, _ = sched2.num_new_matched_tokens(vreq("r2", PROMPT), 0)
+    sched2.after_alloc(vreq("r2"), (KV_DST, HS_DST), n)
+    worker2.load(build(sched2, step("r2", KV_DST, HS_DST, 0, len(PROMPT) - n)))
     assert worker2.finished_loads(wait_s=30.0) == {"r2"}
     # chunk 0 keeps its KV and hidden states; chunks 1 and 2 (blocks 2..5) are recomputed
     assert worker2.take_load_errors() == set(KV_DST[2:6])
@@ -147,8 +147,10 @@ def test_a_group_needs_a_hidden_state_store(tmp_path: Path) -> None:
         store.close()
 
 
-def test_a_run_refuses_a_token_range_outside_its_prefix() -> None:
+def test_a_run_refuses_a_bad_token_range_and_bad_fields() -> None:
     with pytest.raises(ValueError, match="tokens"):
-        HSRun("r", (1, 2, 3), 2, 5, (0,))
-    with pytest.raises(TypeError, match="token_ids"):
-        HSRun.from_dict({"req_id": "r", "token_ids": [1, "2"], "start": 0, "end": 1, "block_ids": [0]})
+        HSRun("r", (1, 2, 3), 5, 2, (0,))
+    with pytest.raises(TypeError, match="chunk_hashes"):
+        HSRun.from_dict({"req_id": "r", "chunk_hashes": [1, "2"], "start": 0, "end": 1, "block_ids": [0]})
+    with pytest.raises(ValueError, match="lacks"):
+        HSRun.from_dict({"req_id": "r", "token_ids": [1], "start": 0, "end": 1, "block_ids": [0]})

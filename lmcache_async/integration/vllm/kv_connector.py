@@ -52,6 +52,7 @@ from lmcache_async.integration.vllm.kv_layout import check_chunk_alignment
 from lmcache_async.integration.vllm.kv_metadata import KVStepMetadata
 from lmcache_async.integration.vllm.kv_scheduler import KVSchedulerSide
 from lmcache_async.integration.vllm.kv_worker import KVWorkerSide
+from lmcache_async.key_extras import KeyExtras
 from lmcache_async.metadata import LMCacheEngineMetadata
 from lmcache_async.storage_manager import StorageManager
 
@@ -159,22 +160,33 @@ class LMCacheKVConnector(KVConnectorBase_V1):
         return self.store.hidden_state_store
 
     def save_hidden_states(
-        self, token_ids: Any, hidden_states: torch.Tensor, layer_idx: int = 0, token_offset: int = 0
+        self,
+        token_ids: Any,
+        hidden_states: torch.Tensor,
+        layer_idx: int = 0,
+        token_offset: int = 0,
+        *,
+        extras: KeyExtras | None = None,
     ) -> int:
         """Store hidden states (:meth:`HiddenStateStore.store_hidden_states` arguments) and
-        publish them to the shared KV tiers; returns the chunks published. ``RuntimeError`` when
-        the connector has no hidden-state store (enable ``enable_hidden_state_cache``)."""
+        publish them to the shared KV tiers; returns the chunks published. ``extras`` (the
+        request's :class:`~lmcache_async.key_extras.KeyExtras`; :func:`.kv_request_keys.request_key_inputs`
+        reads them from a vLLM request) key them as the request's KV is keyed. ``RuntimeError``
+        when the connector has no hidden-state store (enable ``enable_hidden_state_cache``)."""
         hs = self._require_hs()
-        return publish_hidden_states(hs, self.store.storage_manager, token_ids, hidden_states, layer_idx, token_offset)
+        return publish_hidden_states(
+            hs, self.store.storage_manager, token_ids, hidden_states, layer_idx, token_offset, extras
+        )
 
     def load_hidden_states(
-        self, token_ids: Any, layer_idx: int = 0, max_tokens: int | None = None
+        self, token_ids: Any, layer_idx: int = 0, max_tokens: int | None = None, *, extras: KeyExtras | None = None
     ) -> torch.Tensor | None:
         """Hidden states of the longest prefix of ``token_ids`` whose KV and hidden states are
-        both stored, capped at ``max_tokens`` (pass the KV prefix vLLM restored); a fresh CPU
-        float32 tensor the caller owns, or None. See :func:`.kv_hidden.restore_hidden_states`."""
+        both stored under ``extras``, capped at ``max_tokens`` (pass the KV prefix vLLM
+        restored); a fresh CPU float32 tensor the caller owns, or None. See
+        :func:`.kv_hidden.restore_hidden_states`."""
         hs = self._require_hs()
-        return restore_hidden_states(hs, self.store.storage_manager, token_ids, layer_idx, max_tokens)
+        return restore_hidden_states(hs, self.store.storage_manager, token_ids, layer_idx, max_tokens, extras)
 
     def _require_hs(self) -> HiddenStateStore:
         hs = self.store.hidden_state_store
@@ -192,12 +204,13 @@ class LMCacheKVConnector(KVConnectorBase_V1):
         return self.scheduler_side
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        prompt = list(getattr(request, "prompt_token_ids", None) or ())
-        return self._sched().num_new_matched_tokens(request.request_id, prompt, num_computed_tokens)
+        """Keys the request from its token ids and key extras (images, LoRA adapter,
+        ``cache_salt``, prompt embeddings: :mod:`.kv_request_keys`) and answers the stored prefix."""
+        return self._sched().num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         block_ids = blocks.get_block_ids() if num_external_tokens > 0 else None
-        self._sched().after_alloc(request.request_id, block_ids, num_external_tokens)
+        self._sched().after_alloc(request, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         step = self._sched().build_meta(scheduler_output)

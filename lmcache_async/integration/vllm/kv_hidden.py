@@ -25,7 +25,9 @@ from typing import Any
 
 import torch
 
+from lmcache_async.engines._chunks import ChunkPlan, plan_of
 from lmcache_async.engines.hidden_states import HiddenStateStore, hs_entry_key
+from lmcache_async.key_extras import KeyExtras
 from lmcache_async.memory import MemoryFormat
 from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.storage_manager import StorageManager
@@ -36,16 +38,6 @@ _log = RateLimitedLog(logger)
 __all__ = ["publish_hidden_states", "restore_hidden_states"]
 
 
-def _token_list(token_ids: Any) -> list[int]:
-    if isinstance(token_ids, torch.Tensor):
-        if token_ids.dim() != 1:
-            raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
-        return [int(t) for t in token_ids.tolist()]
-    if isinstance(token_ids, (str, bytes)):
-        raise TypeError("token_ids must be a sequence of ints, got a string")
-    return [int(t) for t in token_ids]
-
-
 @torch.inference_mode()
 def publish_hidden_states(
     hs: HiddenStateStore,
@@ -54,6 +46,7 @@ def publish_hidden_states(
     hidden_states: torch.Tensor,
     layer_idx: int = 0,
     token_offset: int = 0,
+    extras: KeyExtras | None = None,
 ) -> int:
     """Store ``hidden_states`` in ``hs`` (:meth:`HiddenStateStore.store_hidden_states`, same
     arguments and errors) and publish each whole chunk it holds for them into ``kv``'s tiers.
@@ -61,14 +54,15 @@ def publish_hidden_states(
     Returns the number of chunks published (already published ones count: puts are
     content-addressed). The rows published are those the hidden-state store holds, in its
     storage dtype. Runs on the caller's thread; the lower-tier writes happen in the
-    background (``kv.flush_sync()`` is the barrier).
+    background (``kv.flush_sync()`` is the barrier). ``extras`` enter the keys as for the KV
+    records; ``token_ids`` may be a :class:`~lmcache_async.engines._chunks.ChunkPlan` (keys
+    derived already, ``extras`` None).
     """
-    hs.store_hidden_states(token_ids, hidden_states, layer_idx, token_offset)
-    tokens = _token_list(token_ids)
-    cs = hs.token_database.chunk_size
-    keys = hs.token_database.keys(tokens)
+    plan = plan_of(hs.token_database, token_ids, extras)
+    hs.store_hidden_states(plan, hidden_states, layer_idx, token_offset)
+    cs = plan.chunk_size
     published = 0
-    for i, key in enumerate(keys):
+    for i, key in enumerate(plan.keys):
         start = i * cs
         if start < token_offset:
             continue
@@ -93,6 +87,7 @@ def restore_hidden_states(
     token_ids: Any,
     layer_idx: int = 0,
     max_tokens: int | None = None,
+    extras: KeyExtras | None = None,
 ) -> torch.Tensor | None:
     """The hidden states of the longest restorable prefix of ``token_ids`` for ``layer_idx``,
     as a fresh CPU float32 ``[n_tokens, hidden]`` tensor the caller owns; None when nothing hits.
@@ -101,10 +96,13 @@ def restore_hidden_states(
     :func:`publish_hidden_states`) and stored into ``hs`` first; then
     :meth:`HiddenStateStore.retrieve_hidden_states` answers (prefix-strict, KV present for every
     chunk). ``max_tokens`` caps the prefix (pass the KV prefix vLLM restored); ``ValueError``
-    when it is negative.
+    when it is negative. ``extras`` and ``token_ids`` as in :func:`publish_hidden_states`.
     """
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0):
+        raise ValueError(f"max_tokens must be an int >= 0 or None, got {max_tokens!r}")
+    plan = plan_of(hs.token_database, token_ids, extras)
     with torch.inference_mode():
-        got = _restore(hs, kv, token_ids, layer_idx, max_tokens)
+        got = _restore(hs, kv, plan, layer_idx, max_tokens)
     if got is None:
         return None
     return got.clone()  # outside inference mode: a normal tensor the caller may modify
@@ -113,20 +111,15 @@ def restore_hidden_states(
 def _restore(
     hs: HiddenStateStore,
     kv: StorageManager,
-    token_ids: Any,
+    full: ChunkPlan,
     layer_idx: int,
     max_tokens: int | None,
 ) -> torch.Tensor | None:
-    tokens = _token_list(token_ids)
-    if max_tokens is not None:
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
-            raise ValueError(f"max_tokens must be an int >= 0 or None, got {max_tokens!r}")
-        tokens = tokens[:max_tokens]
-    cs = hs.token_database.chunk_size
-    keys = hs.token_database.keys(tokens)
-    if not keys:
+    cs = full.chunk_size
+    n_chunks = len(full.keys) if max_tokens is None else min(len(full.keys), max_tokens // cs)
+    if not n_chunks:
         return None
-    tokens = tokens[: len(keys) * cs]
+    keys = full.keys[:n_chunks]
     missing = [i for i, k in enumerate(keys) if not hs.has_chunk(k, layer_idx)]
     first_missing = missing[0] if missing else len(keys)
     if missing:
@@ -149,9 +142,9 @@ def _restore(
                 if hidden is not None and t.shape[1] != hidden:
                     break
                 hidden = int(t.shape[1])
-                hs.store_hidden_states(tokens[: (i + 1) * cs], t, layer_idx, token_offset=i * cs)
+                hs.store_hidden_states(full.head(i + 1), t, layer_idx, token_offset=i * cs)
         finally:
             for obj in objs:
                 if obj is not None:
                     obj.ref_count_down()
-    return hs.retrieve_hidden_states(tokens, layer_idx)
+    return hs.retrieve_hidden_states(full.head(n_chunks), layer_idx)

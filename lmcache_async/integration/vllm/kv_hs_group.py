@@ -8,8 +8,9 @@ connector that declares ``SupportsHMA`` receives that group's block ids beside t
 group's. This module is framework-free (tensors and ints only):
 
 * :class:`HiddenStateGroup` reads and writes token rows of that cache by the group's block ids;
-* :class:`~.kv_metadata.HSRun` (the scheduler's plan for one request: the prompt prefix, the
-  token range to save or load, and the group's block ids) is carried by the step metadata;
+* :class:`~.kv_metadata.HSRun` (the scheduler's plan for one request: the chunk hashes it
+  derived from the request, the token range to save or load, and the group's block ids) is
+  carried by the step metadata;
 * :func:`save_hs_run` stores the rows of a run through the connector's
   :class:`~lmcache_async.engines.hidden_states.HiddenStateStore` (one entry per chunk and aux
   layer, published to the KV tiers so another process can restore them);
@@ -27,12 +28,13 @@ from collections.abc import Sequence
 
 import torch
 
+from lmcache_async.engines._chunks import ChunkPlan
 from lmcache_async.engines.hidden_states import HiddenStateStore
 from lmcache_async.integration.vllm.kv_hidden import publish_hidden_states, restore_hidden_states
 from lmcache_async.integration.vllm.kv_metadata import HSRun
 from lmcache_async.storage_manager import StorageManager
 
-__all__ = ["HiddenStateGroup", "load_hs_run", "save_hs_run"]
+__all__ = ["HiddenStateGroup", "load_hs_run", "run_plan", "save_hs_run"]
 
 
 class HiddenStateGroup:
@@ -73,17 +75,22 @@ class HiddenStateGroup:
         self.cache[blocks, :, offs, :] = rows.to(device=self.cache.device, dtype=self.cache.dtype)
 
 
+def run_plan(hs: HiddenStateStore, run: HSRun) -> ChunkPlan:
+    """The chunk plan of tokens ``0 .. run.end - 1`` under the run's chunk hashes (its whole
+    chunks: hidden states are kept per whole chunk)."""
+    return ChunkPlan.of_hashes(hs.token_database, run.chunk_hashes[: run.end // hs.token_database.chunk_size], run.end)
+
+
 def save_hs_run(group: HiddenStateGroup, hs: HiddenStateStore, kv: StorageManager, run: HSRun) -> int:
     """Store (and publish to ``kv``'s tiers) the run's rows for every aux layer; returns the
     chunks published for the layer that published fewest."""
     if run.end <= run.start:
         return 0
     rows = group.gather(run.block_ids, run.start, run.end)
+    plan = run_plan(hs, run)
     published = []
     for j, layer in enumerate(group.layer_ids):
-        published.append(
-            publish_hidden_states(hs, kv, list(run.token_ids), rows[:, j, :], layer_idx=layer, token_offset=run.start)
-        )
+        published.append(publish_hidden_states(hs, kv, plan, rows[:, j, :], layer_idx=layer, token_offset=run.start))
     return min(published)
 
 
@@ -95,8 +102,9 @@ def load_hs_run(group: HiddenStateGroup, hs: HiddenStateStore, kv: StorageManage
         return run.end
     got: list[torch.Tensor] = []
     end = run.end
+    plan = run_plan(hs, run)
     for layer in group.layer_ids:
-        t = restore_hidden_states(hs, kv, list(run.token_ids), layer_idx=layer, max_tokens=run.end)
+        t = restore_hidden_states(hs, kv, plan, layer_idx=layer, max_tokens=run.end)
         n = 0 if t is None else int(t.shape[0])
         if t is not None and (t.dim() != 2 or t.shape[1] != group.cache.shape[3]):
             n = 0  # another model's hidden size: nothing usable

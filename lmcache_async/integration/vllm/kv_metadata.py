@@ -100,23 +100,34 @@ class BlockRun:
 class HSRun:
     """Tokens ``start .. end - 1`` of request ``req_id`` in the hidden-state group.
 
-    ``token_ids`` is the prompt prefix up to ``end`` (the store keys chunks by it);
-    ``block_ids`` are the group's block ids of the request from its first token on."""
+    ``chunk_hashes`` are the request's chunk hashes from its first chunk through the chunk
+    holding token ``end - 1`` (the scheduler derived them from the request with its key
+    extras, so the hidden states are keyed exactly as the KV records are); ``block_ids`` are
+    the group's block ids of the request from its first token on. Construction validates the
+    fields (``TypeError`` / ``ValueError`` naming the field)."""
 
     req_id: str
-    token_ids: tuple[int, ...]
+    chunk_hashes: tuple[int, ...]
     start: int
     end: int
     block_ids: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if not 0 <= self.start <= self.end <= len(self.token_ids):
-            raise ValueError(f"HSRun {self.req_id!r}: tokens {self.start}..{self.end} of {len(self.token_ids)}")
+        if not isinstance(self.req_id, str):
+            raise TypeError(f"req_id must be a str, got {type(self.req_id).__name__}")
+        for name in ("start", "end"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TypeError(f"HSRun {name} must be an int, got {type(v).__name__}")
+        if not 0 <= self.start <= self.end:
+            raise ValueError(f"HSRun {self.req_id!r}: tokens {self.start}..{self.end}")
+        object.__setattr__(self, "chunk_hashes", _int_tuple(self.chunk_hashes, "chunk_hashes", hi=_U64))
+        object.__setattr__(self, "block_ids", _int_tuple(self.block_ids, "block_ids"))
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "req_id": self.req_id,
-            "token_ids": list(self.token_ids),
+            "chunk_hashes": list(self.chunk_hashes),
             "start": self.start,
             "end": self.end,
             "block_ids": list(self.block_ids),
@@ -124,15 +135,13 @@ class HSRun:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> HSRun:
+        """Inverse of :meth:`to_dict`; ``TypeError``/``ValueError`` for a malformed mapping."""
         if not isinstance(d, Mapping):
             raise TypeError(f"a hidden-state run must be a mapping, got {type(d).__name__}")
-        for name in ("token_ids", "block_ids"):
-            values = d.get(name)
-            if not isinstance(values, (list, tuple)) or not all(
-                isinstance(v, int) and not isinstance(v, bool) for v in values
-            ):
-                raise TypeError(f"hidden-state run {name} must be a list of ints")
-        return cls(str(d["req_id"]), tuple(d["token_ids"]), int(d["start"]), int(d["end"]), tuple(d["block_ids"]))
+        missing = {"req_id", "chunk_hashes", "start", "end", "block_ids"} - set(d)
+        if missing:
+            raise ValueError(f"hidden-state run lacks {sorted(missing)}")
+        return cls(d["req_id"], d["chunk_hashes"], d["start"], d["end"], d["block_ids"])
 
 
 @dataclass

@@ -3,10 +3,17 @@
 Framework-free: it reads vLLM's request and scheduler-output objects by attribute and imports
 nothing of vLLM. Runs on vLLM's scheduler thread (one thread; no locking).
 
-* **Lookup** (:meth:`KVSchedulerSide.num_new_matched_tokens`): the prompt's full chunks are
-  keyed by the token database, one batched presence query gives the stored prefix, and the
-  hit is cut to whole blocks below the last prompt token (vLLM must compute at least one token).
-  A lookup that fails or times out is a miss, counted.
+* **Keys** come from vLLM's ``Request`` once, when the scheduler first shows it
+  (:meth:`KVSchedulerSide.num_new_matched_tokens` or :meth:`KVSchedulerSide.after_alloc`): the
+  prompt's token ids and its key extras (images, LoRA adapter, ``cache_salt``, prompt
+  embeddings; :mod:`.kv_request_keys`) give each whole chunk's hash, kept on the request's
+  record. The scheduler output is never keyed again (it carries no ``cache_salt`` and no
+  multimodal features): a request without a record is neither loaded nor saved, and neither is
+  one whose extras cannot be read (counted in ``unkeyed_requests``, one log line per kind).
+* **Lookup** (:meth:`KVSchedulerSide.num_new_matched_tokens`): one batched presence query over
+  the chunk keys gives the stored prefix, and the hit is cut to whole blocks below the last
+  prompt token (vLLM must compute at least one token). A lookup that fails or times out is a
+  miss, counted.
 * **Load plan** (:meth:`after_alloc`): the blocks vLLM allocated for the hit, from the first
   block it does not already hold, become a :class:`BlockRun` for this step's metadata.
 * **Save plan** (:meth:`build_meta`): every prompt chunk whose tokens are all computed by the
@@ -23,11 +30,12 @@ the load finished, so no step waits on that I/O.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from lmcache_async.integration.vllm.kv_metadata import BlockRun, HSRun, KVStepMetadata
+from lmcache_async.integration.vllm.kv_request_keys import UnreadableRequest, request_key_inputs
 from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.storage_manager import StorageManager
 from lmcache_async.token_database import ChunkedTokenDatabase
@@ -40,11 +48,10 @@ __all__ = ["KVSchedulerSide"]
 @dataclass
 class _Req:
     hashes: list[int]
+    """The chunk hashes of the prompt's whole chunks, derived from the request (extras in)."""
     prompt_len: int
     block_ids: list[int] = field(default_factory=list)
     saved_chunks: int = 0
-    prompt: tuple[int, ...] = ()
-    """The prompt (kept only with a hidden-state group: its runs carry the tokens)."""
     hs_block_ids: list[int] = field(default_factory=list)
 
 
@@ -90,25 +97,60 @@ class KVSchedulerSide:
         self._loads: dict[str, tuple[BlockRun, bool]] = {}
         self._log = RateLimitedLog(logger)
         self.counters: dict[str, int] = dict.fromkeys(
-            ("lookups", "hit_tokens", "lookup_errors", "loads_planned", "async_loads_planned", "saves_planned"), 0
+            (
+                "lookups",
+                "hit_tokens",
+                "lookup_errors",
+                "loads_planned",
+                "async_loads_planned",
+                "saves_planned",
+                "keyed_with_extras",
+                "unkeyed_requests",
+                "unkeyed_saves_skipped",
+            ),
+            0,
         )
+        self._unkeyed: set[str] = set()
 
-    # ---- helpers ----
-    def _req(self, req_id: str, prompt: Sequence[int]) -> _Req:
+    # ---- keys ----
+    def _keyed(self, request: Any) -> _Req | None:
+        """The record of ``request`` (a vLLM ``Request``), keyed from it on first sight; None
+        when its extras cannot be read (counted, one log line per kind: never a guess)."""
+        req_id = str(request.request_id)
         r = self._reqs.get(req_id)
-        if r is None or r.prompt_len != len(prompt):
-            tokens = list(prompt)
-            kept = tuple(tokens) if self.hs_group is not None else ()
-            r = _Req(self.db.chunk_hashes(tokens), len(tokens), prompt=kept)
-            self._reqs[req_id] = r
+        if r is not None:
+            return r
+        if req_id in self._unkeyed:
+            return None
+        try:
+            tokens, extras = request_key_inputs(request)
+        except UnreadableRequest as exc:
+            self._unkeyed.add(req_id)
+            self.counters["unkeyed_requests"] += 1
+            self._log.warning(
+                "KV connector: request %s is neither loaded nor saved: its %s cannot be read (%s)",
+                req_id,
+                exc.kind,
+                exc,
+                key=f"unkeyed-{exc.kind}",
+            )
+            return None
+        if extras is not None:
+            self.counters["keyed_with_extras"] += 1
+        r = _Req(self.db.chunk_hashes(tokens, extras), len(tokens))
+        self._reqs[req_id] = r
         return r
 
     # ---- lookup ----
-    def num_new_matched_tokens(self, req_id: str, prompt: Sequence[int], num_computed_tokens: int) -> tuple[int, bool]:
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         """``(tokens beyond num_computed_tokens the workers can load, whether the load is
-        asynchronous)``; ``(0, False)`` on a miss or a fault."""
-        r = self._req(req_id, prompt)
+        asynchronous)`` for vLLM's ``request``; ``(0, False)`` on a miss, a fault or a request
+        whose key extras cannot be read."""
+        req_id = str(request.request_id)
         self._lookups.pop(req_id, None)
+        r = self._keyed(request)
+        if r is None:
+            return 0, False
         cap = (max(r.prompt_len - 1, 0) // self.block_size) * self.block_size
         if not r.hashes or cap <= num_computed_tokens:
             return 0, False
@@ -132,11 +174,12 @@ class KVSchedulerSide:
         self.counters["hit_tokens"] += hit - num_computed_tokens
         return hit - num_computed_tokens, is_async
 
-    def after_alloc(self, req_id: str, block_ids: Any, num_external_tokens: int) -> None:
-        """Plan the load of ``num_external_tokens`` into the request's blocks (all its blocks,
-        in request order, as vLLM's ``KVCacheBlocks.get_block_ids()``)."""
+    def after_alloc(self, request: Any, block_ids: Any, num_external_tokens: int) -> None:
+        """Key ``request`` if it is new, and plan the load of ``num_external_tokens`` into its
+        blocks (all its blocks, in request order, as vLLM's ``KVCacheBlocks.get_block_ids()``)."""
+        req_id = str(request.request_id)
         lookup = self._lookups.pop(req_id, None)
-        r = self._reqs.get(req_id)
+        r = self._keyed(request)
         if num_external_tokens <= 0 or lookup is None or r is None:
             return
         local, hit, is_async = lookup
@@ -163,7 +206,9 @@ class KVSchedulerSide:
         self._loads[req_id] = (run, is_async)
         if self.hs_group is not None:
             hs_blocks = _group(block_ids, self.hs_group) or []
-            self._hs_loads[req_id] = HSRun(req_id, r.prompt[:hit], local, hit, tuple(hs_blocks))
+            self._hs_loads[req_id] = HSRun(
+                req_id, tuple(r.hashes[: -(-hit // self.chunk_size)]), local, hit, tuple(hs_blocks)
+            )
         r.saved_chunks = max(r.saved_chunks, hit // self.chunk_size)
         self.counters["async_loads_planned" if is_async else "loads_planned"] += 1
 
@@ -174,8 +219,10 @@ class KVSchedulerSide:
         num_scheduled: dict[str, int] = getattr(scheduler_output, "num_scheduled_tokens", {}) or {}
         for new in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
             req_id = new.req_id
-            prompt = list(getattr(new, "prompt_token_ids", None) or ())
-            r = self._req(req_id, prompt)
+            r = self._reqs.get(req_id)
+            if r is None:  # never keyed from its Request: saving under a guessed key is worse than not
+                self.counters["unkeyed_saves_skipped"] += 1
+                continue
             r.block_ids = _group(new.block_ids, self.kv_group) or []
             if self.hs_group is not None:
                 r.hs_block_ids = _group(new.block_ids, self.hs_group) or []
@@ -215,13 +262,14 @@ class KVSchedulerSide:
         )
         if self.hs_group is not None:
             cs = self.chunk_size
-            meta.hs_saves.append(HSRun(req_id, r.prompt[: ready * cs], first * cs, ready * cs, tuple(r.hs_block_ids)))
+            meta.hs_saves.append(HSRun(req_id, tuple(r.hashes[:ready]), first * cs, ready * cs, tuple(r.hs_block_ids)))
         r.saved_chunks = ready
         self.counters["saves_planned"] += 1
 
     def finished(self, req_id: str) -> None:
         """Forget a finished request (saves are synchronous: its blocks may be freed now)."""
         self._reqs.pop(req_id, None)
+        self._unkeyed.discard(req_id)
         self._lookups.pop(req_id, None)
         self._loads.pop(req_id, None)
         self._hs_loads.pop(req_id, None)

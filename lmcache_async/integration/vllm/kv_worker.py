@@ -278,13 +278,13 @@ class KVWorkerSide:
         kv_end = (run.first_block + done) * self.block_size
         end = min(hs_run.end, kv_end)
         try:
-            got = load_hs_run(group, hs, self.manager, replace(hs_run, token_ids=hs_run.token_ids[:end], end=end))
+            got = load_hs_run(group, hs, self.manager, replace(hs_run, end=end))
         except Exception as exc:
             self._fault("hidden-state load", exc)
             got = hs_run.start
         got = max(got, hs_run.start)
         self._add(hs_loaded_tokens=got - hs_run.start)
-        self.recent_hs_runs.append(("load", replace(hs_run, token_ids=hs_run.token_ids[:got], end=got)))
+        self.recent_hs_runs.append(("load", replace(hs_run, end=got)))
         if got < kv_end:
             self._add(hs_short_loads=1)
             first_bad = max(got // self.block_size - run.first_block, 0)
