@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationError, field_validator
 
 from lmcache_async.errors import ConfigError
 
@@ -242,6 +242,23 @@ class LMCacheEngineConfig(BaseModel):
         0.0, ge=0, description="Memory this client contributes to the store (GiB); 0 = a pure client."
     )
     mooncake_replica_num: int = Field(1, ge=1, description="Replicas of each object in the Mooncake store.")
+    # --- object store tier (remote_url: s3://BUCKET/PREFIX) ----------------------------------------
+    s3_endpoint: str | None = Field(None, description="S3 endpoint URL (None: AWS_ENDPOINT_URL, else AWS's own).")
+    s3_region: str | None = Field(None, description="S3 region (None: AWS_REGION / AWS_DEFAULT_REGION, else us-east-1).")
+    s3_access_key_id: SecretStr | None = Field(
+        None, description="S3 access key id (None: AWS_ACCESS_KEY_ID; neither: unsigned requests). Never printed."
+    )
+    s3_secret_access_key: SecretStr | None = Field(
+        None, description="S3 secret access key (None: AWS_SECRET_ACCESS_KEY). Never printed."
+    )
+    s3_allow_http: bool = Field(False, description="Allow a plain-http S3 endpoint (a loopback test server).")
+    s3_max_concurrency: int = Field(16, gt=0, description="Most S3 requests of one tier in flight at once.")
+    # --- encryption at rest ---------------------------------------------------------------------
+    encryption_key_file: str | None = Field(
+        None,
+        description="AES-256-GCM key file (mode 0600; 'lmcache-async keygen FILE'): seals every record written "
+        "outside process memory (disk, fs://, Redis, S3); records under another key are misses, kept.",
+    )
     # --- node cache server (lmcache-async serve; client tier "server") ---------------------------
     cache_server_socket: str | None = Field(
         None, description="Unix socket of the node cache server; enables the client tier 'server'."
@@ -262,6 +279,36 @@ class LMCacheEngineConfig(BaseModel):
     cache_server_max_namespaces: int = Field(8, gt=0, description="Cache server: most namespaces (one pool each).")
     cache_server_pretouch: bool = Field(
         True, description="Cache server: fault in each namespace pool in the background when it is created."
+    )
+    cache_server_namespaces: dict[str, dict[str, Any]] | None = Field(
+        None,
+        description="Cache server: namespaces bound to Unix users/groups and/or a token of their own "
+        "({name: {uids: [..], gids: [..], token: ..}}); unbound namespaces admit the server's user and root.",
+    )
+    cache_server_max_holds: int = Field(4096, gt=0, description="Cache server: most holds in one namespace.")
+    cache_server_max_client_holds: int = Field(
+        1024, gt=0, description="Cache server: most live holds one client connection may take."
+    )
+    cache_server_max_namespace_leases: int = Field(
+        16384, gt=0, description="Cache server: most leases all clients of one namespace may hold at once."
+    )
+    cache_server_max_pinned_fraction: float = Field(
+        0.5, gt=0, le=1, description="Cache server: share of a pool one client's leases, and all holds, may pin."
+    )
+    cache_server_namespace_idle_s: float = Field(
+        900.0, gt=0, description="Cache server: a namespace with no client this long is released (pool freed)."
+    )
+    cache_server_max_connections: int = Field(
+        1024, gt=0, description="Cache server: most connections at once (more are answered FULL)."
+    )
+    cache_server_idle_timeout_s: float = Field(
+        3600.0, ge=0, description="Cache server: close a connection idle this long (0: never)."
+    )
+    cache_server_frame_timeout_s: float = Field(
+        10.0, ge=0, description="Cache server: close a connection stalled inside a frame this long (0: never)."
+    )
+    cache_server_max_buffered_bytes: int = Field(
+        64 << 20, gt=0, description="Cache server: bytes of partial frames all connections may hold together."
     )
     cache_server_remember_locations: bool = Field(
         True,

@@ -98,7 +98,9 @@ class _ForkWatch:
 
 _fork = _ForkWatch
 os.register_at_fork(after_in_child=_ForkWatch.update)
-_HIT = struct.Struct("<BQQ")  # a GET answer's hit: flag 1, lease id, offset (then the metadata)
+_HIT = struct.Struct("<BQQ")  # a hit: flag (1 GET, 2 READ), lease id or version, offset (then the metadata)
+#: A decoded hit: (lease id or version, offset, metadata).
+Hit = tuple[int, int, EntryMeta]
 _RELEASE_HEAD = struct.Struct("<IBIH")  # frame header of a RELEASE and its count
 _COMMIT_HEAD = struct.Struct("<QH")  # a COMMIT item: grant id, key length (then key, metadata)
 
@@ -124,6 +126,7 @@ class ServerClient:
         timeout_s: float = 2.0,
         max_backoff_s: float = 4.0,
         remember_locations: bool = True,
+        server_uid: int | None = None,
     ) -> None:
         if not isinstance(path, str) or not path:
             raise ValueError(f"path must be a non-empty str, got {path!r}")
@@ -131,8 +134,12 @@ class ServerClient:
             raise ValueError(f"namespace must be a non-empty str, got {namespace!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        if server_uid is not None and (not isinstance(server_uid, int) or server_uid < 0):
+            raise ValueError(f"server_uid must be a uid (an int >= 0), got {server_uid!r}")
         self.path = path
         self.namespace = namespace
+        #: The uid the server must run as (``SO_PEERCRED``, checked before anything is sent).
+        self.server_uid = os.getuid() if server_uid is None else server_uid
         self.token = token
         self.timeout_s = float(timeout_s)
         #: Keep the locations READ answers and copy from them again with no round trip.
@@ -158,6 +165,11 @@ class ServerClient:
         self.known_reads = 0
         #: Reads into a sink of another shape or dtype than the entry's (a miss).
         self.read_mismatches = 0
+        #: Copies under a lease that ended before the copy did (TTL passed under a stalled reader,
+        #: or the server closed the connection): given back, a miss.
+        self.stale_leases = 0
+        #: Tiers the last ``clear`` could not clear completely (as the server named them).
+        self.uncleared: list[str] = []
         self.generation = 0
 
     # ---- connection management (call with the lock held) -------------------------------------------
@@ -176,7 +188,9 @@ class ServerClient:
             self.skipped += 1
             return None
         try:
-            conn = _connect(self.path, self.namespace, self.token, Mode.CLIENT, deadline, self.timeout_s)
+            conn = _connect(
+                self.path, self.namespace, self.token, Mode.CLIENT, deadline, self.timeout_s, self.server_uid
+            )
         except (OSError, ServerUnavailable, ProtocolError, ValueError) as exc:
             self._fail(f"connect: {exc}")
             return None
@@ -394,7 +408,7 @@ class ServerClient:
             raise
         return out
 
-    def _remember(self, conn: _Connection, key: bytes, hit: tuple[int, int, EntryMeta]) -> None:
+    def _remember(self, conn: _Connection, key: bytes, hit: Hit) -> None:
         """Keep where a READ said ``key`` lies (oldest dropped past :data:`LOCATIONS_MAX`), when
         locations are remembered."""
         if self.remember_locations:
@@ -424,15 +438,24 @@ class ServerClient:
         self, conn: _Connection, deadline: float, op: Op, body: bytes, n: int, alloc: Alloc
     ) -> list[MemoryObj | None]:
         """One leasing request (GET or GET_HELD), each hit copied out, the leases released."""
-        return self._copy_out(conn, _exchange(conn, op, body, deadline, self._pending(conn)), n, alloc)
+        until = time.monotonic() + conn.ttl_s  # the server's lease TTL starts later than this
+        return self._copy_out(conn, _exchange(conn, op, body, deadline, self._pending(conn)), n, alloc, until)
 
-    def _copy_out(self, conn: _Connection, v: memoryview, n: int, alloc: Alloc) -> list[MemoryObj | None]:
+    def _copy_out(self, conn: _Connection, v: memoryview, n: int, alloc: Alloc, until: float) -> list[MemoryObj | None]:
         """Copy each hit of a leasing answer ``v`` into a buffer from ``alloc``, then release the
-        leases (one unanswered frame); the caller owns the buffers."""
-        assert conn.mapping is not None
-        hits = _hits(v, n, conn.mapping.pool_bytes, 1, "GET")
+        leases (one unanswered frame); the caller owns the buffers. Copies that ended after the
+        leases may have (``until`` passed, or the server closed the connection: a reader stalled
+        that long) are given back and answered None (:func:`_leases_held`)."""
+        mapping = conn.mapping
+        assert mapping is not None
+        hits = _hits(v, n, mapping.pool_bytes, 1, "GET")
         try:
-            return _copy_hits(conn.mapping, hits, alloc)
+            out = _copy_hits(mapping, hits, alloc)
+            if not _leases_held(conn, until):
+                self.stale_leases += sum(o is not None for o in out)
+                _drop_all(out)
+                out = [None] * n
+            return out
         finally:
             leases = [h[0] for h in hits if h is not None]
             if leases:
@@ -534,6 +557,7 @@ class ServerClient:
         copies in order (with ``prefix``, none after the first miss or entry of another shape or
         dtype), then every lease released with one unanswered frame."""
         assert conn.mapping is not None
+        until = time.monotonic() + conn.ttl_s  # the server's lease TTL starts later than this
         v = _exchange(conn, Op.GET, encode_keys(keys), deadline, self._pending(conn))
         hits = _hits(v, len(keys), conn.mapping.pool_bytes, 1, "GET")
         base = conn.mapping.data.data_ptr()
@@ -549,6 +573,9 @@ class ServerClient:
                         self.read_mismatches += 1
                 if prefix and not out[i]:
                     break
+            if any(out) and not _leases_held(conn, until):  # a reader stalled past its leases
+                self.stale_leases += sum(out)
+                out = [False] * len(keys)
         finally:
             leases = [h[0] for h in hits if h is not None]
             if leases:
@@ -764,8 +791,16 @@ class ServerClient:
         return out
 
     def clear(self) -> bool:
-        """Remove every entry of this namespace; False when the server could not be asked."""
-        return self._call(Op.CLEAR, b"", lambda c, r: True) is True
+        """Remove every entry of this namespace from every tier of the server: True when all
+        are clear; False when the server could not be asked, or named tiers it could not clear
+        completely (kept in :attr:`uncleared` and logged)."""
+        got = self._call(Op.CLEAR, b"", lambda c, r: [r.blob().decode("utf-8", "replace") for _ in range(r.u16())])
+        if got is None:
+            return False
+        self.uncleared = got
+        if got:
+            self._log.warning("cache server %s: CLEAR could not clear tier(s) %s", self.path, got, key="clear")
+        return not got
 
     def ping(self) -> bool:
         """True when the server answers."""
@@ -788,6 +823,7 @@ class ServerClient:
             "rereads": self.rereads,
             "known_reads": self.known_reads,
             "read_mismatches": self.read_mismatches,
+            "stale_leases": self.stale_leases,
             "connected": self._conn is not None,
             "circuit": self.breaker.state,
         }
@@ -801,7 +837,7 @@ class ServerClient:
             conn.close()
 
 
-def _hits(v: memoryview, n: int, pool_bytes: int, flag: int, what: str) -> list[tuple[int, int, EntryMeta] | None]:
+def _hits(v: memoryview, n: int, pool_bytes: int, flag: int, what: str) -> list[Hit | None]:
     """The ``n`` entries of a GET (``flag`` 1: lease id) or READ (2: version) answer: per key
     None for a miss or (lease id or version, offset, metadata); :class:`ProtocolError` for an
     answer that is malformed or points outside the pool."""
@@ -809,7 +845,7 @@ def _hits(v: memoryview, n: int, pool_bytes: int, flag: int, what: str) -> list[
         raise ProtocolError(f"{what} answer has the wrong count")
     end = len(v)
     pos = 2
-    out: list[tuple[int, int, EntryMeta] | None] = []
+    out: list[Hit | None] = []
     for _ in range(n):
         if pos >= end:
             raise ProtocolError("message truncated")
@@ -831,9 +867,7 @@ def _hits(v: memoryview, n: int, pool_bytes: int, flag: int, what: str) -> list[
     return out
 
 
-def _copy_hits(
-    mapping: PoolMapping, hits: list[tuple[int, int, EntryMeta] | None], alloc: Alloc
-) -> list[MemoryObj | None]:
+def _copy_hits(mapping: PoolMapping, hits: Sequence[Hit | None], alloc: Alloc) -> list[MemoryObj | None]:
     """Each hit copied from the mapped pool into a buffer from ``alloc`` (None per miss or
     buffer refused); on an exception nothing is kept."""
     data = mapping.data
@@ -855,7 +889,7 @@ def _copy_hits(
 
 
 def _copy_checked(
-    mapping: PoolMapping, hits: list[tuple[int, int, EntryMeta] | None], alloc: Alloc
+    mapping: PoolMapping, hits: Sequence[Hit | None], alloc: Alloc
 ) -> tuple[list[MemoryObj | None], list[int]]:
     """Each lease-free hit ``(version, offset, metadata)`` copied out (:func:`_copy_hits`), then
     checked against the mapped version table: a copy whose entry left the index meanwhile is
@@ -870,6 +904,14 @@ def _copy_checked(
             out[i] = None
             stale.append(i)
     return out, stale
+
+
+def _leases_held(conn: _Connection, until: float) -> bool:
+    """Whether leases taken on ``conn`` after ``until - ttl`` still held once a copy under them
+    ended: the TTL had not passed by our clock (the server starts it later and frees a block at
+    its expiry at the earliest) and the server had not closed the connection (the only other way
+    it ends a lease). A reader stalled past either, for any length of time, is told so."""
+    return time.monotonic() < until and _peer_open(conn)
 
 
 def _copy_into(sink: ReadSink, src: int) -> None:
@@ -960,13 +1002,17 @@ def _json(r: Reader) -> dict[str, Any]:
     return out
 
 
-def query_status(path: str, *, token: str | None = None, timeout_s: float = 5.0) -> dict[str, Any]:
-    """The figures of the server on ``path`` (a status connection: no namespace, no pool).
+def query_status(
+    path: str, *, token: str | None = None, timeout_s: float = 5.0, server_uid: int | None = None
+) -> dict[str, Any]:
+    """The figures of the server on ``path`` (a status connection: no namespace, no pool): the
+    namespaces this process may join only.
 
-    Raises ``OSError``/``ConnectionError`` when it cannot be reached or refuses us.
+    Raises ``OSError``/``ConnectionError`` when it cannot be reached, refuses us, or does not run
+    as ``server_uid`` (default: our uid).
     """
     deadline = time.monotonic() + timeout_s
-    conn = _connect(path, "", token, Mode.STATUS, deadline)
+    conn = _connect(path, "", token, Mode.STATUS, deadline, server_uid=server_uid)
     try:
         r = Reader(_exchange(conn, Op.STATS, b"", deadline))
         return _json(r)

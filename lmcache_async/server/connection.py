@@ -3,9 +3,10 @@
 Used under :class:`~lmcache_async.server.client.ServerClient`'s lock (one request at a time per
 connection); nothing here retries, counts or logs: callers turn the exceptions into misses.
 
-* :func:`connect` runs the handshake and maps the namespace pool handed over as a memfd;
-  ``ServerUnavailable`` when the server refuses us or answers something else, ``OSError`` when
-  it cannot be reached, both bounded by the deadline.
+* :func:`connect` checks who serves the socket (``SO_PEERCRED``: the peer's uid must be ours or
+  the one configured) before it sends anything, runs the handshake and maps the namespace pool
+  handed over as a memfd; ``ServerUnavailable`` when the server is not who we expect, refuses us
+  or answers something else, ``OSError`` when it cannot be reached, all bounded by the deadline.
 * :func:`exchange` sends one request (after any unanswered frames) and reads its answer;
   ``ConnectionError`` when the server closed the connection (a server that stopped or
   restarted), ``TimeoutError`` at the deadline, ``ProtocolError`` for an answer of another request.
@@ -51,6 +52,7 @@ __all__ = [
     "exchange",
     "peer_open",
     "send_frames",
+    "server_uid_of",
 ]
 
 #: How far past its deadline a blocking wait may end (the kernel timeouts are not re-armed
@@ -119,18 +121,39 @@ class Connection:
             pass
 
 
+_PEERCRED = struct.Struct("3i")
+
+
+def server_uid_of(sock: socket.socket) -> int:
+    """The uid of the process serving the connected Unix socket ``sock`` (``SO_PEERCRED``)."""
+    _pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return int(uid)
+
+
 def connect(
-    path: str, namespace: str, token: str | None, mode: Mode, deadline: float, io_timeout_s: float | None = None
+    path: str,
+    namespace: str,
+    token: str | None,
+    mode: Mode,
+    deadline: float,
+    io_timeout_s: float | None = None,
+    server_uid: int | None = None,
 ) -> Connection:
     """Handshake on ``path`` and map the namespace pool (mode CLIENT) before ``deadline``.
 
-    ``io_timeout_s`` bounds each later blocking wait on the connection (default: the time left
-    until ``deadline``); callers pass their per-call timeout.
+    The server's uid must be ``server_uid`` (default: ours); a socket served by anyone else (a
+    user who created the socket's directory first) gets no token and no payload:
+    ``ServerUnavailable``. ``io_timeout_s`` bounds each later blocking wait on the connection
+    (default: the time left until ``deadline``); callers pass their per-call timeout.
     """
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(max(deadline - time.monotonic(), 0.001))
         sock.connect(path)
+        want = os.getuid() if server_uid is None else server_uid
+        got = server_uid_of(sock)
+        if got != want:
+            raise ServerUnavailable(f"{path} is served by uid {got}, not by uid {want} (nothing sent)")
         ns = namespace.encode("utf-8")
         tok = (token or "").encode("utf-8")
         sock.sendall(HELLO.pack(MAGIC, VERSION, int(mode), len(ns), len(tok)) + ns + tok)
@@ -156,7 +179,7 @@ def connect(
                     raise ServerUnavailable("no pool descriptor in the handshake")
                 fd = fds.pop()
                 try:
-                    mapping = PoolMapping(fd, gen, pool_bytes, data_off)
+                    mapping = PoolMapping(fd, gen, pool_bytes, data_off, align)
                 except ValueError as exc:
                     raise ServerUnavailable(str(exc)) from None
         finally:

@@ -2,12 +2,18 @@
 reads request frames and writes answers in order, handing each request to the server's dispatch.
 
 Thread affinity: the server's event loop.
+
+Bounds: the bytes of a partial frame held here count against the server's ``max_buffered``; a
+connection that would go past it stops being read (the kernel's socket buffer holds the rest)
+until other connections drain. The server's sweep asks :meth:`FrameProtocol.stalled` and closes
+connections stalled inside a frame or idle past their timeouts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from typing import TYPE_CHECKING, cast
 
 from lmcache_async.server.namespace import ClientState, Namespace
@@ -22,12 +28,24 @@ __all__ = ["MAY_WAIT", "Conn", "FrameProtocol"]
 class Conn:
     """One admitted connection."""
 
-    def __init__(self, ident: int, ns: Namespace | None, state: ClientState | None, uid: int, pid: int) -> None:
+    def __init__(
+        self,
+        ident: int,
+        ns: Namespace | None,
+        state: ClientState | None,
+        uid: int,
+        pid: int,
+        gid: int = -1,
+        token: bytes = b"",
+    ) -> None:
         self.ident = ident
         self.ns = ns
         self.state = state
         self.uid = uid
         self.pid = pid
+        self.gid = gid
+        #: The token the peer presented (what it may see is decided by it, its uid and gid).
+        self.token = token
 
 
 #: Ops whose handling awaits the lower tiers (when the server has any).
@@ -59,6 +77,61 @@ class FrameProtocol(asyncio.Protocol):
         self._task: asyncio.Future[bytes | None] | None = None
         self._write_paused = False
         self._fast = server.fast_handlers() if conn.ns is not None and conn.state is not None else {}
+        #: True when the peer closed its side (EOF or reset) before the server closed it.
+        self.peer_closed = False
+        self._activity = 0  # data_received calls; the sweep compares it between rounds
+        self._seen = (0, time.monotonic())  # (activity, when it was last seen to change)
+        self._partial_since: float | None = None
+        self._counted = 0  # partial-frame bytes counted in the server's ``buffered``
+        self._budget_paused = False
+
+    def stalled(self, now: float, frame_timeout_s: float, idle_timeout_s: float) -> str | None:
+        """Why the server should close this connection now (a partial frame older than
+        ``frame_timeout_s``, no request for ``idle_timeout_s``; 0 turns a check off), or None."""
+        if self._closed.done():
+            return None
+        if self._activity != self._seen[0]:
+            self._seen = (self._activity, now)
+        since = self._partial_since
+        if frame_timeout_s > 0 and since is not None and now - since > frame_timeout_s:
+            return f"stalled inside a frame for {now - since:.1f} s"
+        if idle_timeout_s > 0 and not self._busy and now - self._seen[1] > idle_timeout_s:
+            return f"idle for {now - self._seen[1]:.1f} s"
+        return None
+
+    def close_by_server(self) -> None:
+        """End the connection from the server's side (a timeout): its holdings are reclaimed."""
+        self._finish(TimeoutError("closed by the server"))
+
+    def resume_budget(self) -> None:
+        """The server-wide bound on partial-frame bytes allows reading again."""
+        if self._budget_paused:
+            self._budget_paused = False
+            self._partial_since = time.monotonic() if self._buf else None
+            t = self._transport
+            if t is not None and not self._busy and not self._write_paused and not t.is_closing():
+                t.resume_reading()
+
+    def _account(self) -> None:
+        """Count this connection's partial-frame bytes in the server's total; stop reading when
+        the total passes the bound (a waiting connection's frame timer stops meanwhile)."""
+        n = len(self._buf)
+        server = self._server
+        delta = n - self._counted
+        self._counted = n
+        server.buffered += delta
+        if not n:
+            self._partial_since = None
+        elif self._partial_since is None and not self._budget_paused:
+            self._partial_since = time.monotonic()
+        if n and not self._budget_paused and server.buffered > server.max_buffered:
+            self._budget_paused = True
+            self._partial_since = None
+            if self._transport is not None and not self._transport.is_closing():
+                self._transport.pause_reading()
+            server.buffer_wait(self)
+        elif delta < 0:
+            server.buffer_drained()
 
     def shut(self) -> None:
         """Cancel a request still running and close the transport (the server's handler calls
@@ -74,6 +147,7 @@ class FrameProtocol(asyncio.Protocol):
         self._transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        self._activity += 1
         if not self._buf and not self._busy and not self._write_paused and self._fast:
             # The usual case: exactly one hot request arrived and nothing is queued before it.
             # It is answered from ``data`` itself, with no buffering and no dispatch.
@@ -94,13 +168,22 @@ class FrameProtocol(asyncio.Protocol):
         self._buf += data
         if not self._busy and not self._write_paused:
             self._process()
+        self._account()
 
     def eof_received(self) -> bool | None:
+        if not self._closed.done():
+            self.peer_closed = True
         self._finish(None)
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if not self._closed.done():
+            self.peer_closed = True  # a reset, or the peer's close seen without an EOF first
         self._finish(exc)
+        if self._counted:
+            self._server.buffered -= self._counted
+            self._counted = 0
+        self._server.buffer_drained(self)
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -110,8 +193,10 @@ class FrameProtocol(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._write_paused = False
         if self._transport is not None and not self._busy and not self._transport.is_closing():
-            self._transport.resume_reading()
+            if not self._budget_paused:
+                self._transport.resume_reading()
             self._process()
+            self._account()
 
     def _finish(self, exc: BaseException | None) -> None:
         if not self._closed.done():
@@ -179,5 +264,7 @@ class FrameProtocol(asyncio.Protocol):
             self._finish(err)
             return
         if not self._write_paused:
-            self._transport.resume_reading()
+            if not self._budget_paused:
+                self._transport.resume_reading()
             self._process()
+            self._account()

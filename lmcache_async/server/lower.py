@@ -8,6 +8,12 @@ records are still ordinary, self-describing records of the configured tiers.
 
 Thread affinity: called on the server's loop thread; the manager's own loop thread does the I/O
 (the server awaits it, bounded by ``blocking_timeout_secs``). Trouble is a miss, never raised.
+
+Clearing: the manager cannot list one namespace's records, so the store keeps the keys of each
+namespace it wrote through or found in a lower tier during this server's life (at most
+:data:`KNOWN_MAX` per namespace) and ``clear`` removes those. What it cannot vouch for is said: a
+tier that already held records when the server started (or that cannot tell: a remote store), or
+a namespace past the key bound, is named in ``clear``'s answer.
 """
 
 from __future__ import annotations
@@ -26,10 +32,13 @@ if TYPE_CHECKING:
     from lmcache_async.config import LMCacheEngineConfig
     from lmcache_async.storage_manager import StorageManager
 
-__all__ = ["LowerStore", "wants_lower_tiers"]
+__all__ = ["KNOWN_MAX", "LowerStore", "wants_lower_tiers"]
 
 logger = logging.getLogger(__name__)
 _NS_SEP = "\x1f"
+#: Keys of one namespace remembered for ``clear``; past it, ``clear`` says it may leave some.
+KNOWN_MAX = 1 << 20
+_CLEAR_BATCH = 256
 
 
 def wants_lower_tiers(config: LMCacheEngineConfig) -> bool:
@@ -58,6 +67,29 @@ class LowerStore:
         self._log = RateLimitedLog(logger)
         self.write_failures = 0
         self.read_failures = 0
+        self._known: dict[str, set[bytes]] = {}
+        self._overflowed: set[str] = set()
+        #: Tiers that may hold records this server did not see (held some when it started, or
+        #: cannot tell): ``clear`` names them.
+        self._opaque = self._tiers_not_known_empty()
+
+    def _tiers_not_known_empty(self) -> list[str]:
+        tiers = self.manager.stats().get("tiers", {})
+        out = []
+        for name in self.manager.tier_names:
+            fig = tiers.get(name, {})
+            empty = fig.get("entries") == 0 and fig.get("rebuild_done", True) is True and "entries" in fig
+            if not empty or name in ("remote", "nixl"):  # shared stores: other writers, no listing
+                out.append(name)
+        return out
+
+    def _note(self, namespace: str, raw: bytes) -> None:
+        """Remember that ``namespace`` has ``raw`` in a lower tier (for :meth:`clear`)."""
+        known = self._known.setdefault(namespace, set())
+        if len(known) < KNOWN_MAX:
+            known.add(raw)
+        elif raw not in known:
+            self._overflowed.add(namespace)
 
     @property
     def tier_names(self) -> list[str]:
@@ -80,6 +112,7 @@ class LowerStore:
         key = self.key(namespace, raw)
         if key is None:
             return
+        self._note(namespace, raw)
         try:
             if not await self.manager.put(key, tensor, fmt):
                 self.write_failures += 1
@@ -96,7 +129,11 @@ class LowerStore:
             self._log.warning("cache server: lower-tier lookup failed: %s: %s", type(exc).__name__, exc, key="get")
             return [False] * len(raws)
         it = iter(res)
-        return [False if k is None else bool(next(it)) for k in keys]
+        found = [False if k is None else bool(next(it)) for k in keys]
+        for raw, f in zip(raws, found, strict=True):
+            if f:
+                self._note(namespace, raw)
+        return found
 
     async def get(self, namespace: str, raw: bytes) -> MemoryObj | None:
         """The entry read from a lower tier (the caller owns one reference), or None."""
@@ -104,7 +141,10 @@ class LowerStore:
         if key is None:
             return None
         try:
-            return await self.manager.get(key)
+            obj = await self.manager.get(key)
+            if obj is not None:
+                self._note(namespace, raw)
+            return obj
         except Exception as exc:
             self.read_failures += 1
             self._log.warning("cache server: lower-tier read failed: %s: %s", type(exc).__name__, exc, key="get")
@@ -118,6 +158,25 @@ class LowerStore:
             return bool(await self.manager.remove(key))
         except Exception:
             return False
+
+    async def clear(self, namespace: str) -> list[str]:
+        """Remove every record of ``namespace`` this store knows of from every lower tier (the
+        write-through is flushed first); the names of the tiers that may still hold some of its
+        records (see the module docstring; a failed removal names every tier)."""
+        known = self._known.pop(namespace, set())
+        failed = False
+        try:
+            await self.manager.flush()
+            keys = [k for k in (self.key(namespace, raw) for raw in known) if k is not None]
+            for i in range(0, len(keys), _CLEAR_BATCH):
+                await asyncio.gather(*(self.manager.remove(k) for k in keys[i : i + _CLEAR_BATCH]))
+        except Exception as exc:
+            failed = True
+            self._log.warning("cache server: clearing lower tiers failed: %s: %s", type(exc).__name__, exc, key="clr")
+        if failed or namespace in self._overflowed:
+            self._overflowed.discard(namespace)
+            return self.tier_names
+        return list(self._opaque)
 
     async def close(self) -> None:
         """Flush the write-through (bounded) and close the manager."""

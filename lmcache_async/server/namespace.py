@@ -4,26 +4,40 @@ Thread affinity: every method runs on the server's event-loop thread (the alloca
 makes the pool safe to share with the pre-touch thread); nothing here blocks or awaits.
 
 * A **grant** is a pool block handed to one client for writing. It is not in the index: no
-  reader can see it until the client commits it under a key. Uncommitted grants are freed when
-  their client goes away or their TTL passes.
+  reader can see it until the client commits it under a key. A granted block goes back to the
+  pool only when its writer can no longer write into it: it committed or returned the grant,
+  its connection was closed by its own side (the client closes between calls, never during a
+  copy; a killed process's socket closes after its memory is gone), or the server closed the
+  connection and the process has exited (watched with a pidfd; until then the block is
+  *quarantined*). A grant past its TTL is only counted (``overdue_grants``): a stalled writer of
+  any length keeps its block, so its late copy can never land in another key's entry. The
+  per-client grant cap bounds what a stalled writer pins.
 * A **lease** pins a committed entry's block for one reader (one more reference on the block).
   A leased entry is never evicted; a removed or evicted-while-leased entry's block is freed
   when its last lease ends. Leases end on release, on TTL expiry, or when the client goes away.
+  A reader checks after copying that its lease still held (the TTL had not passed by its clock,
+  which the server's expiry never precedes, and the server had not closed the connection), so a
+  lease that ended under a stalled reader costs it a miss, never wrong bytes.
 * A **hold** pins a committed entry for the whole namespace under a random token: the block
   and metadata stay readable through the token (``lease_held``) after the key was removed or
   evicted, until the hold is dropped (by any client of the namespace) or its TTL passes. Holds
-  outlive the connection that took them (they exist for readers in other processes); the
-  namespace holds at most ``max_leases`` of them.
-* Each client has a cap on leases and on uncommitted grants, so one stuck client cannot pin
-  the pool.
+  outlive the connection that took them (they exist for readers in other processes).
+* **Caps**, so one client cannot take every slot: per client, leases (``max_leases``), holds
+  (``max_client_holds``), uncommitted grants (``max_grants``) and the block bytes its leases pin
+  (``max_pinned_fraction`` of the pool); per namespace, leases (``max_namespace_leases``), holds
+  (``max_holds``) and the block bytes holds pin (``max_pinned_fraction`` of the pool).
 * The index is an :class:`~lmcache_async.lru.LruIndex` sized by payload bytes; eviction takes
-  the least recently used entry whose block nobody else references.
+  the least recently used entry whose block nobody else references, and only after checking
+  that evicting every such entry would make room (a put that cannot fit evicts nothing).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import os
 import secrets
+import select
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +51,8 @@ from lmcache_async.server.protocol import COMMIT_FAILED, COMMIT_PRESENT, COMMIT_
 from lmcache_async.server.shm import SharedPool, new_generation
 
 __all__ = ["ClientState", "Lease", "Namespace"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -63,10 +79,11 @@ class Lease:
 
 @dataclass(slots=True)
 class Grant:
-    """A block granted for writing, not yet committed."""
+    """A block granted for writing, not yet committed (``overdue``: its TTL passed; counted once)."""
 
     obj: MemoryObj
     expires: float
+    overdue: bool = False
 
 
 @dataclass(slots=True)
@@ -76,17 +93,31 @@ class Hold:
     obj: MemoryObj
     meta: EntryMeta
     expires: float
+    owner: int
 
 
 @dataclass
 class ClientState:
-    """What one connection holds in its namespace; reclaimed by :meth:`Namespace.drop_client`."""
+    """What one connection holds in its namespace; reclaimed by :meth:`Namespace.drop_client`.
+
+    ``pinned``: block bytes of its leases; ``holds``: holds it took that still live."""
 
     ident: int
     pid: int = 0
     leases: dict[int, Lease] = field(default_factory=dict)
     grants: dict[int, Grant] = field(default_factory=dict)
     requests: int = 0
+    pinned: int = 0
+    holds: int = 0
+
+
+@dataclass(slots=True)
+class Quarantine:
+    """Blocks of grants whose writer may still be copying into them: the server closed its
+    connection while its process (``pidfd``; -1 when it cannot be watched) lives on."""
+
+    pidfd: int
+    blocks: list[MemoryObj]
 
 
 class Namespace:
@@ -100,6 +131,10 @@ class Namespace:
         lease_ttl_s: float,
         max_leases: int,
         max_grants: int,
+        max_holds: int = 4096,
+        max_client_holds: int = 1024,
+        max_namespace_leases: int = 16384,
+        max_pinned_fraction: float = 0.5,
         reserve_bytes: int | None = None,
         pretouch: bool = True,
         clock: Callable[[], float] = time.monotonic,
@@ -111,11 +146,22 @@ class Namespace:
         self.lease_ttl_s = lease_ttl_s
         self.max_leases = max_leases
         self.max_grants = max_grants
+        self.max_holds = max_holds
+        self.max_client_holds = max_client_holds
+        self.max_namespace_leases = max_namespace_leases
+        #: Block bytes one client's leases, and all holds together, may pin.
+        self.max_pinned_bytes = int(self.pool.capacity * max_pinned_fraction)
         self._clock = clock
         self._index: LruIndex[bytes, Entry] = LruIndex()  # sized by payload bytes
         self._ids = itertools.count(1)
         self.clients: dict[int, ClientState] = {}
         self._holds: dict[int, Hold] = {}
+        self._hold_owners: dict[int, ClientState] = {}  # live clients that took holds, by ident
+        self._held_bytes = 0
+        self._leases = 0  # leases of every client
+        self._quarantine: list[Quarantine] = []
+        #: Since when the namespace has had no client (monotonic; None while it has one).
+        self.idle_since: float | None = clock()
         self.hits = 0
         self.misses = 0
         self.evictions = 0
@@ -124,12 +170,14 @@ class Namespace:
         self.refused_grants = 0
         self.refused_leases = 0
         self.expired_leases = 0
-        self.expired_grants = 0
         self.reclaimed_leases = 0
         self.reclaimed_grants = 0
         self.holds_taken = 0
         self.refused_holds = 0
         self.expired_holds = 0
+        self.overdue_grants = 0
+        self.quarantined_grants = 0
+        self.refused_evictions = 0
 
     @property
     def generation(self) -> int:
@@ -147,19 +195,65 @@ class Namespace:
     def add_client(self, ident: int, pid: int = 0) -> ClientState:
         st = ClientState(ident, pid)
         self.clients[ident] = st
+        self.idle_since = None
         return st
 
-    def drop_client(self, st: ClientState) -> None:
-        """Reclaim everything a closed connection held: leases end, uncommitted grants are freed."""
+    def drop_client(self, st: ClientState, *, writer_gone: bool = True) -> None:
+        """Reclaim everything a closed connection held: leases end; uncommitted grants are
+        freed when ``writer_gone`` (the client closed its side, so no copy of its runs), else
+        quarantined until its process exits (the server closed a connection whose process may
+        still be copying into them)."""
         for lease in st.leases.values():
             lease.obj.ref_count_down()
-        for grant in st.grants.values():
-            grant.obj.ref_count_down()
+        self._leases -= len(st.leases)
         self.reclaimed_leases += len(st.leases)
         self.reclaimed_grants += len(st.grants)
+        blocks = [g.obj for g in st.grants.values()]
         st.leases.clear()
         st.grants.clear()
+        st.pinned = 0
+        if blocks and not writer_gone:
+            self._quarantine_blocks(st.pid, blocks)
+        else:
+            for obj in blocks:
+                obj.ref_count_down()
         self.clients.pop(st.ident, None)
+        self._hold_owners.pop(st.ident, None)
+        if not self.clients:
+            self.idle_since = self._clock()
+
+    def _quarantine_blocks(self, pid: int, blocks: list[MemoryObj]) -> None:
+        pidfd = -1
+        if pid > 0:
+            try:
+                pidfd = os.pidfd_open(pid)
+            except ProcessLookupError:  # already gone: nobody can write there any more
+                for obj in blocks:
+                    obj.ref_count_down()
+                return
+            except OSError as exc:
+                logger.warning("cache server: cannot watch process %d (%s); its grants stay reserved", pid, exc)
+        self.quarantined_grants += len(blocks)
+        self._quarantine.append(Quarantine(pidfd, blocks))
+
+    def _sweep_quarantine(self) -> None:
+        """Free the quarantined blocks of processes that have exited."""
+        keep: list[Quarantine] = []
+        for q in self._quarantine:
+            if q.pidfd >= 0 and select.select([q.pidfd], [], [], 0)[0]:
+                os.close(q.pidfd)
+                for obj in q.blocks:
+                    obj.ref_count_down()
+            else:
+                keep.append(q)
+        self._quarantine = keep
+
+    def reclaimable(self, idle_s: float) -> bool:
+        """True when nobody uses this namespace: no client, no hold, and either no entry or no
+        client for ``idle_s`` seconds (its pool may then be released)."""
+        if self.clients or self._holds or self.idle_since is None:
+            return False
+        return not self._index or self._clock() - self.idle_since >= idle_s
 
     # ---- presence ----------------------------------------------------------------------------
     def contains(self, keys: list[bytes], touch: bool) -> list[bool]:
@@ -169,22 +263,37 @@ class Namespace:
         return [k in idx for k in keys]
 
     # ---- reads ---------------------------------------------------------------------------------
+    def _may_lease(self, st: ClientState, obj: MemoryObj) -> bool:
+        """The lease caps: per client (count and pinned bytes) and per namespace (count)."""
+        if (
+            len(st.leases) >= self.max_leases
+            or self._leases >= self.max_namespace_leases
+            or st.pinned + obj.size > self.max_pinned_bytes
+        ):
+            self.refused_leases += 1
+            return False
+        return True
+
+    def _add_lease(self, st: ClientState, obj: MemoryObj) -> int:
+        obj.ref_count_up()
+        lid = next(self._ids)
+        st.leases[lid] = Lease(obj, self._clock() + self.lease_ttl_s)
+        st.pinned += obj.size
+        self._leases += 1
+        self.hits += 1
+        return lid
+
     def lease(self, st: ClientState, key: bytes, *, count_miss: bool = True) -> tuple[int, MemoryObj, EntryMeta] | None:
         """Lease the entry of ``key`` for ``st``: (lease id, block, metadata), or None for a miss
-        or when the client already holds its cap of leases."""
+        or when a lease cap is reached (counted in ``refused_leases``)."""
         entry = self._index.get(key)
         if entry is None:
             self.misses += count_miss
             return None
-        if len(st.leases) >= self.max_leases:
-            self.refused_leases += 1
+        if not self._may_lease(st, entry.obj):
             return None
-        entry.obj.ref_count_up()
         self._index.touch(key)
-        lid = next(self._ids)
-        st.leases[lid] = Lease(entry.obj, self._clock() + self.lease_ttl_s)
-        self.hits += 1
-        return lid, entry.obj, entry.meta
+        return self._add_lease(st, entry.obj), entry.obj, entry.meta
 
     def locate(self, key: bytes, *, count_miss: bool = True) -> tuple[int, int, EntryMeta] | None:
         """Where the entry of ``key`` lies, unleased: (version of its bytes, block offset,
@@ -203,17 +312,27 @@ class Namespace:
         lease = st.leases.pop(lease_id, None)
         if lease is None:
             return False
-        lease.obj.ref_count_down()
+        self._end_lease(st, lease)
         return True
 
+    def _end_lease(self, st: ClientState, lease: Lease) -> None:
+        st.pinned -= lease.obj.size
+        self._leases -= 1
+        lease.obj.ref_count_down()
+
     # ---- holds -------------------------------------------------------------------------------
-    def hold(self, key: bytes, ttl_s: float) -> int | None:
-        """Pin the entry of ``key`` for ``ttl_s`` seconds: its token (non-zero), or None for a
-        miss or when the namespace already holds ``max_leases`` holds."""
+    def hold(self, key: bytes, ttl_s: float, st: ClientState | None = None) -> int | None:
+        """Pin the entry of ``key`` for ``ttl_s`` seconds on behalf of ``st``: its token
+        (non-zero), or None for a miss or when a hold cap is reached (``refused_holds``): the
+        namespace's count or pinned bytes, or the client's count."""
         entry = self._index.get(key)
         if entry is None:
             return None
-        if len(self._holds) >= self.max_leases:
+        if (
+            len(self._holds) >= self.max_holds
+            or self._held_bytes + entry.obj.size > self.max_pinned_bytes
+            or (st is not None and st.holds >= self.max_client_holds)
+        ):
             self.refused_holds += 1
             return None
         token = secrets.randbits(63) | 1
@@ -221,7 +340,13 @@ class Namespace:
             token = secrets.randbits(63) | 1
         entry.obj.ref_count_up()
         self._index.touch(key)
-        self._holds[token] = Hold(entry.obj, entry.meta, self._clock() + ttl_s)
+        owner = 0
+        if st is not None:
+            owner = st.ident
+            st.holds += 1
+            self._hold_owners[st.ident] = st
+        self._holds[token] = Hold(entry.obj, entry.meta, self._clock() + ttl_s, owner)
+        self._held_bytes += entry.obj.size
         self.holds_taken += 1
         return token
 
@@ -230,24 +355,26 @@ class Namespace:
         h = self._holds.pop(token, None)
         if h is None:
             return False
-        h.obj.ref_count_down()
+        self._end_hold(h)
         return True
+
+    def _end_hold(self, h: Hold) -> None:
+        self._held_bytes -= h.obj.size
+        owner = self._hold_owners.get(h.owner)
+        if owner is not None:
+            owner.holds -= 1
+        h.obj.ref_count_down()
 
     def lease_held(self, st: ClientState, token: int) -> tuple[int, MemoryObj, EntryMeta] | None:
         """Lease the block of hold ``token`` for ``st`` (as :meth:`lease` does for a key): None
-        when there is no such hold or the client holds its cap of leases."""
+        when there is no such hold or a lease cap is reached."""
         h = self._holds.get(token)
         if h is None:
             self.misses += 1
             return None
-        if len(st.leases) >= self.max_leases:
-            self.refused_leases += 1
+        if not self._may_lease(st, h.obj):
             return None
-        h.obj.ref_count_up()
-        lid = next(self._ids)
-        st.leases[lid] = Lease(h.obj, self._clock() + self.lease_ttl_s)
-        self.hits += 1
-        return lid, h.obj, h.meta
+        return self._add_lease(st, h.obj), h.obj, h.meta
 
     # ---- writes --------------------------------------------------------------------------------
     def grant(self, st: ClientState, nbytes: int) -> tuple[int, MemoryObj] | None:
@@ -265,17 +392,53 @@ class Namespace:
         return gid, obj
 
     def _allocate(self, nbytes: int) -> MemoryObj | None:
+        """A block of at least ``nbytes``; LRU entries nobody else references are evicted for it
+        only when evicting all of them would make room."""
         pool = self.pool
         obj = pool.allocate((max(nbytes, 1),), torch.uint8)
-        if obj is not None:
-            return obj
-        while (victim := self._index.pop_oldest(_held)) is not None:
-            self.evictions += 1
-            self._retire(victim[1])
-            obj = pool.allocate((max(nbytes, 1),), torch.uint8)
-            if obj is not None:
-                return obj
-        return None
+        if obj is None and self._could_fit(nbytes):
+            while (victim := self._index.pop_oldest(_held)) is not None:
+                self.evictions += 1
+                self._retire(victim[1])
+                obj = pool.allocate((max(nbytes, 1),), torch.uint8)
+                if obj is not None:
+                    break
+        return obj
+
+    def _pinned_blocks(self) -> dict[int, int]:
+        """Offset -> size of every block eviction cannot free: grants, leased and held blocks,
+        quarantined grants."""
+        out: dict[int, int] = {}
+        for st in self.clients.values():
+            for g in st.grants.values():
+                out[g.obj.offset] = g.obj.size
+            for lease in st.leases.values():
+                out[lease.obj.offset] = lease.obj.size
+        for h in self._holds.values():
+            out[h.obj.offset] = h.obj.size
+        for q in self._quarantine:
+            for obj in q.blocks:
+                out[obj.offset] = obj.size
+        return out
+
+    def _could_fit(self, nbytes: int) -> bool:
+        """Whether a free run of ``nbytes`` (block-aligned) appears once every evictable entry
+        is gone: the longest gap between the blocks eviction cannot free. Counted in
+        ``refused_evictions`` when not."""
+        align = self.pool.align
+        need = max(1, -(-nbytes // align)) * align
+        capacity = self.pool.capacity
+        pinned = self._pinned_blocks()
+        if need * (len(pinned) + 1) <= capacity - sum(pinned.values()):
+            return True  # pinned blocks cut the pool into at most len+1 runs: the longest is long enough
+        pos = longest = 0
+        for off in sorted(pinned):
+            longest = max(longest, off - pos)
+            pos = max(pos, off + pinned[off])
+        if max(longest, capacity - pos) >= need:
+            return True
+        self.refused_evictions += 1
+        return False
 
     def allocate_block(self, nbytes: int) -> MemoryObj | None:
         """A block for an entry loaded from a lower tier (evicting unheld entries), or None."""
@@ -352,26 +515,38 @@ class Namespace:
 
     # ---- time ----------------------------------------------------------------------------------
     def expire(self) -> None:
-        """End leases and free grants whose TTL passed (one hung client cannot pin the pool)."""
+        """End leases and holds whose TTL passed, count grants past theirs (a grant's block is
+        never taken from a writer that may still copy into it), and free quarantined blocks of
+        processes that exited."""
         now = self._clock()
         for st in self.clients.values():
             for lid in [lid for lid, lease in st.leases.items() if lease.expires <= now]:
-                st.leases.pop(lid).obj.ref_count_down()
+                self._end_lease(st, st.leases.pop(lid))
                 self.expired_leases += 1
-            for gid in [gid for gid, g in st.grants.items() if g.expires <= now]:
-                st.grants.pop(gid).obj.ref_count_down()
-                self.expired_grants += 1
+            for g in st.grants.values():
+                if not g.overdue and g.expires <= now:
+                    g.overdue = True
+                    self.overdue_grants += 1
         for token in [t for t, h in self._holds.items() if h.expires <= now]:
-            self._holds.pop(token).obj.ref_count_down()
+            self._end_hold(self._holds.pop(token))
             self.expired_holds += 1
+        if self._quarantine:
+            self._sweep_quarantine()
 
     def close(self) -> None:
-        """Reclaim every client's holdings, drop the index and close the pool's descriptor."""
+        """Reclaim every client's holdings, drop the index and close the pool's descriptor (the
+        pool is never handed out again, so quarantined blocks go too)."""
         for st in list(self.clients.values()):
             self.drop_client(st)
         for h in self._holds.values():
-            h.obj.ref_count_down()
+            self._end_hold(h)
         self._holds.clear()
+        for q in self._quarantine:
+            if q.pidfd >= 0:
+                os.close(q.pidfd)
+            for obj in q.blocks:
+                obj.ref_count_down()
+        self._quarantine.clear()
         self.clear()
         self.pool.close()
 
@@ -390,9 +565,11 @@ class Namespace:
             "pool_used_bytes": self.pool.used_bytes,
             "committed_block_bytes": self.committed_block_bytes(),
             "clients": len(self.clients),
-            "leases": sum(len(c.leases) for c in self.clients.values()),
+            "leases": self._leases,
             "grants": sum(len(c.grants) for c in self.clients.values()),
+            "quarantined_blocks": sum(len(q.blocks) for q in self._quarantine),
             "holds": len(self._holds),
+            "held_bytes": self._held_bytes,
             "holds_taken": self.holds_taken,
             "refused_holds": self.refused_holds,
             "expired_holds": self.expired_holds,
@@ -405,7 +582,9 @@ class Namespace:
             "refused_grants": self.refused_grants,
             "refused_leases": self.refused_leases,
             "expired_leases": self.expired_leases,
-            "expired_grants": self.expired_grants,
+            "overdue_grants": self.overdue_grants,
+            "quarantined_grants": self.quarantined_grants,
+            "refused_evictions": self.refused_evictions,
             "reclaimed_leases": self.reclaimed_leases,
             "reclaimed_grants": self.reclaimed_grants,
         }

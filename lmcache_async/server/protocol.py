@@ -20,6 +20,9 @@ it pins a committed entry's block and metadata under a random token until ``UNHO
 client of the namespace) or its TTL, so a process other than the one that promised the entry
 can still read it (``GET_HELD``) after the key was removed or evicted.
 
+``CLEAR`` answers the names of the
+server's tiers it could not clear completely (none: every tier of the namespace is clear).
+
 ``READ`` answers where entries lie without leasing them: a reader that copies checks the pool's
 version table afterwards (:mod:`lmcache_async.server.shm`) and repeats a mismatched key with
 ``GET``, so a copy-out is one round trip and no release. A client may keep the locations it was
@@ -64,7 +67,7 @@ __all__ = [
 ]
 
 MAGIC = b"LMCS"
-VERSION = 2
+VERSION = 3
 #: Largest frame body either side accepts (a batch of keys and metadata, never payload).
 MAX_BODY = 4 << 20
 #: Most keys (or grants, or leases) in one request.

@@ -9,10 +9,20 @@ before the next one of the same connection is read. Trouble on one connection (a
 hostile message, a client that vanished) closes that connection only and reclaims what it held.
 
 Trust model: the socket's mode admits processes of the server's user (root too), and the peer
-uid is checked again with ``SO_PEERCRED``. Clients admitted to a namespace map its whole pool
-writable, so they can overwrite that namespace's committed entries; they never see another
-namespace's bytes (one memfd per namespace). Every offset, size, count and key a client sends is
-checked before it is used; a client can only release its own leases and commit its own grants.
+uid is checked again with ``SO_PEERCRED``. A namespace may be bound to other Unix users or groups
+and/or a token of its own (``cache_server_namespaces``): then only those peers join it (the socket
+is then reachable by every user; the peer check decides). Clients admitted to a namespace map its
+whole pool writable, so they can overwrite that namespace's committed entries; they never receive
+another namespace's pool, and they see, clear and write only their own namespace. Processes of one
+uid are one trust domain (they can read each other's memory). Every offset, size, count and key a
+client sends is checked before it is used; a client can only release its own leases and commit its
+own grants.
+
+Limits: a connection cap (``cache_server_max_connections``: beyond it a client is answered FULL),
+a timeout on partial frames and on idle connections, and a server-wide bound on the bytes of
+partial frames held (a connection over it stops being read until others drain). Namespaces with
+no client are released after ``cache_server_namespace_idle_s`` (at once when they hold nothing and
+a new namespace needs the slot).
 """
 
 from __future__ import annotations
@@ -25,12 +35,14 @@ import itertools
 import json
 import logging
 import os
+import resource
 import signal
 import socket
 import stat
 import struct
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -68,7 +80,7 @@ if TYPE_CHECKING:
 _U16 = struct.Struct("<H")
 _HIT = struct.Struct("<BQQ")  # an answer's hit: flag (1 GET, 2 READ), lease id or version, offset (then metadata)
 
-__all__ = ["CacheServer", "prepare_socket_dir"]
+__all__ = ["CacheServer", "NamespacePolicy", "parse_namespace_policies", "prepare_socket_dir"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +92,51 @@ _PEERCRED = struct.Struct("3i")
 MAX_SOCKET_PATH = 107
 
 
-def prepare_socket_dir(path: str | os.PathLike[str]) -> Path:
-    """Check (or create, 0700) the socket's directory and remove a stale socket file.
+@dataclass(frozen=True, slots=True)
+class NamespacePolicy:
+    """Who may join one namespace: peers whose uid is in ``uids`` or whose primary gid is in
+    ``gids`` (none given: the server's own user and root), presenting ``token`` (None: the
+    server's ``cache_server_token``, if any)."""
 
-    Raises ``ValueError`` when the path is longer than a Unix socket path may be, when the
-    directory is not ours or is open to others, when ``path``
-    exists and is not a socket, or when a server already answers on it.
+    uids: frozenset[int] = frozenset()
+    gids: frozenset[int] = frozenset()
+    token: str | None = None
+
+
+def parse_namespace_policies(raw: object) -> dict[str, NamespacePolicy]:
+    """``cache_server_namespaces`` (a mapping of namespace name to ``{uids, gids, token}``) as
+    policies; ``ValueError`` naming the setting for anything else."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"cache_server_namespaces must be a mapping of namespace to policy, got {raw!r}")
+    out: dict[str, NamespacePolicy] = {}
+    for name, pol in raw.items():
+        if not isinstance(name, str) or not name or any(ord(c) < 32 for c in name):
+            raise ValueError(f"cache_server_namespaces: bad namespace name {name!r}")
+        if not isinstance(pol, dict) or set(pol) - {"uids", "gids", "token"}:
+            raise ValueError(f"cache_server_namespaces[{name!r}] must be a mapping with uids, gids and/or token")
+        ids: dict[str, frozenset[int]] = {}
+        for field_name in ("uids", "gids"):
+            vals = pol.get(field_name) or []
+            if not isinstance(vals, list | tuple) or not all(isinstance(v, int) and v >= 0 for v in vals):
+                raise ValueError(f"cache_server_namespaces[{name!r}].{field_name} must be a list of ids, got {vals!r}")
+            ids[field_name] = frozenset(vals)
+        token = pol.get("token")
+        if token is not None and (not isinstance(token, str) or not token):
+            raise ValueError(f"cache_server_namespaces[{name!r}].token must be a non-empty str")
+        out[name] = NamespacePolicy(ids["uids"], ids["gids"], token)
+    return out
+
+
+def prepare_socket_dir(path: str | os.PathLike[str], *, shared: bool = False) -> Path:
+    """Check (or create, 0700; 0711 when ``shared``) the socket's directory and remove a stale
+    socket file.
+
+    ``shared``: other users must reach the socket (namespaces bound to them), so the directory
+    may be searchable by them, never writable. Raises ``ValueError`` when the path is longer
+    than a Unix socket path may be, when the directory is not ours or is open to others beyond
+    that, when ``path`` exists and is not a socket, or when a server already answers on it.
     """
     sock_path = Path(path)
     if len(os.fsencode(sock_path)) > MAX_SOCKET_PATH:
@@ -94,13 +145,19 @@ def prepare_socket_dir(path: str | os.PathLike[str]) -> Path:
             f"may have at most {MAX_SOCKET_PATH} (choose a shorter --socket)"
         )
     parent = sock_path.parent
+    mode = 0o711 if shared else 0o700
     if not parent.exists():
-        parent.mkdir(mode=0o700, parents=True)
-        os.chmod(parent, 0o700)
+        parent.mkdir(mode=mode, parents=True)
+        os.chmod(parent, mode)
     st = os.stat(parent)
     if st.st_uid != os.getuid():
         raise ValueError(f"socket directory {parent} is owned by uid {st.st_uid}, not by this user")
-    if stat.S_IMODE(st.st_mode) & 0o077:
+    if shared and stat.S_IMODE(st.st_mode) & 0o022:
+        raise ValueError(
+            f"socket directory {parent} has mode {stat.S_IMODE(st.st_mode):o}; others must not write to it "
+            f"(chmod 711 {parent})"
+        )
+    if not shared and stat.S_IMODE(st.st_mode) & 0o077:
         raise ValueError(
             f"socket directory {parent} has mode {stat.S_IMODE(st.st_mode):o}; it must be 0700 (chmod 700 {parent})"
         )
@@ -141,10 +198,27 @@ class CacheServer:
         self.max_leases = int(config.cache_server_max_leases)
         self.max_grants = int(config.cache_server_max_grants)
         self.max_namespaces = int(config.cache_server_max_namespaces)
+        self.max_holds = int(config.cache_server_max_holds)
+        self.max_client_holds = int(config.cache_server_max_client_holds)
+        self.max_namespace_leases = int(config.cache_server_max_namespace_leases)
+        self.max_pinned_fraction = float(config.cache_server_max_pinned_fraction)
+        self.namespace_idle_s = float(config.cache_server_namespace_idle_s)
+        self.max_connections = int(config.cache_server_max_connections)
+        self.idle_timeout_s = float(config.cache_server_idle_timeout_s)
+        self.frame_timeout_s = float(config.cache_server_frame_timeout_s)
+        #: Bytes of partial frames all connections together may hold (see FrameProtocol).
+        self.max_buffered = int(config.cache_server_max_buffered_bytes)
+        self.buffered = 0
+        self._budget_waiting: set[FrameProtocol] = set()
+        self.policies = parse_namespace_policies(config.cache_server_namespaces)
+        self._uid = os.getuid()
+        #: Whether a namespace admits users other than ours (the socket is then open to all).
+        self.shared_socket = any((p.uids - {self._uid}) or p.gids for p in self.policies.values())
         self._reserve = None if config.memory_reserve_size is None else gib_to_bytes(config.memory_reserve_size)
         self.namespaces: dict[str, Namespace] = {}
         self.lower: LowerStore | None = LowerStore(config) if wants_lower_tiers(config) else None
         self._conns: dict[int, Conn] = {}
+        self._protos: dict[int, FrameProtocol] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._ids = itertools.count(1)
         self._listener: socket.socket | None = None
@@ -154,18 +228,22 @@ class CacheServer:
         self.protocol_errors = 0
         self.rejected = 0
         self.connections_total = 0
+        self.refused_connections = 0
+        self.timed_out_connections = 0
+        self.reclaimed_namespaces = 0
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def bind(self) -> None:
         """Create the listening socket (mode 0600). Call before :meth:`serve`."""
-        path = prepare_socket_dir(self.socket_path)
+        path = prepare_socket_dir(self.socket_path, shared=self.shared_socket)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
             sock.bind(str(path))
         finally:
             os.umask(old)
-        os.chmod(path, 0o600)
+        # Other users bound to a namespace must be able to connect; SO_PEERCRED decides.
+        os.chmod(path, 0o666 if self.shared_socket else 0o600)
         sock.listen(256)
         sock.setblocking(False)
         self._listener = sock
@@ -215,11 +293,45 @@ class CacheServer:
         self.namespaces.clear()
 
     async def _sweep(self) -> None:
-        interval = min(1.0, self.lease_ttl_s / 4)
+        limits = [self.lease_ttl_s, self.frame_timeout_s, self.idle_timeout_s, self.namespace_idle_s]
+        interval = min(1.0, *(t / 4 for t in limits if t > 0))
         while True:
             await asyncio.sleep(interval)
-            for ns in self.namespaces.values():
-                ns.expire()
+            self.sweep_once()
+
+    def sweep_once(self) -> None:
+        """Expire leases, holds and quarantined grants; close connections stalled inside a
+        frame or idle past their timeouts; release namespaces nobody uses."""
+        for ns in self.namespaces.values():
+            ns.expire()
+        now = time.monotonic()
+        for proto in list(self._protos.values()):
+            why = proto.stalled(now, self.frame_timeout_s, self.idle_timeout_s)
+            if why is not None:
+                self.timed_out_connections += 1
+                self._log.warning("cache server: closing a connection %s", why, key="timeout")
+                proto.close_by_server()
+        for name in [n for n, ns in self.namespaces.items() if ns.reclaimable(self.namespace_idle_s)]:
+            self._release_namespace(name)
+
+    def _release_namespace(self, name: str) -> None:
+        ns = self.namespaces.pop(name)
+        ns.close()
+        self.reclaimed_namespaces += 1
+        logger.info("cache server: namespace %r released (no clients)", name)
+
+    # ---- the bound on partial-frame bytes (called by FrameProtocol) ----------------------------------
+    def buffer_wait(self, proto: FrameProtocol) -> None:
+        """``proto`` holds partial-frame bytes past the server-wide bound: it is not read until
+        others drain (see :meth:`buffer_drained`)."""
+        self._budget_waiting.add(proto)
+
+    def buffer_drained(self, proto: FrameProtocol | None = None) -> None:
+        """Partial-frame bytes were freed: let waiting connections read again while the bound holds."""
+        if proto is not None:
+            self._budget_waiting.discard(proto)
+        while self._budget_waiting and self.buffered <= self.max_buffered:
+            self._budget_waiting.pop().resume_budget()
 
     async def _accept_loop(self, loop: asyncio.AbstractEventLoop, listener: socket.socket) -> None:
         while True:
@@ -230,6 +342,13 @@ class CacheServer:
             except OSError as exc:  # e.g. out of descriptors: back off, keep serving the others
                 self._log.warning("cache server: accept failed: %s", exc, key="accept")
                 await asyncio.sleep(0.05)
+                continue
+            if len(self._tasks) >= self.max_connections:
+                self.refused_connections += 1
+                self._log.warning("cache server: %d connections, refusing one more", len(self._tasks), key="cap")
+                with contextlib.suppress(OSError):
+                    self._send_welcome(conn, Status.FULL, None)
+                conn.close()
                 continue
             task = asyncio.ensure_future(self._handle(loop, conn))
             self._tasks.add(task)
@@ -247,6 +366,7 @@ class CacheServer:
             self._conns[conn.ident] = conn
             closed: asyncio.Future[None] = loop.create_future()
             proto = FrameProtocol(self, conn, closed)
+            self._protos[conn.ident] = proto
             await loop.connect_accepted_socket(lambda: proto, sock=sock)
             await closed
         except asyncio.CancelledError:
@@ -263,8 +383,11 @@ class CacheServer:
                 proto.shut()  # before the reclaim: a request still running must not touch its state
             if conn is not None:
                 self._conns.pop(conn.ident, None)
+                self._protos.pop(conn.ident, None)
                 if conn.ns is not None and conn.state is not None:
-                    conn.ns.drop_client(conn.state)
+                    # Grants of a client that closed its own side are free; of one the server
+                    # closed, they wait for its process to exit (it may be copying into them).
+                    conn.ns.drop_client(conn.state, writer_gone=proto is None or proto.peer_closed)
             with contextlib.suppress(OSError):
                 sock.close()
 
@@ -277,8 +400,26 @@ class CacheServer:
             buf += chunk
         return bytes(buf)
 
+    def admits(self, name: str, uid: int, gid: int, token: bytes) -> bool:
+        """Whether a peer of ``uid``/``gid`` presenting ``token`` may join (and see) namespace
+        ``name`` (see :class:`NamespacePolicy`; unbound namespaces admit our user and root)."""
+        pol = self.policies.get(name)
+        if pol is None or not (pol.uids or pol.gids):
+            uid_ok = uid in (self._uid, 0)
+        else:
+            uid_ok = uid == 0 or uid in pol.uids or gid in pol.gids
+        want = pol.token if pol is not None and pol.token is not None else self.token
+        return uid_ok and (want is None or hmac.compare_digest(token, want.encode()))
+
+    def _admits_status(self, uid: int, gid: int, token: bytes) -> bool:
+        """A status connection: our user or root with the server token, or a peer some bound
+        namespace admits (it then sees only those)."""
+        if self.admits("", uid, gid, token):
+            return True
+        return any(self.admits(name, uid, gid, token) for name in self.policies)
+
     async def _handshake(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Conn | None:
-        uid, pid = self._peer(sock)
+        uid, gid, pid = self._peer(sock)
         head = await self._recv_exact(loop, sock, HELLO.size)
         magic, version, mode, ns_len, tok_len = HELLO.unpack(head)
         if magic != MAGIC:
@@ -288,29 +429,27 @@ class CacheServer:
         rest = await self._recv_exact(loop, sock, ns_len + tok_len)
         ns_name_b, token = rest[:ns_len], rest[ns_len:]
         status = Status.OK
+        ns: Namespace | None = None
         if version != VERSION:
             status = Status.BAD_VERSION
-        elif uid not in (os.getuid(), 0) or (
-            self.token is not None and not hmac.compare_digest(token, self.token.encode())
-        ):
-            status = Status.BAD_TOKEN
-        ns: Namespace | None = None
-        if status is Status.OK and mode == Mode.CLIENT:
+        elif mode == Mode.STATUS:
+            if not self._admits_status(uid, gid, token):
+                status = Status.BAD_TOKEN
+        else:
             try:
                 ns_name = ns_name_b.decode("utf-8")
             except UnicodeDecodeError:
                 ns_name = ""
             if not ns_name or any(ord(c) < 32 for c in ns_name):
                 status = Status.BAD_NAMESPACE
+            elif not self.admits(ns_name, uid, gid, token):
+                status = Status.BAD_TOKEN
             else:
                 ns = self.namespaces.get(ns_name)
                 if ns is None:
-                    if len(self.namespaces) >= self.max_namespaces:
+                    ns = self._new_namespace(ns_name)
+                    if ns is None:
                         status = Status.FULL
-                    else:
-                        ns = self._new_namespace(ns_name)
-                        if ns is None:
-                            status = Status.FULL
         if status is not Status.OK:
             self.rejected += 1
             self._send_welcome(sock, status, None)
@@ -323,9 +462,18 @@ class CacheServer:
             if ns is not None and state is not None:
                 ns.drop_client(state)
             raise
-        return Conn(ident, ns, state, uid, pid)
+        return Conn(ident, ns, state, uid, pid, gid, token)
 
     def _new_namespace(self, name: str) -> Namespace | None:
+        """A new namespace (its pool created), or None when the server holds its cap of them
+        and none can be released (an unused one holding no entry is released for it)."""
+        if len(self.namespaces) >= self.max_namespaces:
+            empty = [n for n, ns in self.namespaces.items() if not len(ns) and ns.reclaimable(float("inf"))]
+            idle = [n for n, ns in self.namespaces.items() if ns.reclaimable(self.namespace_idle_s)]
+            victims = empty or idle
+            if not victims:
+                return None
+            self._release_namespace(victims[0])
         try:
             ns = Namespace(
                 name,
@@ -333,6 +481,10 @@ class CacheServer:
                 lease_ttl_s=self.lease_ttl_s,
                 max_leases=self.max_leases,
                 max_grants=self.max_grants,
+                max_holds=self.max_holds,
+                max_client_holds=self.max_client_holds,
+                max_namespace_leases=self.max_namespace_leases,
+                max_pinned_fraction=self.max_pinned_fraction,
                 reserve_bytes=self._reserve,
                 pretouch=bool(self.config.cache_server_pretouch),
             )
@@ -346,12 +498,13 @@ class CacheServer:
         return ns
 
     @staticmethod
-    def _peer(sock: socket.socket) -> tuple[int, int]:
+    def _peer(sock: socket.socket) -> tuple[int, int, int]:
+        """(uid, gid, pid) of the peer (-1, -1, 0 when the kernel cannot tell)."""
         try:
-            pid, uid, _gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
         except OSError:
-            return -1, 0
-        return uid, pid
+            return -1, -1, 0
+        return uid, gid, pid
 
     def _send_welcome(self, sock: socket.socket, status: Status, ns: Namespace | None) -> None:
         gen = ns.generation if ns is not None else 0
@@ -425,7 +578,7 @@ class CacheServer:
             return b""
         if op is Op.STATS:
             r.done()
-            return json.dumps(self.stats(), sort_keys=True, default=str).encode()
+            return json.dumps(self.stats(conn), sort_keys=True, default=str).encode()
         ns, st = conn.ns, conn.state
         assert ns is not None and st is not None
         w = Writer()
@@ -497,15 +650,19 @@ class CacheServer:
         elif op is Op.CLEAR:
             r.done()
             ns.clear()
+            uncleared = await self.lower.clear(ns.name) if self.lower is not None else []
+            w.u16(len(uncleared))
+            for name in uncleared:
+                w.blob(name.encode())
         elif op is Op.HOLD:
             ttl_s = min(r.u32() / 1000.0, MAX_HOLD_TTL_S)
             keys = r.keys()
             r.done()
             w.u16(len(keys))
             for k in keys:
-                token = ns.hold(k, ttl_s)
+                token = ns.hold(k, ttl_s, st)
                 if token is None and self.lower is not None and ns.entry_view(k) is None and await self._stage(ns, k):
-                    token = ns.hold(k, ttl_s)  # an entry only a lower tier had, now back in the pool
+                    token = ns.hold(k, ttl_s, st)  # an entry only a lower tier had, now back in the pool
                 w.u64(token or 0)
         elif op is Op.UNHOLD:
             for _ in range(r.count()):
@@ -564,8 +721,10 @@ class CacheServer:
                 w.u64(gid).u64(obj.offset).u64(obj.size)
 
     # ---- figures ------------------------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
-        """Tiers, clients, namespaces (entries, bytes, hit rates, leases) of this server."""
+    def stats(self, conn: Conn | None = None) -> dict[str, Any]:
+        """Tiers, clients, namespaces (entries, bytes, hit rates, leases) of this server; asked
+        on connection ``conn``, only the namespaces that connection's peer may join."""
+        names = [n for n in self.namespaces if conn is None or self.admits(n, conn.uid, conn.gid, conn.token)]
         return {
             "pid": os.getpid(),
             "socket": str(self.socket_path),
@@ -576,9 +735,13 @@ class CacheServer:
             "clients": len(self._conns),
             "connections_total": self.connections_total,
             "rejected": self.rejected,
+            "refused_connections": self.refused_connections,
+            "timed_out_connections": self.timed_out_connections,
+            "reclaimed_namespaces": self.reclaimed_namespaces,
+            "buffered_bytes": self.buffered,
             "protocol_errors": self.protocol_errors,
             "lease_ttl_s": self.lease_ttl_s,
-            "namespaces": {name: ns.stats() for name, ns in self.namespaces.items()},
+            "namespaces": {name: self.namespaces[name].stats() for name in names},
         }
 
 
@@ -589,6 +752,7 @@ def run_server(config: LMCacheEngineConfig, socket_path: str | os.PathLike[str])
     (``uvloop`` there requires it). Logs go to the root logger (stderr under the CLI).
     """
     server = CacheServer(config, socket_path)
+    _raise_descriptor_limit(server.max_connections)
     server.bind()
 
     async def main() -> None:
@@ -608,6 +772,22 @@ def run_server(config: LMCacheEngineConfig, socket_path: str | os.PathLike[str])
     with asyncio.Runner(loop_factory=factory) as runner:
         runner.run(main())
     return 0
+
+
+def _raise_descriptor_limit(connections: int) -> None:
+    """Raise the soft descriptor limit to the hard one, so the connection cap (one descriptor
+    per connection, one per namespace pool, a few more) is reached before the descriptor limit;
+    log when it still is not."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    if soft != resource.RLIM_INFINITY and connections + 64 > soft:
+        logger.warning(
+            "cache server: %d descriptors allowed, cache_server_max_connections is %d: clients past the "
+            "descriptor limit get misses", soft, connections,
+        )  # fmt: skip
 
 
 LOOP_ENV = "LMCACHE_ASYNC_SERVER_LOOP"

@@ -15,10 +15,15 @@ sums mean the entry is still indexed at that block, so its bytes are the committ
 counters only grow). The same check lets a client reuse a location it was told earlier. x86-64
 orders the server's increment before any later writer's bytes for every other CPU (total store
 order); on other architectures clients read under a lease instead (:data:`OPTIMISTIC_READS`).
+
+The file is **sealed** (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``) before it is handed out:
+no client can truncate it under the server (which would make the server's next access a
+``SIGBUS``) or grow it; clients map the size the handshake announces and refuse an unsealed file.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
@@ -38,6 +43,7 @@ __all__ = [
     "PoolMapping",
     "SharedPool",
     "new_generation",
+    "pool_file_bytes",
     "version_sum",
 ]
 
@@ -53,6 +59,8 @@ _POOL_MAGIC = b"LMCSPOOL"
 #: Whether this machine's memory order lets a client trust a lease-free copy checked by the
 #: version table (see the module docstring); elsewhere every read takes a lease.
 OPTIMISTIC_READS = platform.machine().lower() in ("x86_64", "amd64")
+#: The seals every pool file carries before it leaves the server.
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 def _regions(capacity: int) -> int:
@@ -64,6 +72,12 @@ def _table_layout(capacity: int, align: int) -> tuple[int, int]:
     """(table offset, file bytes) of a pool with ``capacity`` entry bytes."""
     table = HEADER_BYTES + -(-max(capacity, align, 1) // _PAGE) * _PAGE
     return table, table + -(-8 * _regions(capacity) // _PAGE) * _PAGE
+
+
+def pool_file_bytes(capacity: int, align: int) -> int:
+    """The size of the pool file of ``capacity`` entry bytes and alignment ``align``: what a
+    client maps (never what ``fstat`` says)."""
+    return _table_layout(capacity, align)[1]
 
 
 def _region_range(offset: int, nbytes: int) -> tuple[int, int]:
@@ -104,10 +118,11 @@ class SharedPool(PoolAllocator):
         # only); it is replaced by the shared mapping before any block is handed out.
         super().__init__(size_bytes, name=name, pin=False, pretouch=False, reserve_bytes=reserve_bytes)
         self.generation = generation
-        self.fd = os.memfd_create(f"lmcache-async-{name}"[:200], os.MFD_CLOEXEC)
+        self.fd = os.memfd_create(f"lmcache-async-{name}"[:200], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         table_off, self.file_bytes = _table_layout(self.capacity, self.align)
         try:
             os.ftruncate(self.fd, self.file_bytes)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)  # no client can shrink or grow it
             self._mm = mmap.mmap(self.fd, self.file_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(self.fd)
@@ -148,20 +163,30 @@ class SharedPool(PoolAllocator):
 class PoolMapping:
     """A client's mapping of a namespace pool received as a descriptor.
 
-    Maps with ``MAP_POPULATE`` (first touch of a fresh mapping costs about 350 µs/MiB here,
-    about 40 µs with it), checks the header's magic, generation and size, and closes the
-    descriptor. ``data`` is a uint8 tensor over the entry region; views of it stay valid (as
-    memory) after the mapping object is dropped, for as long as they are referenced.
+    Maps exactly the size the handshake announced (``pool_bytes`` and ``align`` give the file's
+    layout; ``fstat`` is not trusted) with ``MAP_POPULATE`` (first touch of a fresh mapping costs
+    about 350 µs/MiB here, about 40 µs with it), checks the file's seals (a file another client
+    could shrink would ``SIGBUS`` every reader), the header's magic, generation and size, and
+    closes the descriptor. ``data`` is a uint8 tensor over the entry region; views of it stay
+    valid (as memory) after the mapping object is dropped, for as long as they are referenced.
     Raises ``ValueError`` when the file does not look like the announced pool.
     """
 
-    def __init__(self, fd: int, generation: int, pool_bytes: int, data_offset: int) -> None:
+    def __init__(self, fd: int, generation: int, pool_bytes: int, data_offset: int, align: int) -> None:
         try:
             if data_offset != HEADER_BYTES:
                 raise ValueError(f"unexpected pool data offset {data_offset}")
-            size = os.fstat(fd).st_size
-            if size < HEADER_BYTES + pool_bytes:
-                raise ValueError(f"pool file of {size} bytes is smaller than announced ({pool_bytes})")
+            if align <= 0 or align & (align - 1) or pool_bytes < 0 or pool_bytes % align:
+                raise ValueError(f"unexpected pool layout ({pool_bytes} bytes, alignment {align})")
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError:
+                seals = 0
+            if seals & SEALS != SEALS:
+                raise ValueError("pool file is not sealed against resizing")
+            size = pool_file_bytes(pool_bytes, align)
+            if os.fstat(fd).st_size != size:
+                raise ValueError(f"pool file of {os.fstat(fd).st_size} bytes, announced {size}")
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             mm = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
@@ -173,9 +198,7 @@ class PoolMapping:
             or gen != generation
             or data_bytes != pool_bytes
             or shift != REGION_SHIFT
-            or table_off < HEADER_BYTES + pool_bytes
-            or table_off % 8
-            or table_off + 8 * regions > size
+            or table_off != _table_layout(pool_bytes, align)[0]
         ):
             mm.close()
             raise ValueError("pool header does not match the handshake (magic, generation, size or table)")

@@ -23,8 +23,8 @@ def _commit(ns: Namespace, st, key: bytes) -> None:  # type: ignore[no-untyped-d
     assert ns.commit(st, gid, key, EntryMeta.of((BLOCK,), torch.uint8, MemoryFormat.BINARY)) == COMMIT_STORED
 
 
-def _namespace(entries: int) -> Namespace:
-    return Namespace("t", entries * BLOCK, lease_ttl_s=60.0, max_leases=8, max_grants=8, pretouch=False)
+def _namespace(entries: int, **caps: float) -> Namespace:
+    return Namespace("t", entries * BLOCK, lease_ttl_s=60.0, max_leases=8, max_grants=8, pretouch=False, **caps)  # type: ignore[arg-type]
 
 
 def test_eviction_takes_the_least_recently_used_entry_and_keeps_leased_ones() -> None:
@@ -53,7 +53,7 @@ def test_eviction_takes_the_least_recently_used_entry_and_keeps_leased_ones() ->
 
 
 def test_a_grant_fails_when_every_entry_is_leased() -> None:
-    ns = _namespace(2)
+    ns = _namespace(2, max_pinned_fraction=1.0)
     try:
         st = ns.add_client(1)
         for k in (b"a", b"b"):

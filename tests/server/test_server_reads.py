@@ -219,7 +219,7 @@ def test_the_version_table_moves_only_under_an_entry_that_leaves_the_index() -> 
         assert pool.version(one.offset, one.size) == v_one
         assert pool.version(two.offset, two.size) == v_two + 2  # one step in each region
         fd = __import__("os").dup(pool.fd)
-        mapping = PoolMapping(fd, 7, pool.capacity, 4096)
+        mapping = PoolMapping(fd, 7, pool.capacity, 4096, pool.align)
         assert mapping.version(two.offset, two.size) == pool.version(two.offset, two.size)
         one.ref_count_down()
         two.ref_count_down()
@@ -235,7 +235,7 @@ def test_a_pool_whose_header_misplaces_the_version_table_is_refused() -> None:
     try:
         struct.pack_into("<Q", pool._mm, 24, pool.file_bytes)  # the table past the end of the file
         with pytest.raises(ValueError, match="table"):
-            PoolMapping(os.dup(pool.fd), 9, pool.capacity, 4096)
+            PoolMapping(os.dup(pool.fd), 9, pool.capacity, 4096, pool.align)
     finally:
         pool.close()
 
