@@ -4,8 +4,8 @@ Layout (little-endian; see ``docs/formats.md``)::
 
     offset size  field
     0      8     magic  b"\\x89LMCR\\r\\n\\x1a"
-    8      2     format version (1)
-    10     2     flags (bit 0: payload stored in parts)
+    8      2     format version (2 written; 1 read forever)
+    10     2     flags (bit 0: payload stored in parts; bit 1: payload sealed)
     12     4     header length in bytes (multiple of 64; the payload starts here)
     16     8     payload length in bytes
     24     8     xxh3-64 of the payload
@@ -19,7 +19,13 @@ Layout (little-endian; see ``docs/formats.md``)::
     56     8     xxh3-64 of the header with this field zeroed
     64     8*r   shape, one u64 per dimension
     ...    k     key string (UTF-8)
+    ...          version 2: sections, 8-byte aligned (:mod:`lmcache_async.record_sections`)
     ...          zero padding up to the header length
+
+A version-2 header without sections is a version-1 header with another version number. A sealed
+payload (flag bit 1, seal section) is stored as AES-256-GCM segments, each followed by its tag;
+the payload length and checksum are those of the stored bytes, so integrity is checked before
+anything is decrypted (:mod:`lmcache_async.encryption`).
 
 A reader trusts nothing it has not checked: magic, version, header checksum, key equality,
 sizes against the shape, and finally the payload checksum.
@@ -36,11 +42,21 @@ import xxhash
 
 from lmcache_async.dtypes import CODE_TO_DTYPE, dtype_code
 from lmcache_async.memory import MemoryFormat
+from lmcache_async.record_sections import (
+    Provenance,
+    Seal,
+    SectionError,
+    decode_sections,
+    encode_sections,
+    seal_layout_matches,
+)
 from lmcache_async.token_database import HASH_SCHEME_ID
 
 MAGIC = b"\x89LMCR\r\n\x1a"
-VERSION = 1
+VERSION = 2
+READ_VERSIONS = frozenset({1, 2})
 FLAG_PARTS = 1
+FLAG_SEALED = 2
 HEADER_ALIGN = 64
 FIXED = struct.Struct("<8sHHIQQHHHHIIQQ")
 assert FIXED.size == 64
@@ -56,6 +72,12 @@ _xxh3 = xxhash.xxh3_64_intdigest
 
 class RecordError(ValueError):
     """A record failed a check (it is treated as a corrupt entry: a miss, removed, counted)."""
+
+
+class ForeignSeal(RecordError):
+    """A well-formed record this reader cannot open: sealed under another key, sealed while the
+    reader has no key, or plain while the reader requires sealed records. A miss that is
+    **kept** (another deployment's entry, or one written before a key rotation)."""
 
 
 def payload_checksum(data: bytes | bytearray | memoryview) -> int:
@@ -88,16 +110,30 @@ class RecordHeader:
     num_parts: int = 1
     part_size: int = 0
     hash_scheme: int = HASH_SCHEME_ID
+    version: int = VERSION
+    seal: Seal | None = None
+    """How the payload is sealed, None for a plain payload."""
+    provenance: Provenance | None = None
 
     @property
     def total_len(self) -> int:
         """Header plus payload bytes (the file size of a single-part record)."""
         return self.header_len + self.payload_len
 
+    @property
+    def plain_len(self) -> int:
+        """Bytes of the entry itself (shape x dtype): ``payload_len`` less the seal's tags."""
+        if self.seal is None:
+            return self.payload_len
+        return self.payload_len - 16 * self.seal.segments
 
-def header_length(key_len: int, rank: int) -> int:
-    """Header length for a key of ``key_len`` bytes and a shape of ``rank`` dimensions."""
+
+def header_length(key_len: int, rank: int, sections_len: int = 0) -> int:
+    """Header length for a key of ``key_len`` bytes, a shape of ``rank`` dimensions and
+    ``sections_len`` bytes of sections (0 for a plain record without provenance)."""
     raw = FIXED.size + 8 * rank + key_len
+    if sections_len:
+        raw = -(-raw // 8) * 8 + sections_len
     return -(-raw // HEADER_ALIGN) * HEADER_ALIGN
 
 
@@ -110,8 +146,12 @@ def encode_header(
     *,
     num_parts: int = 1,
     part_size: int = 0,
+    seal: Seal | None = None,
+    provenance: Provenance | None = None,
 ) -> bytes:
-    """The header bytes of a record (``ValueError`` for shapes/keys the format cannot hold)."""
+    """The header bytes of a version-2 record (``ValueError`` for shapes/keys the format cannot
+    hold). ``checksum`` is the xxh3-64 of the payload as stored (the ciphertext and tags when
+    ``seal`` is given); ``seal`` None: a plain payload; ``provenance`` None: none recorded."""
     kb = key.encode("utf-8")
     if len(kb) > MAX_KEY_LEN:
         raise ValueError(f"key of {len(kb)} bytes is longer than {MAX_KEY_LEN}")
@@ -122,8 +162,13 @@ def encode_header(
         if d < 0:
             raise ValueError(f"shape must not hold negative sizes, got {shape!r}")
         n *= d
-    hlen = header_length(len(kb), len(shape))
-    flags = FLAG_PARTS if num_parts > 1 else 0
+    sections = encode_sections(seal, provenance)
+    if seal is not None:
+        n += 16 * seal.segments
+    hlen = header_length(len(kb), len(shape), len(sections))
+    if hlen > MAX_HEADER_LEN:
+        raise ValueError(f"a header of {hlen} bytes is longer than {MAX_HEADER_LEN}")
+    flags = (FLAG_PARTS if num_parts > 1 else 0) | (FLAG_SEALED if seal is not None else 0)
     buf = bytearray(hlen)
     FIXED.pack_into(
         buf,
@@ -148,6 +193,9 @@ def encode_header(
         struct.pack_into(f"<{len(shape)}Q", buf, off, *shape)
         off += 8 * len(shape)
     buf[off : off + len(kb)] = kb
+    if sections:
+        off = -(-(off + len(kb)) // 8) * 8
+        buf[off : off + len(sections)] = sections
     struct.pack_into("<Q", buf, 56, _xxh3(buf))
     return bytes(buf)
 
@@ -159,25 +207,29 @@ def peek_header_len(prefix: bytes | bytearray | memoryview) -> int:
     magic, version, _f, hlen = struct.unpack_from("<8sHHI", prefix, 0)
     if magic != MAGIC:
         raise RecordError("bad magic")
-    if version != VERSION:
+    if version not in READ_VERSIONS:
         raise RecordError(f"unsupported record version {version}")
     if hlen < FIXED.size or hlen % HEADER_ALIGN or hlen > MAX_HEADER_LEN:
         raise RecordError(f"bad header length {hlen}")
     return int(hlen)
 
 
-def decode_header(buf: bytes | bytearray | memoryview, expect_key: str | None = None) -> RecordHeader:
+def decode_header(
+    buf: bytes | bytearray | memoryview, expect_key: str | None = None, *, key_id: bytes | bool | None = False
+) -> RecordHeader:
     """Decode and verify a header (``buf`` holds at least the whole header).
 
     Raises :class:`RecordError` for anything inconsistent, including a key that differs from
-    ``expect_key`` (a hash collision or a foreign file).
+    ``expect_key`` (a hash collision or a foreign file). ``key_id``: the id of the reader's
+    encryption key, None for a reader without one, False (default) to accept any record (tools
+    that only inspect); a record whose seal does not match it raises :class:`ForeignSeal`.
     """
     hlen = peek_header_len(buf)
     if len(buf) < hlen:
         raise RecordError("record shorter than its header")
     (
         _magic,
-        _v,
+        version,
         flags,
         _h,
         plen,
@@ -210,22 +262,38 @@ def decode_header(buf: bytes | bytearray | memoryview, expect_key: str | None = 
     n = dtype.itemsize
     for d in shape:
         n *= d
-    if n != plen or plen > MAX_PAYLOAD_LEN:
+    koff = FIXED.size + 8 * rank
+    seal = prov = None
+    if version >= 2:
+        try:
+            seal, prov = decode_sections(memoryview(buf)[-(-(koff + klen) // 8) * 8 : hlen])
+        except SectionError as exc:
+            raise RecordError(str(exc)) from None
+    if (seal is not None) != bool(flags & FLAG_SEALED):
+        raise RecordError("seal flag and seal section disagree")
+    if seal is not None:
+        if not seal_layout_matches(seal, n, plen):
+            raise RecordError("sealed payload length does not match shape, dtype and segments")
+    elif n != plen:
         raise RecordError("payload length does not match shape and dtype")
-    if flags & ~FLAG_PARTS:
+    if plen > MAX_PAYLOAD_LEN:
+        raise RecordError("payload is too long")
+    known_flags = FLAG_PARTS | (FLAG_SEALED if version >= 2 else 0)
+    if flags & ~known_flags:
         raise RecordError(f"unknown flags {flags:#x}")
     if flags & FLAG_PARTS:
         if nparts < 2 or psize <= 0 or -(-plen // psize) != nparts:
             raise RecordError("bad part layout")
     elif nparts != 1:
         raise RecordError("bad part count")
-    koff = FIXED.size + 8 * rank
     try:
         key = bytes(buf[koff : koff + klen]).decode("utf-8")
     except UnicodeDecodeError:
         raise RecordError("key is not UTF-8") from None
     if expect_key is not None and key != expect_key:
         raise RecordError("record holds another key")
+    if key_id is not False and (seal.key_id if seal is not None else None) != key_id:
+        raise ForeignSeal("record is sealed under another key" if seal is not None else "record is not sealed")
     return RecordHeader(
         key=key,
         fmt=mfmt,
@@ -237,6 +305,9 @@ def decode_header(buf: bytes | bytearray | memoryview, expect_key: str | None = 
         num_parts=nparts,
         part_size=psize,
         hash_scheme=scheme,
+        version=version,
+        seal=seal,
+        provenance=prov,
     )
 
 

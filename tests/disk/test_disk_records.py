@@ -30,7 +30,7 @@ def test_fields_sit_where_the_format_document_says():
     h = encode_header(key, (2, 3, 4), torch.bfloat16, MemoryFormat.KV_T2D, xxhash.xxh3_64_intdigest(payload))
     assert h[:8] == MAGIC == b"\x89LMCR\r\n\x1a"
     version, flags, hlen, plen, csum = struct.unpack_from("<HHIQQ", h, 8)
-    assert (version, flags, hlen, plen) == (1, 0, len(h), 48)
+    assert (version, flags, hlen, plen) == (2, 0, len(h), 48)
     assert csum == xxhash.xxh3_64_intdigest(payload)
     scheme, fmt, dcode, rank, klen, nparts, psize = struct.unpack_from("<HHHHIIQ", h, 32)
     assert (scheme, fmt, dcode, rank, klen, nparts, psize) == (
