@@ -9,7 +9,8 @@ its own, so the scheduler's connector sees only the shared tiers),
 text holds the image token where the picture goes), ``phases`` (each ``{"prompts": [indices],
 "barrier": name or None, "hs": None | "save" | "load", "cache_salt": salt or None, "lora": adapter
 name or None}``), ``lora_modules`` (``{name: [int id, path]}``), ``llm`` (more ``LLM`` keyword
-arguments, e.g. ``enable_lora``), ``max_tokens``, ``hs_layers``, ``workdir``.
+arguments, e.g. ``enable_lora``), ``logprobs`` (record each greedy token's log-probability),
+``max_tokens``, ``hs_layers``, ``workdir``.
 Each prompt is generated alone (so its prefill is one forward the hooks see whole) after vLLM's
 own prefix cache is reset (so a hit can only come from the connector). Before a phase with a
 barrier the child writes ``<barrier>.ready`` and waits for ``<barrier>.go`` (the parent injects
@@ -56,6 +57,14 @@ def make_prompt(p: Any, cache_salt: str | None) -> dict[str, Any]:
     if cache_salt is not None:
         out["cache_salt"] = cache_salt
     return out
+
+
+def sampled_logprobs(out: Any) -> list[float] | None:
+    """The log-probability of each greedy token (None unless the spec asked for ``logprobs``)."""
+    c = out.outputs[0] if out.outputs else None
+    if c is None or not c.logprobs:
+        return None
+    return [float(c.logprobs[i][t].logprob) for i, t in enumerate(c.token_ids)]
 
 
 def image_offset(llm: Any, token_ids: Any) -> int | None:
@@ -111,7 +120,8 @@ def main(spec_path: str, result_path: str) -> int:
             llm.collective_rpc(kv_rpc.install_hs_hooks, args=(hs_layers,))
         prompts = spec["prompts"]
         loras = {name: LoRARequest(name, int(i), path) for name, (i, path) in (spec.get("lora_modules") or {}).items()}
-        params = SamplingParams(max_tokens=spec.get("max_tokens", 16), temperature=0.0)
+        logprobs = 1 if spec.get("logprobs") else None
+        params = SamplingParams(max_tokens=spec.get("max_tokens", 16), temperature=0.0, logprobs=logprobs)
         disk = (kv or {}).get("local_disk")
         if kv is not None and disk and all(isinstance(p, list) for p in prompts):
             result["files"] = [llm.collective_rpc(kv_rpc.chunk_files, args=(p, disk))[0] for p in prompts]
@@ -151,6 +161,7 @@ def main(spec_path: str, result_path: str) -> int:
                     "image_offset": image_offset(llm, out.prompt_token_ids),
                     "cache_salt": phase.get("cache_salt"),
                     "lora": phase.get("lora"),
+                    "logprobs": sampled_logprobs(out),
                     "by_source": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after},
                     "generate_s": gen_s,
                     "ttft_s": ttft,

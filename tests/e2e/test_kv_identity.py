@@ -78,7 +78,7 @@ EARLY_A, EARLY_B, LATE_A, LATE_B = range(4)
 def image_runs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("kv-identity-image")
     llm = {"max_model_len": 1024, "max_num_batched_tokens": 1024, "limit_mm_per_prompt": {"image": 1}}
-    base = {"model": str(model_dir), "prompts": LLAVA_PROMPTS, "max_tokens": 16, "llm": llm}
+    base = {"model": str(model_dir), "prompts": LLAVA_PROMPTS, "max_tokens": 16, "llm": llm, "logprobs": True}
     kv = {**CONNECTOR, "local_disk": str(work / "disk"), "max_local_disk_size": 0.5}
     load = [{"prompts": [EARLY_B, LATE_B]}, {"prompts": [EARLY_A, LATE_A]}]
     return {
@@ -89,8 +89,9 @@ def image_runs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
 
 
 def test_the_same_text_with_another_image_is_not_restored_past_the_image(image_runs: dict[str, Any]) -> None:
-    ref = {r["prompt"]: r["tokens"] for r in _ok(image_runs["baseline"])}
-    assert ref[EARLY_A] != ref[EARLY_B]  # the images matter to the model's answer
+    base = _ok(image_runs["baseline"])
+    ref = {r["prompt"]: r["tokens"] for r in base}
+    lp = {r["prompt"]: r["logprobs"] for r in base}
     store = _ok(image_runs["store"])
     assert [r["tokens"] for r in store] == [ref[EARLY_A], ref[LATE_A]]
     load = _ok(image_runs["load"])
@@ -100,6 +101,14 @@ def test_the_same_text_with_another_image_is_not_restored_past_the_image(image_r
         assert offset is not None
         assert other["num_cached_tokens"] == offset // CHUNK * CHUNK, idx  # the text before the image only
         assert other["tokens"] == ref[idx], idx
+        # The tiny model's greedy answer hardly depends on the image, but its probabilities do:
+        # the restored engine's are image B's, not image A's (which B would get from A's KV).
+        a_idx = idx - 1
+        assert lp[a_idx] != lp[idx], idx  # the images matter to the model's numbers
+        gap = max(abs(x - y) for x, y in zip(lp[a_idx], lp[idx], strict=True))
+        off = max(abs(x - y) for x, y in zip(other["logprobs"], lp[idx], strict=True))
+        assert off < gap / 10, (idx, off, gap)
+        print(f"[e2e] image prompt {idx}: logprob gap A vs B {gap:.2e}, restored B vs uncached B {off:.2e}")
     assert by(load, prompt=EARLY_B)["num_cached_tokens"] == 0
     assert by(load, prompt=LATE_B)["num_cached_tokens"] == CHUNK
 

@@ -127,6 +127,9 @@ def test_the_kv_connector_loads_a_hit_in_the_nodes_pool_synchronously_in_a_new_s
             scheduled_new_reqs=[new], scheduled_cached_reqs=cached, num_scheduled_tokens={req_id: scheduled}
         )
 
+    def vreq(req_id: str) -> SimpleNamespace:
+        return SimpleNamespace(request_id=req_id, prompt_token_ids=PROMPT, num_prompt_tokens=len(PROMPT))
+
     def store(cpu: bool) -> KVStore:
         conf = _config(shared_server.socket, "into-kv", chunk_size=CHUNK, local_cpu=cpu, max_local_cpu_size=0.01)
         if cpu:
@@ -142,14 +145,15 @@ def test_the_kv_connector_loads_a_hit_in_the_nodes_pool_synchronously_in_a_new_s
         sched, worker = sides(first)
         src = caches(seed=1)
         worker.register(src)
+        sched.after_alloc(vreq("r1"), None, 0)  # vLLM shows the Request before it schedules it
         worker.save(sched.build_meta(new_req_step("r1", SRC_BLOCKS, 0, len(PROMPT))))
         assert worker.counters["saved_chunks"] == 3
         sched, worker = sides(second)
         dst = caches(seed=None)
         worker.register(dst)
-        n, is_async = sched.num_new_matched_tokens("r2", PROMPT, 0)
+        n, is_async = sched.num_new_matched_tokens(vreq("r2"), 0)
         assert n == 24 and not is_async  # in the node's pool: memory the worker reads itself
-        sched.after_alloc("r2", (DST_BLOCKS,), n)
+        sched.after_alloc(vreq("r2"), (DST_BLOCKS,), n)
         meta = sched.build_meta(new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n))
         assert len(meta.loads) == 1 and not meta.async_loads
         worker.load(meta)
