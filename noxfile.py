@@ -79,6 +79,7 @@ def tests(session: nox.Session) -> None:
         "LMCACHE_ASYNC_REQUIRE_SERVERS": "1",
         "LMCACHE_ASYNC_REQUIRE_NIXL": "1",
         "LMCACHE_ASYNC_REQUIRE_MOONCAKE": "1",
+        "LMCACHE_ASYNC_REQUIRE_S3": "1",
     }
     # tests/omni runs whole in the omni session (its venv has vLLM-Omni; its store tests start
     # processes for minutes, so they are not run twice); tests/sglang skips here with its reason.
@@ -94,7 +95,7 @@ TEST_WORKERS = max(1, min(2, os.cpu_count() or 1))
 processes of their own)."""
 
 
-QUICK_MARKERS = "not chaos and not soak and not slow and not redis and not nixl and not mooncake"
+QUICK_MARKERS = "not chaos and not soak and not slow and not redis and not nixl and not mooncake and not s3"
 
 
 QUICK_WORKERS = max(1, min(4, os.cpu_count() or 1))

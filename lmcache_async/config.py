@@ -244,7 +244,7 @@ class LMCacheEngineConfig(BaseModel):
     mooncake_replica_num: int = Field(1, ge=1, description="Replicas of each object in the Mooncake store.")
     # --- object store tier (remote_url: s3://BUCKET/PREFIX) ----------------------------------------
     s3_endpoint: str | None = Field(None, description="S3 endpoint URL (None: AWS_ENDPOINT_URL, else AWS's own).")
-    s3_region: str | None = Field(None, description="S3 region (None: AWS_REGION / AWS_DEFAULT_REGION, else us-east-1).")
+    s3_region: str | None = Field(None, description="S3 region (None: AWS_REGION, AWS_DEFAULT_REGION, us-east-1).")
     s3_access_key_id: SecretStr | None = Field(
         None, description="S3 access key id (None: AWS_ACCESS_KEY_ID; neither: unsigned requests). Never printed."
     )

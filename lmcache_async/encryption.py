@@ -28,16 +28,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from lmcache_async.dtypes import dtype_code
+from lmcache_async.errors import BackendUnavailableError
 from lmcache_async.memory import MemoryFormat
 from lmcache_async.record_sections import KEY_ID_LEN, NONCE_LEN, Seal, sealed_length
 from lmcache_async.records import RecordError, RecordHeader
 from lmcache_async.token_database import HASH_SCHEME_ID
 
-__all__ = ["KEY_LEN", "RecordCipher", "key_id_of", "load_cipher", "write_key_file"]
+__all__ = ["KEY_LEN", "RecordCipher", "cipher_for", "key_id_of", "load_cipher", "new_buffer", "write_key_file"]
 
 KEY_LEN = 32
 _PERSON = b"lmcache-async-k1"
@@ -56,7 +55,7 @@ def _aad(key: str, shape: tuple[int, ...], dtype: torch.dtype, fmt: MemoryFormat
     return head + struct.pack(f"<{len(shape)}Q", *shape) + key.encode("utf-8")
 
 
-def _uninitialized(n: int) -> memoryview:
+def new_buffer(n: int) -> memoryview:
     """A writable buffer of ``n`` bytes that is not zeroed first (it is overwritten at once)."""
     arr: Any = torch.empty(n, dtype=torch.uint8).numpy()  # the view keeps the array alive
     return memoryview(arr).cast("B")
@@ -68,6 +67,14 @@ class RecordCipher:
     def __init__(self, key: bytes) -> None:
         if not isinstance(key, bytes) or len(key) != KEY_LEN:
             raise ValueError(f"key must be {KEY_LEN} bytes")
+        try:
+            from cryptography.exceptions import InvalidTag
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+        except ImportError as exc:
+            raise BackendUnavailableError(
+                f"encryption_key_file needs the cryptography package ({exc}); install lmcache-async[encryption]"
+            ) from None
+        self._invalid_tag = InvalidTag
         self._aead = AESGCM(key)
         self.key_id = key_id_of(key)
         """The key's id (16 bytes)."""
@@ -83,20 +90,25 @@ class RecordCipher:
         fmt: MemoryFormat,
         plain: memoryview,
         segment_size: int = 0,
+        reserve: int = 0,
     ) -> tuple[Seal, memoryview]:
         """Encrypt ``plain`` (the entry's bytes) for a record of ``key``: the seal for its header
-        and the stored payload (a new buffer the caller owns: segments of ciphertext and tag).
+        and a new buffer the caller owns holding ``reserve`` bytes (left unset, e.g. for the
+        header) and then the stored payload (segments of ciphertext and tag).
         ``segment_size``: plaintext bytes per segment (0: one segment)."""
+        if segment_size < 0 or reserve < 0:
+            raise ValueError("segment_size and reserve must be >= 0")
         plain = plain.cast("B") if plain.format != "B" or plain.ndim != 1 else plain
         n = plain.nbytes
         segments, stored_len = sealed_length(n, segment_size)
         seal = Seal(self.key_id, os.urandom(NONCE_LEN), segment_size if segments > 1 else 0, segments)
-        out = _uninitialized(stored_len)
+        out = new_buffer(reserve + stored_len)
+        body = out[reserve:]
         for i in range(segments):
             s, e = seal.plain_bounds(i, n)
             so, eo = seal.stored_bounds(i, n)
             aad = _aad(key, shape, dtype, fmt, i, segments, n)
-            self._aead.encrypt_into(seal.segment_nonce(i), plain[s:e], aad, out[so:eo])
+            self._aead.encrypt_into(seal.segment_nonce(i), plain[s:e], aad, body[so:eo])
         return seal, out
 
     def open_segment(self, hdr: RecordHeader, index: int, stored: memoryview, dst: memoryview) -> None:
@@ -108,7 +120,7 @@ class RecordCipher:
         aad = _aad(hdr.key, hdr.shape, hdr.dtype, hdr.fmt, index, seal.segments, hdr.plain_len)
         try:
             self._aead.decrypt_into(seal.segment_nonce(index), stored, aad, dst)
-        except InvalidTag:
+        except self._invalid_tag:
             raise RecordError(f"authentication tag of segment {index} fails") from None
 
     def open_into(self, hdr: RecordHeader, stored: memoryview, dst: memoryview) -> None:
@@ -163,6 +175,13 @@ def load_cipher(path: str | os.PathLike[str]) -> RecordCipher:
     else:
         raise ValueError(f"encryption_key_file {str(p)!r} does not hold a 256-bit key (64 hex digits)")
     return RecordCipher(key)
+
+
+def cipher_for(config: Any) -> RecordCipher | None:
+    """The cipher of ``config.encryption_key_file``, None when it is not set (ValueError as
+    :func:`load_cipher`)."""
+    path = getattr(config, "encryption_key_file", None)
+    return None if not path else load_cipher(path)
 
 
 def write_key_file(path: str | os.PathLike[str]) -> bytes:

@@ -26,6 +26,7 @@ __all__ = [
     "ALGO_AES256_GCM",
     "KEY_ID_LEN",
     "NONCE_LEN",
+    "SEAL_SECTION_LEN",
     "SECTION_PROVENANCE",
     "SECTION_SEAL",
     "TAG_LEN",
@@ -49,6 +50,8 @@ NONCE_LEN = 12
 TAG_LEN = 16
 _SEAL = struct.Struct(f"<{KEY_ID_LEN}sHHIQ{NONCE_LEN}s4x")
 assert _SEAL.size == 48
+SEAL_SECTION_LEN = _SECTION.size + _SEAL.size
+"""Bytes the seal section adds to a header's section list."""
 _PROV = struct.Struct("<IIHHII")
 assert _PROV.size == 20
 _PROV_PARENT = 1

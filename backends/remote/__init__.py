@@ -22,12 +22,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from lmcache_async.backend import Allocate, BackendContext, StorageBackend
+from lmcache_async.encryption import cipher_for
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj
 
 from .connector import (
     Connector,
     ConnectorSettings,
+    S3Settings,
     known_schemes,
     make_connector,
     register_connector,
@@ -90,9 +92,20 @@ class RemoteBackend(StorageBackend):
         self._prefix = check_prefix(cfg.remote_key_prefix if prefix is None else prefix)
         self._url = url
         self._alloc = ctx.staging
-        self.connector: Connector = make_connector(
-            url, ConnectorSettings(timeout_s=timeout, part_size=part_size, ttl_s=ttl, executor=ctx.executor)
+        cipher = cipher_for(cfg)
+        settings = ConnectorSettings(
+            timeout_s=timeout,
+            part_size=part_size,
+            ttl_s=ttl,
+            executor=ctx.executor,
+            cipher=cipher,
+            s3=_s3_settings(cfg),
         )
+        self.connector: Connector = make_connector(url, settings)
+        if cipher is not None and not self.connector.seals:
+            raise ValueError(
+                f"encryption_key_file is set but the {self.connector.scheme}:// tier does not seal records"
+            )
         self._sem: asyncio.Semaphore | None = None
         self._closed = False
 
@@ -217,6 +230,24 @@ class RemoteBackend(StorageBackend):
         out: dict[str, Any] = {"scheme": self.connector.scheme, "prefix": self._prefix}
         out.update(self.connector.stats())
         return out
+
+
+def _secret(value: Any) -> str | None:
+    """The text of a ``SecretStr`` (or str) configuration value, None when unset."""
+    if value is None:
+        return None
+    return str(value.get_secret_value()) if hasattr(value, "get_secret_value") else str(value)
+
+
+def _s3_settings(cfg: Any) -> S3Settings:
+    return S3Settings(
+        endpoint=cfg.s3_endpoint,
+        region=cfg.s3_region,
+        access_key_id=_secret(cfg.s3_access_key_id),
+        secret_access_key=_secret(cfg.s3_secret_access_key),
+        allow_http=cfg.s3_allow_http,
+        max_concurrency=cfg.s3_max_concurrency,
+    )
 
 
 def _release_results(tasks: Sequence[asyncio.Future[MemoryObj | None]]) -> None:

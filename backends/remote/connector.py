@@ -27,8 +27,8 @@ from __future__ import annotations
 import concurrent.futures
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from lmcache_async.backend import Allocate
 from lmcache_async.errors import BackendUnavailableError
@@ -38,14 +38,30 @@ from lmcache_async.memory import MemoryObj
 from .naming import EntryName
 from .url import redact
 
+if TYPE_CHECKING:
+    from lmcache_async.encryption import RecordCipher
+
 __all__ = [
     "Connector",
     "ConnectorFactory",
     "ConnectorSettings",
+    "S3Settings",
     "known_schemes",
     "make_connector",
     "register_connector",
 ]
+
+
+@dataclass(frozen=True)
+class S3Settings:
+    """The ``s3_*`` configuration keys (None: the ``AWS_*`` variables, then the defaults)."""
+
+    endpoint: str | None = None
+    region: str | None = None
+    access_key_id: str | None = field(default=None, repr=False)
+    secret_access_key: str | None = field(default=None, repr=False)
+    allow_http: bool = False
+    max_concurrency: int = 16
 
 
 @dataclass(frozen=True)
@@ -60,6 +76,11 @@ class ConnectorSettings:
     """Expiry of entries, or None (``remote_ttl_s``)."""
     executor: concurrent.futures.Executor | None = None
     """Where blocking file operations run (the manager's executor)."""
+    cipher: RecordCipher | None = field(default=None, repr=False)
+    """Seals records written and opens records read (``encryption_key_file``); None: plain
+    records only (sealed ones are foreign). Connectors that cannot seal refuse a cipher."""
+    s3: S3Settings = field(default_factory=S3Settings)
+    """The ``s3_*`` keys (``s3://`` URLs only)."""
 
 
 class Connector(ABC):
@@ -77,6 +98,12 @@ class Connector(ABC):
     def persistent(self) -> bool:
         """Entries outlive the process that wrote them."""
         return True
+
+    @property
+    def seals(self) -> bool:
+        """Writes sealed records and opens them when built with a cipher
+        (``ConnectorSettings.cipher``); a connector that cannot is never given one."""
+        return False
 
     async def start(self) -> None:
         """Connect eagerly (optional); a failure is reported but the connector retries later."""
@@ -129,8 +156,9 @@ def _unknown_scheme(scheme: str, known: list[str]) -> Exception:
 
 
 def _unimportable(scheme: str, exc: ImportError) -> Exception:
+    extra = "s3" if scheme == "s3" else "redis"
     return BackendUnavailableError(
-        f"the {scheme}:// connector cannot be imported ({exc}); install lmcache-async[redis] for Redis/Valkey URLs"
+        f"the {scheme}:// connector cannot be imported ({exc}); install lmcache-async[{extra}] for {scheme}:// URLs"
     )
 
 
@@ -147,6 +175,7 @@ _registry: LazyRegistry[ConnectorFactory] = LazyRegistry(
         "valkey+cluster": f"{_BUILTIN}.cluster:create",
         "valkeys+cluster": f"{_BUILTIN}.cluster:create",
         "fs": f"{_BUILTIN}.fs:create",
+        "s3": f"{_BUILTIN}.s3:create",
     },
     normalize=str.lower,
     unknown=_unknown_scheme,

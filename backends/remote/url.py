@@ -11,6 +11,8 @@ Accepted forms (credentials are percent-decoded; ``?name=value`` options follow 
 * ``fs:///absolute/dir`` or ``fs://relative/dir`` — a shared filesystem directory
 * ``mooncake://host[:port]`` — a Mooncake Store master (RPC port, default 50051); the client
   settings come from the ``mooncake_*`` configuration keys
+* ``s3://BUCKET[/PREFIX]`` — an S3 bucket (objects below ``PREFIX``); endpoint, region and
+  credentials come from the ``s3_*`` configuration keys, never from the URL
 
 Options valid for every Redis-family URL: ``db``, ``max_connections``, ``socket_read_size``,
 ``client_name``, ``password``, ``username``. Unknown options are refused with a ``ValueError``
@@ -46,9 +48,10 @@ _FALSE = {"0", "false", "no", "off"}
 class RemoteURL:
     """A parsed ``remote_url``.
 
-    ``kind`` is ``"redis"``, ``"unix"``, ``"cluster"``, ``"fs"`` or ``"mooncake"``; ``scheme`` the scheme as
-    written (lower case). ``hosts`` holds ``(host, port)`` pairs (one for ``redis``, one or more
-    for ``cluster``, none otherwise); ``path`` the socket path (``unix``) or directory (``fs``).
+    ``kind`` is ``"redis"``, ``"unix"``, ``"cluster"``, ``"fs"``, ``"mooncake"`` or ``"s3"``; ``scheme``
+    the scheme as written (lower case). ``hosts`` holds ``(host, port)`` pairs (one for ``redis``,
+    one or more for ``cluster``, none otherwise); ``path`` the socket path (``unix``), directory
+    (``fs``) or object-name prefix (``s3``, "" for none); ``bucket`` the S3 bucket.
     """
 
     scheme: str
@@ -60,6 +63,7 @@ class RemoteURL:
     db: int = 0
     tls: bool = False
     options: dict[str, str] = field(default_factory=dict)
+    bucket: str | None = None
 
     def option_int(self, name: str, default: int, minimum: int = 1) -> int:
         """Integer option ``name`` (``ValueError`` naming it when malformed or below ``minimum``)."""
@@ -245,5 +249,26 @@ def parse_remote_url(url: str) -> RemoteURL:
         master = _parse_host(netloc if ":" in tail else f"{netloc}:{MOONCAKE_PORT}", url)
         return RemoteURL(scheme=scheme, kind="mooncake", hosts=(master,))
 
-    known = sorted([*_REDIS_SCHEMES, *_CLUSTER_SCHEMES, "unix", "fs", "mooncake"])
+    if scheme == "s3":
+        return _parse_s3(body, query, url)
+
+    known = sorted([*_REDIS_SCHEMES, *_CLUSTER_SCHEMES, "unix", "fs", "mooncake", "s3"])
     raise ValueError(f"remote_url scheme {scheme!r} is not supported (known: {', '.join(known)})")
+
+
+_BUCKET_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-.")
+_S3_PREFIX_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./")
+
+
+def _parse_s3(body: str, query: str, url: str) -> RemoteURL:
+    """``s3://BUCKET[/PREFIX]``: a bucket name by S3's rules and a plain object-name prefix."""
+    _query(query, frozenset(), url)
+    bucket, _, prefix = body.partition("/")
+    if "@" in bucket or ":" in bucket:
+        raise ValueError(f"remote_url {redact(url)!r}: s3:// takes no credentials or port (use the s3_* keys)")
+    if not 3 <= len(bucket) <= 63 or not set(bucket) <= _BUCKET_CHARS or not bucket[0].isalnum():
+        raise ValueError(f"remote_url {redact(url)!r}: {bucket!r} is not an S3 bucket name")
+    prefix = prefix.strip("/")
+    if not set(prefix) <= _S3_PREFIX_CHARS or any(seg in ("", ".", "..") for seg in prefix.split("/") if prefix):
+        raise ValueError(f"remote_url {redact(url)!r}: prefix {prefix!r} must be letters, digits, '-_./' segments")
+    return RemoteURL(scheme="s3", kind="s3", path=prefix, bucket=bucket)

