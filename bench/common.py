@@ -385,10 +385,11 @@ def better(r: Result) -> str:
     return "higher" if r.higher_is_better else "lower"
 
 
-def format_table(results: list[Result]) -> str:
+def format_table(results: list[Result], *, smoke: bool = False) -> str:
     """A fixed-width table: suite, figure, value, which way is better, baseline, ratio, target,
     met. Values carry their units; the target applies to the ratio, or to the value when there
-    is no baseline (then it carries the unit)."""
+    is no baseline (then it carries the unit). ``smoke``: a ``--quick`` run, whose shrunk sizes
+    make targets meaningless: the last column says ``smoke`` instead of judging."""
     rows = [("suite", "figure", "value", "better", "baseline", "ratio", "target", "ok")]
     for r in results:
         val = f"{r.value:.4g} {r.unit}"
@@ -399,7 +400,7 @@ def format_table(results: list[Result]) -> str:
             tgt = ("<= " if r.target_kind == "max" else ">= ") + f"{r.target:g}"
             if r.baseline is None:
                 tgt += f" {r.unit}"
-        ok = {True: "yes", False: "NO", None: ""}[r.met]
+        ok = "smoke" if smoke and r.met is not None else {True: "yes", False: "NO", None: ""}[r.met]
         rows.append((r.suite, r.name, val, better(r), base, ratio, tgt, ok))
     return _fixed_width(rows)
 

@@ -159,7 +159,11 @@ def _case(opts: BenchOptions, root: str, n: int, size: int, piece: int, concurre
                     SUITE, f"aiofiles {what}, {label}", gib / aio, "GiB/s",
                     baseline_name="one executor job per file", baseline=gib / job, higher_is_better=True,
                     note="same loop, same 4-thread executor; alternating rounds",
-                    params={"n": n, "size": size, "piece": piece, "concurrency": concurrency},
+                    params={
+                        "n": n, "size": size, "piece": piece, "concurrency": concurrency,
+                        "series": f"aiofiles {what}",
+                        "panel": f"io_style: concurrent files ({n} x {size // MiB} MiB, {piece // MiB} MiB pieces)",
+                    },
                 )
             )  # fmt: skip
         return out

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from lmcache_async import KeyExtras, LMCacheEngineConfig, MMItem
+from lmcache_async import KeyExtras, LMCacheEngineConfig
 from lmcache_async.integration.vllm.kv_engine import KVStore
 from lmcache_async.integration.vllm.kv_request_keys import request_key_inputs
 from lmcache_async.integration.vllm.kv_scheduler import KVSchedulerSide
@@ -84,11 +84,11 @@ def run(opts: BenchOptions) -> list[Result]:
             db = store.token_database
             assert db.chunk_size == db_cs
 
-            def derive(extras: dict[str, Any] = extras) -> None:
+            def derive(extras: dict[str, Any] = extras, db: Any = db) -> None:
                 t, e = request_key_inputs(_request("k", tokens, **extras))
                 db.chunk_hashes(t, e)
 
-            def lookup(extras: dict[str, Any] = extras) -> None:
+            def lookup(extras: dict[str, Any] = extras, sched: KVSchedulerSide = sched) -> None:
                 req = _request(f"r{next(ids)}", tokens, **extras)
                 n, _ = sched.num_new_matched_tokens(req, 0)
                 assert n > 0

@@ -256,7 +256,7 @@ def _draw_conc_panel(ax: Any, title: str, rs: list[Result]) -> bool:
     ax.set_ylabel(f"{rs[0].unit} ({_better(higher)})")
     ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)  # below: never over the data
     return drew_target
 
 
@@ -424,7 +424,7 @@ def plot_results(results: list[Result], path: str) -> None:
         keys = "dashed: same-run physical baseline"
         if drew_target:
             keys += f"; dotted: target; {MISSED_MARK}: target missed"
-        what += f" ({keys})"
+        what += f"\n({keys})"  # a line of its own: a one-panel figure is narrow
     fig.suptitle(what, fontsize=11)
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -50,6 +50,9 @@ OPT_IN_SUITES: dict[str, str] = {
     "sglang": f"{BENCH_PACKAGE}.sglang",
     "omni": f"{BENCH_PACKAGE}.omni",
 }
+SMOKE_BANNER = (
+    "smoke run (--quick): sizes and counts are shrunk; the numbers are not meaningful and targets are not judged"
+)
 _SUITES: LazyRegistry[ModuleType] = LazyRegistry("suite", {**BENCH_SUITES, **OPT_IN_SUITES})
 """Every suite by name: its module, imported when the suite runs."""
 
@@ -334,6 +337,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     start = time.monotonic()
     results: list[Result] = []
     skipped: list[str] = []
+    if args.quick:
+        print(SMOKE_BANNER)
     with Progress(len(names), "bench", "suite", enabled=not args.no_progress) as bar:
 
         def progress(msg: str) -> None:
@@ -365,18 +370,21 @@ def _cmd_bench(args: argparse.Namespace) -> int:
                 bar.advance()
                 continue
             results.extend(got)
-            out(format_table(got))
+            out(format_table(got, smoke=args.quick))
             out()
             bar.advance()
-    if len(names) > 1 and results:
-        print("== all suites ==")
-        print(format_table(results))
+    missed = [r for r in results if r.met is False]
+    if len(names) > 1 and missed and not args.quick:  # each table was printed once, above
+        print("== targets not met ==")
+        print(format_table(missed))
     summary = format_series_summary(results)
     if summary:
         print("== curves (min-max over sizes / concurrency) ==")
         print(summary)
     for s in skipped:
         print(f"skipped: {s}")
+    if args.quick:
+        print(SMOKE_BANNER)
     if json_path is not None:
         with open(json_path, "w", encoding="utf-8") as f:
             json.dump({"results": [r.to_dict() for r in results], "skipped": skipped}, f, indent=2)

@@ -281,6 +281,13 @@ class MemoryObj:
                 self._tensor = None
                 alloc._free_locked(self.offset, self.size)
 
+    def release(self) -> None:
+        """Give back the reference a ``get``/``batched_get`` handed you (the same as
+        :meth:`ref_count_down`; ``with obj:`` does it at the end of the block). Read or copy
+        ``obj.tensor`` before: the pool may reuse the memory at once. Raises
+        :class:`DoubleReleaseError` when released more often than acquired."""
+        self.ref_count_down()
+
     def get_ref_count(self) -> int:
         """Current number of references (0 once released)."""
         return self._refs

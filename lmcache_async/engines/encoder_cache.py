@@ -30,6 +30,7 @@ from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.dtypes import dtype_name, parse_dtype
 from lmcache_async.engines._devices import check_device
 from lmcache_async.engines._offload import copy_maybe_off_loop, run_off_loop, should_offload, yield_to_loop
+from lmcache_async.engines._opening import EngineOpening
 from lmcache_async.keys import CacheEngineKey, stable_u64_from_str
 from lmcache_async.memory import MemoryFormat, MemoryObj
 from lmcache_async.metadata import NEUTRAL_METADATA, LMCacheEngineMetadata
@@ -94,6 +95,19 @@ class ECCacheEngine:
     :meth:`stats`). Caller mistakes raise ``TypeError``/``ValueError``; any call after
     :meth:`close` raises :class:`~lmcache_async.errors.ManagerClosedError`.
     """
+
+    @classmethod
+    def open(
+        cls,
+        config: LMCacheEngineConfig,
+        metadata: LMCacheEngineMetadata | None,
+        encoder_dtype: torch.dtype | str,
+    ) -> EngineOpening[ECCacheEngine]:
+        """Build the engine without blocking the caller's event loop: ``ec = await
+        ECCacheEngine.open(config, meta, dtype)``, or ``async with ECCacheEngine.open(...) as
+        ec:`` (closed on exit). The constructor runs on a worker thread; arguments and errors as
+        for the constructor; a cancelled open leaves nothing running."""
+        return EngineOpening(lambda: cls(config, metadata, encoder_dtype))
 
     def __init__(
         self,

@@ -32,6 +32,7 @@ from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.engines._chunks import ChunkPlan, copy_in, copy_out, release_all, wait_copies
 from lmcache_async.engines._devices import CPU, check_device
 from lmcache_async.engines._offload import copy_maybe_off_loop, yield_to_loop
+from lmcache_async.engines._opening import EngineOpening
 from lmcache_async.engines.hidden_states import HiddenStateStore
 from lmcache_async.errors import LoopThreadCallError, ManagerClosedError
 from lmcache_async.key_extras import KeyExtras
@@ -66,6 +67,16 @@ class LMCacheEngine:
     ``enable_hidden_state_cache``). Raises ``ValueError`` naming ``max_hidden_state_cpu_size``
     when the hidden-state cache is enabled with a pool size <= 0.
     """
+
+    @classmethod
+    def open(
+        cls, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata | None = None
+    ) -> EngineOpening[LMCacheEngine]:
+        """Build the engine without blocking the caller's event loop: ``engine = await
+        LMCacheEngine.open(config, meta)``, or ``async with LMCacheEngine.open(...) as engine:``
+        (closed on exit). The constructor runs on a worker thread; arguments and errors as for
+        the constructor; a cancelled open leaves nothing running."""
+        return EngineOpening(lambda: cls(config, metadata))
 
     def __init__(self, config: LMCacheEngineConfig, metadata: LMCacheEngineMetadata | None = None) -> None:
         if not isinstance(config, LMCacheEngineConfig):
