@@ -49,7 +49,7 @@ class Conn:
 
 
 #: Ops whose handling awaits the lower tiers (when the server has any).
-MAY_WAIT = frozenset({Op.CONTAINS, Op.GET, Op.READ, Op.COMMIT, Op.REMOVE, Op.HOLD})
+MAY_WAIT = frozenset({Op.CONTAINS, Op.GET, Op.READ, Op.COMMIT, Op.REMOVE, Op.HOLD, Op.CLEAR})
 _OPS = {int(op): op for op in Op}
 _HEAD = FRAME.size
 

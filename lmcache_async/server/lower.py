@@ -69,17 +69,22 @@ class LowerStore:
         self.read_failures = 0
         self._known: dict[str, set[bytes]] = {}
         self._overflowed: set[str] = set()
-        #: Tiers that may hold records this server did not see (held some when it started, or
-        #: cannot tell): ``clear`` names them.
-        self._opaque = self._tiers_not_known_empty()
+        #: Entries each tier reported when the server started (see :meth:`_opaque_tiers`).
+        self._start_entries = {name: fig.get("entries") for name, fig in self.manager.stats().get("tiers", {}).items()}
 
-    def _tiers_not_known_empty(self) -> list[str]:
+    def _opaque_tiers(self) -> list[str]:
+        """Tiers that may hold records this server never saw: one that held records when it
+        started (a disk tier's start-up scan says how many it found), or that cannot tell (a
+        remote or NIXL store is shared and cannot be listed)."""
         tiers = self.manager.stats().get("tiers", {})
         out = []
         for name in self.manager.tier_names:
             fig = tiers.get(name, {})
-            empty = fig.get("entries") == 0 and fig.get("rebuild_done", True) is True and "entries" in fig
-            if not empty or name in ("remote", "nixl"):  # shared stores: other writers, no listing
+            if "rebuild_done" in fig:  # a disk tier: its start-up scan counted the records it found
+                empty = fig["rebuild_done"] is True and fig.get("rebuild_entries") == 0
+            else:
+                empty = self._start_entries.get(name) == 0 and name not in ("remote", "nixl")
+            if not empty:
                 out.append(name)
         return out
 
@@ -176,7 +181,7 @@ class LowerStore:
         if failed or namespace in self._overflowed:
             self._overflowed.discard(namespace)
             return self.tier_names
-        return list(self._opaque)
+        return self._opaque_tiers()
 
     async def close(self) -> None:
         """Flush the write-through (bounded) and close the manager."""

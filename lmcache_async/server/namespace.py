@@ -249,11 +249,11 @@ class Namespace:
         self._quarantine = keep
 
     def reclaimable(self, idle_s: float) -> bool:
-        """True when nobody uses this namespace: no client, no hold, and either no entry or no
-        client for ``idle_s`` seconds (its pool may then be released)."""
+        """True when nobody has used this namespace for ``idle_s`` seconds: no client (since
+        then) and no hold; its pool may be released."""
         if self.clients or self._holds or self.idle_since is None:
             return False
-        return not self._index or self._clock() - self.idle_since >= idle_s
+        return self._clock() - self.idle_since >= idle_s
 
     # ---- presence ----------------------------------------------------------------------------
     def contains(self, keys: list[bytes], touch: bool) -> list[bool]:

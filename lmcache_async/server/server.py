@@ -157,6 +157,8 @@ def prepare_socket_dir(path: str | os.PathLike[str], *, shared: bool = False) ->
             f"socket directory {parent} has mode {stat.S_IMODE(st.st_mode):o}; others must not write to it "
             f"(chmod 711 {parent})"
         )
+    if shared and stat.S_IMODE(st.st_mode) & 0o011 != 0o011:
+        os.chmod(parent, stat.S_IMODE(st.st_mode) | 0o111)  # ours, not writable by others: let them reach the socket
     if not shared and stat.S_IMODE(st.st_mode) & 0o077:
         raise ValueError(
             f"socket directory {parent} has mode {stat.S_IMODE(st.st_mode):o}; it must be 0700 (chmod 700 {parent})"
@@ -468,9 +470,7 @@ class CacheServer:
         """A new namespace (its pool created), or None when the server holds its cap of them
         and none can be released (an unused one holding no entry is released for it)."""
         if len(self.namespaces) >= self.max_namespaces:
-            empty = [n for n, ns in self.namespaces.items() if not len(ns) and ns.reclaimable(float("inf"))]
-            idle = [n for n, ns in self.namespaces.items() if ns.reclaimable(self.namespace_idle_s)]
-            victims = empty or idle
+            victims = [n for n, ns in self.namespaces.items() if not len(ns) and ns.reclaimable(0.0)]
             if not victims:
                 return None
             self._release_namespace(victims[0])

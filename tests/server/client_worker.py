@@ -7,14 +7,22 @@ Modes (argv: socket namespace mode ...):
   ``got <hits> wrong <wrong>``.
 * ``load SECONDS SEED`` — mixed put/get/remove/contains over a shared key space for SECONDS;
   print one JSON line with ``ops``, ``errors``, ``wrong`` and the client's stats.
+* ``stall-put I`` — put entry ``I``, stopping itself (``SIGSTOP``) right before the copy into the
+  granted block; print ``stored <count>`` once continued and done.
+* ``put-loop FIRST COUNT`` — put entries FIRST..FIRST+COUNT-1 round and round (each put copies,
+  then commits; present keys are freed again) until stdin closes; print ``puts <n>``.
 
-Entry ``i``'s payload is a pure function of ``i``, so any process can check any entry.
+Entry ``i``'s payload is a pure function of ``i``, so any process can check any entry; entries
+from :data:`BIG` on are 1 MiB.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
+import select
+import signal
 import sys
 import time
 
@@ -22,7 +30,11 @@ import torch
 
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryFormat, MemoryObj, PoolAllocator
+from lmcache_async.server import client as client_module
 from lmcache_async.server.client import ServerClient
+
+#: Entries from this index on are 1 MiB (a copy long enough for a stop to land in a put).
+BIG = 100_000
 
 
 def key_of(i: int) -> bytes:
@@ -30,7 +42,7 @@ def key_of(i: int) -> bytes:
 
 
 def shape_of(i: int) -> tuple[int, int]:
-    return (16 + (i % 7) * 8, 64)
+    return (1024, 256) if i >= BIG else (16 + (i % 7) * 8, 64)
 
 
 def fill(pool: PoolAllocator, i: int) -> MemoryObj:
@@ -54,7 +66,7 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     sock, ns, mode = argv[0], argv[1], argv[2]
     client = ServerClient(sock, ns, timeout_s=5.0)
-    pool = PoolAllocator(16 << 20, name="worker", pretouch=False)
+    pool = PoolAllocator(64 << 20, name="worker", pretouch=False)
     if mode == "put":
         n = int(argv[3])
         stored = 0
@@ -76,6 +88,29 @@ def main(argv: list[str]) -> int:
                 wrong += not check(obj, i)
                 obj.ref_count_down()
         print(f"got {hits} wrong {wrong}", flush=True)
+    elif mode == "stall-put":
+        i = int(argv[3])
+        copy = client_module._copy_bytes
+
+        def stalled_copy(*args: object, **kw: object) -> None:
+            os.kill(os.getpid(), signal.SIGSTOP)  # a writer stalled inside its put
+            copy(*args, **kw)  # type: ignore[arg-type]
+
+        client_module._copy_bytes = stalled_copy  # type: ignore[assignment]
+        obj = fill(pool, i)
+        res = client.put([(key_of(i), obj)])
+        obj.ref_count_down()
+        print(f"stored {int(bool(res and res[0]))}", flush=True)
+    elif mode == "put-loop":
+        first, count = int(argv[3]), int(argv[4])
+        objs = [fill(pool, i) for i in range(first, first + count)]
+        print("ready", flush=True)
+        puts = 0
+        while not select.select([sys.stdin], [], [], 0)[0]:
+            j = puts % count
+            client.put([(key_of(first + j), objs[j])])
+            puts += 1
+        print(f"puts {puts}", flush=True)
     elif mode == "load":
         seconds, seed = float(argv[3]), int(argv[4])
         rng = random.Random(seed)

@@ -1,0 +1,640 @@
+"""The server against stalled, hostile and careless clients (issue 34): every case here broke a
+promise of docs/server.md before.
+
+Stalled writers (``SIGSTOP`` past the grant's TTL), a pool file a client tries to resize, namespace
+crossing, a fake server of another user, an oversized put beside a pinned block, namespace churn,
+hold exhaustion, CLEAR with a disk tier, stalled frames and the connection cap.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from lmcache_async.memory import MemoryFormat, PoolAllocator
+from lmcache_async.server.client import ServerClient, ServerUnavailable, _connect, _exchange
+from lmcache_async.server.namespace import Namespace
+from lmcache_async.server.protocol import FRAME, HELLO, MAGIC, VERSION, WELCOME, EntryMeta, Mode, Op, Reader, Status
+from lmcache_async.server.shm import PoolMapping, pool_file_bytes
+from lmcache_async.testing.cache_server import CacheServerProcess, private_dir
+from lmcache_async.testing.conformance import make_key, make_obj
+
+HERE = Path(__file__).resolve().parent
+WORKER = str(HERE / "client_worker.py")
+sys.path.insert(0, str(HERE))
+import client_worker as cw  # noqa: E402
+
+#: Uids with no account here; root can run processes as them (setuid in a forked child).
+OTHER_UID, THIRD_UID = 54321, 54322
+needs_root = pytest.mark.skipif(os.getuid() != 0, reason="running a process as another uid needs root")
+
+
+def _kb(i: int) -> bytes:
+    return make_key(i).to_string().encode()
+
+
+def _put(client: ServerClient, pool: PoolAllocator, i: int, shape: tuple[int, ...] = (64, 64)) -> bool:
+    obj = make_obj(pool, shape, torch.float32, MemoryFormat.KV_2LTD, seed=i)
+    try:
+        res = client.put([(_kb(i), obj)])
+        return bool(res and res[0])
+    finally:
+        obj.ref_count_down()
+
+
+def _expected(i: int, shape: tuple[int, ...] = (64, 64)) -> torch.Tensor:
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(shape, generator=g)
+
+
+def _wait(pred, timeout: float = 30.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return bool(pred())
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def _worker(srv: CacheServerProcess, ns: str, *args: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen(
+        [sys.executable, WORKER, srv.socket, ns, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _wrong_big(client: ServerClient, pool: PoolAllocator, indices: range) -> tuple[int, int]:
+    """(entries present, entries whose bytes are not their own) among ``indices``."""
+    present = wrong = 0
+    for i in indices:
+        got = client.get([cw.key_of(i)], pool.allocate)
+        assert got is not None
+        if got[0] is not None:
+            present += 1
+            wrong += not cw.check(got[0], i)
+            got[0].ref_count_down()
+    return present, wrong
+
+
+# ---- 1. a writer stalled past its grant's TTL ------------------------------------------------------
+@pytest.mark.parametrize("server_closes", [False, True], ids=["connection-open", "closed-by-server"])
+def test_a_writer_stopped_past_its_grant_ttl_never_lands_in_another_entry(make_server, server_closes: bool) -> None:  # type: ignore[no-untyped-def]
+    settings: dict[str, object] = {"max_local_cpu_size": 1 / 128, "cache_server_lease_ttl_s": 0.4}  # 8 MiB pool
+    if server_closes:  # the server gives up on the stopped client; its process lives on
+        settings["cache_server_idle_timeout_s"] = 0.5
+    srv = make_server(**settings).start()
+    pool = PoolAllocator(64 << 20, name="t-stall", pretouch=False)
+    stalled = _worker(srv, "stall", "stall-put", str(cw.BIG))
+    try:
+        assert _wait(lambda: _stopped(stalled.pid)), stalled.stderr.read() if stalled.stderr else ""
+        time.sleep(1.5)  # past the grant's TTL (and the idle timeout)
+        st = srv.status()["namespaces"]["stall"]
+        assert st["overdue_grants"] + st["quarantined_grants"] >= 1
+        other = ServerClient(srv.socket, "stall", timeout_s=10.0)
+        others = range(cw.BIG + 1, cw.BIG + 17)  # twice the pool: every free block is granted again
+        for i in others:
+            obj = cw.fill(pool, i)
+            other.put([(cw.key_of(i), obj)])
+            obj.ref_count_down()
+        other.close()  # its own side: its grants are free at once
+        if server_closes:  # the stopped writer's grant waits for its process to exit
+            assert srv.status()["namespaces"]["stall"]["quarantined_blocks"] == 1
+        os.kill(stalled.pid, signal.SIGCONT)  # the late copy runs now
+        out, err = stalled.communicate(timeout=60)
+        assert out.strip() in ("stored 0", "stored 1"), err
+        if server_closes:  # its process exited: the quarantined block is back in the pool
+            assert _wait(lambda: srv.status()["namespaces"]["stall"]["quarantined_blocks"] == 0)
+        reader = ServerClient(srv.socket, "stall", timeout_s=10.0)
+        present, wrong = _wrong_big(reader, pool, range(cw.BIG, cw.BIG + 17))
+        assert present > 0 and wrong == 0, (present, wrong)
+        reader.close()
+    finally:
+        if stalled.poll() is None:
+            os.kill(stalled.pid, signal.SIGCONT)
+            stalled.kill()
+            stalled.wait(10)
+
+
+def _stall_run(srv: CacheServerProcess, stalls: int, ttl_s: float, seed: int) -> dict[str, int]:
+    """A writer process putting 1 MiB entries round and round is stopped ``stalls`` times, each
+    time past the grant TTL, while this process fills the pool with other entries; then every
+    entry is read and checked. Returns the counts."""
+    rng = random.Random(seed)
+    pool = PoolAllocator(64 << 20, name="t-stalls", pretouch=False)
+    other = ServerClient(srv.socket, "stalls", timeout_s=30.0)
+    writer = _worker(srv, "stalls", "put-loop", str(cw.BIG), "6")
+    assert writer.stdout is not None and writer.stdin is not None
+    assert writer.stdout.readline().strip() == "ready"
+    objs = {i: cw.fill(pool, i) for i in range(cw.BIG + 100, cw.BIG + 112)}
+    wrong = checked = 0
+    try:
+        for n in range(stalls):
+            time.sleep(rng.uniform(0.0, 0.02))
+            os.kill(writer.pid, signal.SIGSTOP)
+            until = time.monotonic() + ttl_s * 1.5 + 0.3
+            while time.monotonic() < until:  # fill the pool meanwhile: freed blocks are granted again
+                i = rng.choice(list(objs))
+                other.put([(cw.key_of(i), objs[i])])
+                if rng.random() < 0.3:
+                    other.remove([cw.key_of(rng.choice(list(objs)))])
+            os.kill(writer.pid, signal.SIGCONT)
+            if n % 5 == 4:  # let the writer run a while, then check everything
+                time.sleep(0.05)
+                present, bad = _wrong_big(other, pool, range(cw.BIG, cw.BIG + 112))
+                checked += present
+                wrong += bad
+        writer.stdin.close()
+        out, err = writer.communicate(timeout=60)
+        assert writer.returncode == 0, err
+        present, bad = _wrong_big(other, pool, range(cw.BIG, cw.BIG + 112))
+        return {"stalls": stalls, "checked": checked + present, "wrong": wrong + bad}
+    finally:
+        if writer.poll() is None:
+            os.kill(writer.pid, signal.SIGCONT)
+            writer.kill()
+            writer.wait(10)
+        for o in objs.values():
+            o.ref_count_down()
+        other.close()
+
+
+@pytest.mark.slow
+def test_fifty_stalls_past_a_short_grant_ttl_leave_no_wrong_entry(make_server) -> None:  # type: ignore[no-untyped-def]
+    stalls = int(os.environ.get("LMCACHE_ASYNC_STALLS", "50"))
+    srv = make_server(max_local_cpu_size=1 / 128, cache_server_lease_ttl_s=0.3).start()
+    res = _stall_run(srv, stalls, 0.3, seed=1)
+    print(json.dumps(res))
+    assert res["checked"] > 0 and res["wrong"] == 0, res
+
+
+@pytest.mark.slow
+def test_six_stalls_past_the_default_grant_ttl_leave_no_wrong_entry(make_server) -> None:  # type: ignore[no-untyped-def]
+    stalls = int(os.environ.get("LMCACHE_ASYNC_DEFAULT_TTL_STALLS", "6"))
+    srv = make_server(max_local_cpu_size=1 / 128).start()  # cache_server_lease_ttl_s: 30 (default)
+    res = _stall_run(srv, stalls, 30.0, seed=2)
+    print(json.dumps(res))
+    assert res["checked"] > 0 and res["wrong"] == 0, res
+
+
+def test_a_lease_copy_outliving_its_lease_is_a_miss_not_another_entrys_bytes(make_server) -> None:  # type: ignore[no-untyped-def]
+    srv = make_server(max_local_cpu_size=1 / 128, cache_server_lease_ttl_s=0.3).start()
+    pool = PoolAllocator(16 << 20, name="t-lease-stall", pretouch=False)
+    client = ServerClient(srv.socket, "lease-stall", timeout_s=10.0)
+    assert _put(client, pool, 1)
+    tokens = client.hold([_kb(1)], ttl_s=60)
+    assert tokens and tokens[0]
+    from lmcache_async.server import client as client_module
+
+    copy = client_module._copy_hits
+
+    def slow_copy(*args, **kw):  # type: ignore[no-untyped-def]
+        time.sleep(1.0)  # a reader stalled inside its copy, past the lease's TTL
+        return copy(*args, **kw)
+
+    client_module._copy_hits = slow_copy  # type: ignore[assignment]
+    try:
+        assert client.get_held(tokens, pool.allocate) == [None]
+        assert client.stats()["stale_leases"] == 1
+    finally:
+        client_module._copy_hits = copy  # type: ignore[assignment]
+    got = client.get_held(tokens, pool.allocate)
+    assert got is not None and got[0] is not None and torch.equal(got[0].tensor, _expected(1))
+    got[0].ref_count_down()
+    client.close()
+
+
+# ---- 2. sealed pools ---------------------------------------------------------------------------------
+def _raw_handshake(path: str, ns: str, token: str = "") -> tuple[socket.socket, int, tuple[int, ...]]:
+    """A raw HELLO: (socket, the pool's descriptor, the WELCOME fields)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(path)
+    nsb, tok = ns.encode(), token.encode()
+    sock.sendall(HELLO.pack(MAGIC, VERSION, int(Mode.CLIENT), len(nsb), len(tok)) + nsb + tok)
+    msg, fds, _flags, _addr = socket.recv_fds(sock, WELCOME.size, 1)
+    fields = WELCOME.unpack(msg)
+    assert fields[2] == Status.OK and len(fds) == 1
+    return sock, fds[0], fields
+
+
+def test_a_client_cannot_shrink_or_grow_the_pool_file(shared_server) -> None:  # type: ignore[no-untyped-def]
+    pool = PoolAllocator(4 << 20, name="t-seal", pretouch=False)
+    bystander = ServerClient(shared_server.socket, "sealed", timeout_s=10.0)
+    assert _put(bystander, pool, 3)
+    sock, fd, fields = _raw_handshake(shared_server.socket, "sealed")
+    try:
+        size = os.fstat(fd).st_size
+        assert size == pool_file_bytes(fields[4], fields[6])
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 4096)
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, size + (512 << 20))
+        assert os.fstat(fd).st_size == size
+    finally:
+        os.close(fd)
+        sock.close()
+    got = bystander.get([_kb(3)], pool.allocate)  # the server and the bystander live on
+    assert got is not None and got[0] is not None and torch.equal(got[0].tensor, _expected(3))
+    got[0].ref_count_down()
+    assert bystander.stats()["errors"] == 0
+    bystander.close()
+
+
+def test_a_client_refuses_an_unsealed_or_resized_pool_file() -> None:
+    capacity, align = 1 << 20, 256
+    size = pool_file_bytes(capacity, align)
+    fd = os.memfd_create("t-unsealed", os.MFD_CLOEXEC)
+    os.ftruncate(fd, size)
+    with pytest.raises(ValueError, match="sealed"):
+        PoolMapping(fd, 1, capacity, 4096, align)
+    import fcntl
+
+    fd = os.memfd_create("t-grown", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size + (512 << 20))  # grown before it was sealed: never mapped at its size
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    with pytest.raises(ValueError, match="announced"):
+        PoolMapping(fd, 1, capacity, 4096, align)
+    assert mmap.PAGESIZE > 0
+
+
+# ---- 3. namespaces as a boundary ----------------------------------------------------------------------
+def test_a_namespace_with_its_own_token_admits_only_that_token(make_server) -> None:  # type: ignore[no-untyped-def]
+    srv = make_server(cache_server_namespaces={"a": {"token": "tok-a"}, "b": {"token": "tok-b"}}).start()
+    pool = PoolAllocator(4 << 20, name="t-ns-tok", pretouch=False)
+    a = ServerClient(srv.socket, "a", token="tok-a", timeout_s=5.0)
+    b = ServerClient(srv.socket, "b", token="tok-b", timeout_s=5.0)
+    assert _put(a, pool, 1) and _put(b, pool, 2)
+    crossing = ServerClient(srv.socket, "b", token="tok-a", timeout_s=5.0)  # a's token, b's name
+    assert crossing.get([_kb(2)], pool.allocate) is None and crossing.put([]) == []
+    assert crossing.remove([_kb(2)]) is None and crossing.clear() is False
+    no_token = ServerClient(srv.socket, "b", timeout_s=5.0)
+    assert no_token.contains([_kb(2)]) is None
+    stats = a.server_stats()
+    assert stats is not None and set(stats["namespaces"]) == {"a"}  # a sees only its own namespace
+    assert a.clear() is True and b.contains([_kb(2)]) == [True]  # CLEAR stays in a's namespace
+    for c in (a, b, crossing, no_token):
+        c.close()
+
+
+def _as_uid(uid: int, fn: Callable[[], object], ready: Callable[[], None] | None = None) -> object:
+    """``fn()`` run in a forked child that switched to ``uid`` (its JSON-able result, or
+    ``{"error": ...}``); ``ready``, when given, runs here once the child wrote a first line."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: nothing of pytest's, no exec (the interpreter lies under /root)
+        code = 1
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            out = fn()
+            os.write(w, (json.dumps(out) + "\n").encode())
+            code = 0
+        except BaseException as exc:
+            os.write(w, (json.dumps({"error": repr(exc)}) + "\n").encode())
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "r") as f:
+        if ready is not None:
+            assert f.readline().strip() == "ready"
+            ready()
+        line = f.readline()
+    os.waitpid(pid, 0)
+    return json.loads(line)
+
+
+@needs_root
+def test_namespaces_bound_to_uids_keep_tenants_apart() -> None:
+    base = Path(tempfile.mkdtemp(prefix="lmc-uid-", dir="/tmp"))
+    os.chmod(base, 0o711)
+    srv = CacheServerProcess(
+        base / "srv",
+        cache_server_namespaces={"t1": {"uids": [OTHER_UID]}, "t2": {"uids": [THIRD_UID]}},
+    )
+    os.chmod(srv.workdir, 0o711)
+    srv.start()
+    try:
+        assert os.stat(srv.socket).st_mode & 0o777 == 0o666  # other users reach it; SO_PEERCRED decides
+        pool = PoolAllocator(4 << 20, name="t-uid", pretouch=False)
+        root_in_t2 = ServerClient(srv.socket, "t2", timeout_s=5.0)  # root may join any namespace
+        assert _put(root_in_t2, pool, 1)
+
+        def tenant(own: str, other: str) -> dict[str, object]:
+            mine = ServerClient(srv.socket, own, timeout_s=5.0, server_uid=0)
+            obj = make_obj(pool, (64, 64), torch.float32, MemoryFormat.KV_2LTD, seed=7)
+            out: dict[str, object] = {"put_own": mine.put([(_kb(7), obj)])}
+            cross = ServerClient(srv.socket, other, timeout_s=5.0, server_uid=0)
+            out["contains_other"] = cross.contains([_kb(1)])
+            out["clear_other"] = cross.clear()
+            st = mine.server_stats()
+            out["sees"] = sorted(st["namespaces"]) if st else None
+            return out
+
+        out = _as_uid(OTHER_UID, lambda: tenant("t1", "t2"))
+        assert out == {"put_own": [True], "contains_other": None, "clear_other": False, "sees": ["t1"]}, out
+        assert root_in_t2.contains([_kb(1)]) == [True]
+        stranger = _as_uid(THIRD_UID + 1, lambda: tenant("t1", "default"))  # bound nowhere
+        assert stranger == {"put_own": None, "contains_other": None, "clear_other": False, "sees": None}
+        root_in_t2.close()
+    finally:
+        srv.kill()
+
+
+# ---- 4. clients check who serves the socket --------------------------------------------------------
+@needs_root
+def test_a_client_sends_nothing_to_a_server_of_another_uid() -> None:
+    d = Path(tempfile.mkdtemp(prefix="lmc-fake-", dir="/tmp"))
+    os.chmod(d, 0o777)  # a world-writable parent: another user creates the socket first
+    path = str(d / "cache.sock")
+
+    def fake_server(ready_fd: int) -> int:
+        """Accept for a while as another user; the bytes clients sent."""
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(path)
+        s.listen(4)
+        os.write(ready_fd, b"ready\n")
+        s.settimeout(4.0)
+        got = 0
+        try:
+            while True:
+                c, _ = s.accept()
+                c.settimeout(0.5)
+                try:
+                    while b := c.recv(65536):
+                        got += len(b)
+                except OSError:
+                    pass
+                c.close()
+        except OSError:
+            pass
+        return got
+
+    results: list[object] = []
+
+    def client_side() -> None:
+        client = ServerClient(path, "victim", token="secret-token", timeout_s=2.0)
+        pool = PoolAllocator(4 << 20, name="t-fake", pretouch=False)
+        obj = make_obj(pool, (8, 8), torch.float32, MemoryFormat.KV_2LTD, seed=1)
+        results.append(client.put([(_kb(1), obj)]))
+        results.append(client.get([_kb(1)], pool.allocate))
+        obj.ref_count_down()
+        try:
+            _connect(path, "victim", "secret-token", Mode.CLIENT, time.monotonic() + 2)
+        except ServerUnavailable as exc:
+            results.append(str(exc))
+        client.close()
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(OTHER_UID)
+            os.setuid(OTHER_UID)
+            os.write(w, f"{fake_server(w)}\n".encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "r") as f:
+        assert f.readline().strip() == "ready"
+        client_side()
+        received = int(f.readline())
+    os.waitpid(pid, 0)
+    assert results[0] is None and results[1] is None  # misses: the server was not ours
+    assert "uid" in str(results[2])
+    assert received == 0  # not one byte: no token, no payload
+
+
+# ---- 5. an allocation checks it can fit before evicting -----------------------------------------------
+def test_an_oversized_grant_beside_a_leased_block_evicts_nothing() -> None:
+    block = 1 << 20
+    ns = Namespace("t", 16 * block, lease_ttl_s=60.0, max_leases=8, max_grants=8, pretouch=False)
+    try:
+        st = ns.add_client(1)
+        meta = EntryMeta.of((block,), torch.uint8, MemoryFormat.KV_2LTD)
+        for i in range(16):
+            got = ns.grant(st, block)
+            assert got is not None
+            ns.commit(st, got[0], b"k%d" % i, meta)
+        assert ns.lease(st, b"k8") is not None  # one leased entry in the middle of the pool
+        assert ns.grant(st, 13 * block) is None  # no 13-block run can be freed
+        assert len(ns) == 16 and ns.evictions == 0 and ns.refused_evictions == 1
+        got = ns.grant(st, 7 * block)  # a run that eviction can free is still made
+        assert got is not None and ns.evictions == 7
+    finally:
+        ns.close()
+
+
+def test_an_oversized_put_beside_a_leased_entry_keeps_the_namespace(make_server) -> None:  # type: ignore[no-untyped-def]
+    srv = make_server(max_local_cpu_size=1 / 64).start()  # a 16 MiB pool
+    pool = PoolAllocator(64 << 20, name="t-oversized", pretouch=False)
+    client = ServerClient(srv.socket, "oversized", timeout_s=10.0)
+    for i in range(150):
+        assert _put(client, pool, i, (256, 100))  # 100 KiB each
+    with client.get_view(_kb(75)) as view:  # a lease in the middle of the pool
+        assert view is not None
+        big = make_obj(pool, (13 << 18,), torch.float32, MemoryFormat.KV_2LTD, seed=1)  # 13 MiB
+        assert client.put([(_kb(999), big)]) == [False]
+        big.ref_count_down()
+    st = srv.status()["namespaces"]["oversized"]
+    assert st["evictions"] == 0 and st["entries"] == 150, st
+    client.close()
+
+
+# ---- 6. namespaces are released --------------------------------------------------------------------------
+def test_one_shot_clients_of_new_namespaces_never_fill_the_server(make_server) -> None:  # type: ignore[no-untyped-def]
+    srv = make_server(cache_server_max_namespaces=8).start()
+    for n in range(20):
+        c = ServerClient(srv.socket, f"churn-{n}", timeout_s=5.0)
+        assert c.ping(), n
+        c.close()
+    st = srv.status()
+    assert len(st["namespaces"]) <= 8 and st["reclaimed_namespaces"] >= 12
+
+
+def test_a_namespace_with_no_client_is_released_after_its_idle_time(make_server) -> None:  # type: ignore[no-untyped-def]
+    srv = make_server(cache_server_namespace_idle_s=0.5).start()
+    pool = PoolAllocator(4 << 20, name="t-idle-ns", pretouch=False)
+    c = ServerClient(srv.socket, "idle", timeout_s=5.0)
+    assert _put(c, pool, 1)
+    assert "idle" in srv.status()["namespaces"]
+    time.sleep(1.0)
+    assert "idle" in srv.status()["namespaces"]  # a client is still connected
+    c.close()
+    assert _wait(lambda: "idle" not in srv.status()["namespaces"], 10)
+    again = ServerClient(srv.socket, "idle", timeout_s=5.0)
+    assert again.contains([_kb(1)]) == [False]  # a fresh pool
+    again.close()
+
+
+# ---- 7. holds and leases are capped per client and per namespace ---------------------------------------
+def test_one_client_cannot_take_every_hold(make_server) -> None:  # type: ignore[no-untyped-def]
+    srv = make_server(cache_server_max_client_holds=100).start()
+    pool = PoolAllocator(4 << 20, name="t-holds", pretouch=False)
+    greedy = ServerClient(srv.socket, "holds", timeout_s=10.0)
+    polite = ServerClient(srv.socket, "holds", timeout_s=10.0)
+    assert _put(greedy, pool, 1)
+    tokens = greedy.hold([_kb(1)] * 4096, ttl_s=3600)
+    assert tokens is not None and sum(1 for t in tokens if t) == 100
+    mine = polite.hold([_kb(1)], ttl_s=60)
+    assert mine is not None and mine[0] != 0
+    greedy.close()
+    polite.close()
+
+
+def test_a_killed_holder_pins_at_most_its_share_of_the_pool(make_server) -> None:  # type: ignore[no-untyped-def]
+    srv = make_server(max_local_cpu_size=1 / 64).start()  # 16 MiB: 16 entries of 1 MiB
+    pool = PoolAllocator(64 << 20, name="t-pin", pretouch=False)
+    holder = ServerClient(srv.socket, "pin", timeout_s=10.0)
+    shape = (512, 512)
+    for i in range(16):
+        assert _put(holder, pool, i, shape)
+    tokens = holder.hold([_kb(i) for i in range(16)], ttl_s=3600)
+    assert tokens is not None and 0 < sum(1 for t in tokens if t) <= 8
+    holder.close()  # the holder goes away; its holds stay (they are promises to others)
+    writer = ServerClient(srv.socket, "pin", timeout_s=10.0)
+    stored = [_put(writer, pool, 100 + i, shape) for i in range(16)]
+    kept = writer.contains([_kb(100 + i) for i in range(16)])
+    assert kept is not None and sum(kept) >= 16 - 8 - 2, (stored, kept)  # holds pin half; 2 pre-granted
+    writer.close()
+
+
+def test_leases_are_capped_per_namespace() -> None:
+    ns = Namespace("t", 1 << 20, lease_ttl_s=60.0, max_leases=8, max_grants=8, max_namespace_leases=3, pretouch=False)
+    try:
+        meta = EntryMeta.of((256,), torch.uint8, MemoryFormat.KV_2LTD)
+        a, b = ns.add_client(1), ns.add_client(2)
+        got = ns.grant(a, 256)
+        assert got is not None
+        ns.commit(a, got[0], b"k", meta)
+        assert ns.lease(a, b"k") and ns.lease(a, b"k") and ns.lease(b, b"k")
+        assert ns.lease(b, b"k") is None and ns.refused_leases == 1
+    finally:
+        ns.close()
+
+
+# ---- 8. stalled frames, idle connections, the connection cap ---------------------------------------------
+def _admitted(path: str, ns: str) -> socket.socket:
+    sock, fd, _fields = _raw_handshake(path, ns)
+    os.close(fd)
+    return sock
+
+
+def _closed_by_server(sock: socket.socket, timeout: float = 10.0) -> bool:
+    sock.settimeout(timeout)
+    try:
+        return sock.recv(1 << 16) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_a_connection_stalled_inside_a_frame_is_closed_and_its_buffer_freed(make_server) -> None:  # type: ignore[no-untyped-def]
+    srv = make_server(cache_server_frame_timeout_s=0.5, cache_server_max_buffered_bytes=1 << 20).start()
+    socks = [_admitted(srv.socket, "frames") for _ in range(6)]
+    for s in socks:  # a 4 MiB frame announced, 900 KiB sent, then nothing
+        s.sendall(FRAME.pack(4 << 20, int(Op.CONTAINS), 1) + b"\0" * (900 << 10))
+    time.sleep(0.2)
+    st = srv.status()
+    assert st["buffered_bytes"] <= (1 << 20) + 6 * (256 << 10), st["buffered_bytes"]
+    assert all(_closed_by_server(s) for s in socks)
+    st = srv.status()
+    assert st["timed_out_connections"] >= 1 and st["buffered_bytes"] == 0
+    pool = PoolAllocator(4 << 20, name="t-frames", pretouch=False)
+    good = ServerClient(srv.socket, "frames", timeout_s=5.0)
+    assert _put(good, pool, 1)
+    good.close()
+    for s in socks:
+        s.close()
+
+
+def test_an_idle_connection_is_closed_after_the_idle_timeout(make_server) -> None:  # type: ignore[no-untyped-def]
+    srv = make_server(cache_server_idle_timeout_s=0.5).start()
+    sock = _admitted(srv.socket, "idle-conn")
+    assert _closed_by_server(sock)
+    sock.close()
+    client = ServerClient(srv.socket, "idle-conn", timeout_s=5.0)
+    assert client.ping()
+    time.sleep(1.5)
+    assert client.ping() and client.stats()["errors"] == 0  # reconnects on its own
+    client.close()
+
+
+def test_connections_past_the_cap_are_answered_full(make_server) -> None:  # type: ignore[no-untyped-def]
+    srv = make_server(cache_server_max_connections=4).start()
+    held = [_admitted(srv.socket, "cap") for _ in range(4)]
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(srv.socket)
+    msg = sock.recv(WELCOME.size)
+    assert WELCOME.unpack(msg)[2] == Status.FULL
+    sock.close()
+    held.pop().close()
+    client = ServerClient(srv.socket, "cap", timeout_s=5.0)
+    assert _wait(lambda: client.ping(), 10)
+    client.close()
+    for s in held:
+        s.close()
+
+
+# ---- 9. CLEAR clears every tier -----------------------------------------------------------------------------
+def test_clear_clears_the_servers_disk_tier_too(make_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    disk = private_dir(tmp_path / "disk")
+    srv = make_server(local_disk=str(disk), max_local_disk_size=0.05).start()
+    pool = PoolAllocator(4 << 20, name="t-clear", pretouch=False)
+    client = ServerClient(srv.socket, "clr", timeout_s=10.0)
+    other = ServerClient(srv.socket, "keep", timeout_s=10.0)
+    for i in range(5):
+        assert _put(client, pool, i)
+    assert _put(other, pool, 50)
+    assert client.clear() is True and client.uncleared == []
+    assert client.contains([_kb(i) for i in range(5)]) == [False] * 5
+    assert client.get([_kb(i) for i in range(5)], pool.allocate) == [None] * 5
+    assert other.contains([_kb(50)]) == [True]
+    client.close()
+    other.close()
+    srv.stop()
+    again = make_server(local_disk=str(disk), max_local_disk_size=0.05).start()  # the disk holds records
+    c2 = ServerClient(again.socket, "clr", timeout_s=10.0)
+    assert c2.clear() is False and c2.uncleared == ["disk"]  # it says which tier it cannot vouch for
+    c2.close()
+
+
+def test_a_status_connection_of_our_user_sees_every_unbound_namespace(shared_server) -> None:  # type: ignore[no-untyped-def]
+    c = ServerClient(shared_server.socket, "visible", timeout_s=5.0)
+    assert c.ping()
+    assert "visible" in shared_server.status()["namespaces"]
+    conn = _connect(shared_server.socket, "", None, Mode.STATUS, time.monotonic() + 5)
+    r = Reader(_exchange(conn, Op.STATS, b"", time.monotonic() + 5))
+    assert "visible" in json.loads(r.rest())["namespaces"]
+    conn.close()
+    c.close()
