@@ -63,6 +63,7 @@ from typing import Any, TypeVar
 from lmcache_async.backend import Allocate, BackendContext, StorageBackend
 from lmcache_async.backends.disk_layout import NUM_SHARDS, entry_path, key_digest
 from lmcache_async.backends.disk_store import EXISTS, STORED, DiskStore, FsyncPolicy
+from lmcache_async.encryption import RecordCipher, cipher_for
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj, gib_to_bytes
 from lmcache_async.read_sinks import ReadSink
@@ -84,7 +85,10 @@ class DiskBackend(StorageBackend):
     ``executor`` runs every blocking file operation (:class:`~.disk_store.DiskStore`, one job
     per whole file operation); ``staging`` allocates read buffers when a caller passes no
     ``alloc``. ``write_retry_s`` is the first back-off after writes stopped on a storage error
-    (doubling up to ``write_retry_max_s``). Coroutines run on one event loop (the manager's).
+    (doubling up to ``write_retry_max_s``). ``cipher``: seal every record written and open
+    those read (``encryption_key_file``); records sealed under another key, or plain ones while
+    a cipher is set, are misses that stay (``foreign_key``). Coroutines run on one event loop
+    (the manager's).
     """
 
     name = "disk"
@@ -101,6 +105,7 @@ class DiskBackend(StorageBackend):
         write_retry_max_s: float = 30.0,
         scan_jobs: int = 2,
         write_jobs: int = 4,
+        cipher: RecordCipher | None = None,
     ) -> None:
         if not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
@@ -121,6 +126,7 @@ class DiskBackend(StorageBackend):
             fsync=fsync,
             write_retry_s=write_retry_s,
             write_retry_max_s=write_retry_max_s,
+            cipher=cipher,
         )
         self._executor = executor
         self._staging = staging
@@ -585,4 +591,5 @@ def create(ctx: BackendContext) -> DiskBackend | None:
         staging=ctx.staging,
         fsync=cfg.local_disk_fsync,
         write_jobs=cfg.executor_workers,
+        cipher=cipher_for(cfg),
     )

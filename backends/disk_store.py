@@ -27,8 +27,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from lmcache_async.backend import Allocate
 from lmcache_async.backends.disk_budget import (
@@ -51,25 +51,30 @@ from lmcache_async.backends.disk_layout import (
     tmp_name,
     write_all,
 )
+from lmcache_async.encryption import new_buffer
 from lmcache_async.lru import LruIndex
 from lmcache_async.memory import MemoryObj
 from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.read_sinks import ReadSink
 from lmcache_async.record_files import payload_problem, payload_problem_views, read_header, verified_header
+from lmcache_async.record_sections import SEAL_SECTION_LEN
 from lmcache_async.records import (
+    ForeignSeal,
     RecordError,
     RecordHeader,
     encode_header,
+    header_length,
     payload_checksum,
 )
+
+if TYPE_CHECKING:
+    from lmcache_async.encryption import RecordCipher
 
 logger = logging.getLogger("lmcache_async.backends.disk")
 
 FsyncPolicy = Literal["none", "data", "full"]
 
-WRITE_STOP_ERRNOS = frozenset(
-    {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
-)
+WRITE_STOP_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG})
 """Errors that stop writes for a back-off (disk full, quota, read-only, permission, too big)."""
 _TOUCH_AFTER_S = 60.0  # refresh a file's mtime on read at most this often
 _PUBLISH_TRIES = 4  # publish attempts of one write, each after a damaged record at its name went
@@ -82,8 +87,19 @@ NO_SPACE = "no_space"
 FAILED = "failed"
 
 COUNTERS = (
-    "evictions", "corrupt", "vanished", "write_errors", "writes_refused", "no_space",
-    "read_errors", "alloc_failures", "tmp_reaped", "stored", "read_hits", "read_mismatch",
+    "evictions",
+    "corrupt",
+    "vanished",
+    "write_errors",
+    "writes_refused",
+    "no_space",
+    "read_errors",
+    "alloc_failures",
+    "tmp_reaped",
+    "stored",
+    "read_hits",
+    "read_mismatch",
+    "foreign_key",
 )
 _SKIP = "skip"  # a payload reader declined the record (see DiskStore._read_record)
 
@@ -101,9 +117,13 @@ class DiskStore:
         fsync: FsyncPolicy = "none",
         write_retry_s: float = 1.0,
         write_retry_max_s: float = 30.0,
+        cipher: RecordCipher | None = None,
     ) -> None:
         self.root = root
         self.budget_bytes = budget_bytes
+        self.cipher = cipher
+        """Seals written records and opens read ones (None: plain records only)."""
+        self._key_id = cipher.key_id if cipher is not None else None
         self.fsync: FsyncPolicy = fsync
         self._budget = DirBudget(root)
         self._index: LruIndex[bytes, int] = LruIndex()  # digest -> file bytes, LRU first
@@ -217,8 +237,9 @@ class DiskStore:
             self._w_retry_at = now + self._w_backoff
         if first:
             logger.warning(
-                "disk tier %s: writes stopped (%s); reads go on, writes are retried after a "
-                "back-off", self.root, exc,
+                "disk tier %s: writes stopped (%s); reads go on, writes are retried after a back-off",
+                self.root,
+                exc,
             )
 
     def _write_ok(self) -> None:
@@ -233,7 +254,11 @@ class DiskStore:
 
     # ---- removal primitives (directory lock held) ----------------------------------------------
     def _unlink_entry(
-        self, led: Ledger, digest: bytes, expect_ino: int | None = None, *,
+        self,
+        led: Ledger,
+        digest: bytes,
+        expect_ino: int | None = None,
+        *,
         repairs: Repairs | None = None,
     ) -> int | None:
         """Delete the entry file of ``digest`` (only if it is inode ``expect_ino`` when given);
@@ -383,14 +408,13 @@ class DiskStore:
             found = self._check_existing(digest, kstr, path)
             if found is not None:
                 return found
-        view = obj.byte_view()
         try:
-            header = encode_header(kstr, obj.shape, obj.dtype, obj.fmt, payload_checksum(view))
+            bufs = self._encode(kstr, obj)
         except ValueError as exc:  # a key or shape the record format cannot hold
             self.count("write_errors")
             self.warn("encode", "disk tier: cannot store %r: %s", kstr[:200], exc)
             return FAILED
-        total = len(header) + len(view)
+        total = sum(memoryview(b).nbytes for b in bufs)
         tmp = f"{sdir}/{tmp_name(digest, hexd)}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         status = FAILED
@@ -402,7 +426,7 @@ class DiskStore:
                     fsync_dir(self.root)
                 fd = os.open(tmp, flags, 0o600)
             try:
-                write_all(fd, (header, view))
+                write_all(fd, bufs)
                 if self.fsync != "none":
                     os.fdatasync(fd)
             finally:
@@ -438,6 +462,41 @@ class DiskStore:
         elif status == NO_SPACE:
             self.count("no_space")
         return status
+
+    def _encode(self, kstr: str, obj: MemoryObj) -> tuple[bytes | memoryview, ...]:
+        """The record of ``obj``: header and the pool block's view, or (sealed) one new buffer."""
+        view = obj.byte_view()
+        if self.cipher is None:
+            return encode_header(kstr, obj.shape, obj.dtype, obj.fmt, payload_checksum(view)), view
+        shape = tuple(obj.shape)
+        hlen = header_length(len(kstr.encode("utf-8")), len(shape), SEAL_SECTION_LEN)
+        seal, buf = self.cipher.seal(kstr, shape, obj.dtype, obj.fmt, view, reserve=hlen)
+        buf[:hlen] = encode_header(kstr, shape, obj.dtype, obj.fmt, payload_checksum(buf[hlen:]), seal=seal)
+        return (buf,)
+
+    def _land_sealed(self, fd: int, hdr: RecordHeader, dst: Sequence[memoryview]) -> str | None:
+        """Read a sealed payload into a scratch buffer, check it and decrypt it into ``dst``
+        (views holding ``hdr.plain_len`` bytes in all): what is wrong, or None."""
+        assert self.cipher is not None  # the header passed the key-id check
+        stored = new_buffer(hdr.payload_len)
+        problem = payload_problem(fd, hdr, stored)
+        if problem is not None:
+            return problem
+        whole = dst[0] if len(dst) == 1 else new_buffer(hdr.plain_len)
+        try:
+            self.cipher.open_into(hdr, stored, whole)
+        except RecordError as exc:
+            return str(exc)
+        if len(dst) > 1:
+            off = 0
+            for v in dst:
+                v[:] = whole[off : off + v.nbytes]
+                off += v.nbytes
+        return None
+
+    def _foreign_seal(self, path: str, exc: RecordError) -> None:
+        self.count("foreign_key")
+        self.warn("foreign_key", "disk tier: %s is not for this tier's key (%s); kept", path, exc)
 
     def _publish(self, digest: bytes, tmp: str, path: str, total: int) -> str:
         """Rename the written record into place, then account it (see
@@ -505,12 +564,18 @@ class DiskStore:
         try:
             st = os.fstat(fd)
             try:
-                hdr = verified_header(fd, st.st_size, kstr)
+                hdr = verified_header(fd, st.st_size, kstr, key_id=self._key_id)
+            except ForeignSeal as exc:  # another key's record: kept, and this write fails
+                self._foreign_seal(path, exc)
+                return FAILED
             except RecordError as exc:
                 bad = (st.st_ino, str(exc))
                 return None
             # A scratch buffer: the payload is only checked, never kept.
-            bad_payload = payload_problem(fd, hdr, memoryview(bytearray(hdr.payload_len)))
+            if hdr.seal is not None:
+                bad_payload = self._land_sealed(fd, hdr, [memoryview(bytearray(hdr.plain_len))])
+            else:
+                bad_payload = payload_problem(fd, hdr, memoryview(bytearray(hdr.payload_len)))
             if bad_payload is not None:
                 bad = (st.st_ino, bad_payload)
                 return None
@@ -544,7 +609,10 @@ class DiskStore:
         try:
             st = os.fstat(fd)
             try:
-                hdr = verified_header(fd, st.st_size, kstr)
+                hdr = verified_header(fd, st.st_size, kstr, key_id=self._key_id)
+            except ForeignSeal as exc:
+                self._foreign_seal(path, exc)
+                return False
             except RecordError as exc:
                 bad = (st.st_ino, str(exc))
                 return False
@@ -581,6 +649,8 @@ class DiskStore:
                 self.count("alloc_failures")
                 return _SKIP
             got.append(obj)
+            if hdr.seal is not None:
+                return self._land_sealed(fd, hdr, [obj.byte_view()])
             return payload_problem(fd, hdr, obj.byte_view())
 
         ok = False
@@ -601,6 +671,8 @@ class DiskStore:
             if not sink.fits(hdr.shape, hdr.dtype):
                 self.count("read_mismatch")
                 return _SKIP
+            if hdr.seal is not None:
+                return self._land_sealed(fd, hdr, sink.views())
             return payload_problem_views(fd, hdr, sink.views())
 
         return self._read_record(digest, kstr, land)

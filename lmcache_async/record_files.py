@@ -77,12 +77,16 @@ _NO_LINK_ERRNOS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno
 """``link`` errors of a filesystem without hard links."""
 
 
-def read_header(fd: int, expect_key: str | None = None, probe: int = HEADER_PROBE) -> RecordHeader:
+def read_header(
+    fd: int, expect_key: str | None = None, probe: int = HEADER_PROBE, *, key_id: bytes | bool | None = False
+) -> RecordHeader:
     """Decode and check the header of the record at the start of file ``fd``.
 
     ``expect_key``: also check that the record holds this key (None: any key). Raises
     :class:`RecordError` when the bytes are not a well-formed record header (of that key).
-    ``probe`` is the size of the first read (between 1 and :data:`PROBE_LEN`).
+    ``probe`` is the size of the first read (between 1 and :data:`PROBE_LEN`). ``key_id``: as
+    :func:`~lmcache_async.records.decode_header` (``ForeignSeal`` for a record this reader's
+    key cannot open; False, the default, accepts any).
     """
     if not 0 < probe <= PROBE_LEN:
         raise ValueError(f"probe must be between 1 and {PROBE_LEN}, got {probe!r}")
@@ -90,13 +94,14 @@ def read_header(fd: int, expect_key: str | None = None, probe: int = HEADER_PROB
     hlen = peek_header_len(head)
     if hlen > len(head):
         head = os.pread(fd, hlen, 0)
-    return decode_header(head, expect_key=expect_key)
+    return decode_header(head, expect_key=expect_key, key_id=key_id)
 
 
-def verified_header(fd: int, size: int, key: str) -> RecordHeader:
+def verified_header(fd: int, size: int, key: str, *, key_id: bytes | bool | None = False) -> RecordHeader:
     """The header of the record in ``fd`` (a file of ``size`` bytes) when it is a well-formed
-    record of ``key`` exactly as long as its header says; :class:`RecordError` otherwise."""
-    hdr = read_header(fd, key)
+    record of ``key`` exactly as long as its header says; :class:`RecordError` otherwise
+    (``ForeignSeal`` for one ``key_id`` cannot open, see :func:`read_header`)."""
+    hdr = read_header(fd, key, key_id=key_id)
     if size != hdr.total_len:
         raise RecordError("file is truncated" if size < hdr.total_len else "trailing bytes")
     return hdr

@@ -48,6 +48,7 @@ from typing import Any, TypeVar
 
 from lmcache_async.backend import Allocate
 from lmcache_async.backends.disk_layout import make_private_dirs
+from lmcache_async.encryption import RecordCipher, new_buffer
 from lmcache_async.memory import MemoryObj
 from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.record_files import (
@@ -59,7 +60,7 @@ from lmcache_async.record_files import (
     temp_name,
     write_all,
 )
-from lmcache_async.records import PROBE_LEN, RecordError, RecordHeader
+from lmcache_async.records import PROBE_LEN, ForeignSeal, RecordError, RecordHeader
 
 from .codec import AllocationFailed, ForeignRecord, allocate, prepare
 from .connector import Connector, ConnectorSettings
@@ -87,6 +88,8 @@ class FSConnector(Connector):
         self._root = Path(url.path).expanduser().absolute()
         self._fsync = url.options.get("fsync", "none")
         self._ttl = settings.ttl_s
+        self._cipher = settings.cipher
+        self._key_id = settings.cipher.key_id if settings.cipher is not None else None
         self._executor = settings.executor
         workers = int(getattr(settings.executor, "_max_workers", 4))
         self._limit = max(1, workers - 1)  # leave a thread to the other tiers
@@ -99,12 +102,17 @@ class FSConnector(Connector):
         self._rate_log = RateLimitedLog(logger, _LOG_EVERY_S)
         self.corrupt = 0
         self.foreign = 0
+        self.foreign_key = 0
         self.expired = 0
         self.alloc_failed = 0
         self.write_errors = 0
         self.busy = 0
         self.bytes_written = 0
         self.bytes_read = 0
+
+    @property
+    def seals(self) -> bool:
+        return True
 
     @property
     def root(self) -> Path:
@@ -219,6 +227,10 @@ class FSConnector(Connector):
             self._log("fs:// tier cannot remove the record %s: %s", path, exc)
             return False
 
+    def _foreign_seal(self, path: Path, exc: RecordError) -> None:
+        self._count("foreign_key")
+        self._log("fs:// record %s is not for this tier's key (%s); kept", path, exc)
+
     def _keep_existing(self, path: Path, key: str) -> bool:
         """A put found a record at its name: True when it is a valid, live record of ``key``
         (kept); False when there is none any more (absent, expired, or damaged/foreign and
@@ -233,8 +245,11 @@ class FSConnector(Connector):
                 self._discard(path, st)
                 return False
             try:
-                hdr = _check_head(fd, st.st_size, key)
-                _check_payload(fd, hdr, memoryview(bytearray(hdr.payload_len)))  # checked, not kept
+                hdr = _check_head(fd, st.st_size, key, self._key_id)
+                _check_payload(fd, hdr, memoryview(bytearray(hdr.plain_len)), self._cipher)  # checked, not kept
+            except ForeignSeal as exc:  # another key's record: kept
+                self._foreign_seal(path, exc)
+                return True
             except RecordError as exc:
                 self._bad_record(path, st, exc)
                 return False
@@ -266,11 +281,9 @@ class FSConnector(Connector):
 
     # ---- put ---------------------------------------------------------------------------------------------
     async def put(self, name: EntryName, obj: MemoryObj) -> bool:
-        out = prepare(name, obj, 1 << 62)  # files are never split
         obj.ref_count_up()  # the job reads the block; it must outlive a cancelled caller
         try:
-            stored = await self._run(self._write, self._root / name.relpath, name.key, out.head, out.payload,
-                                     after=obj.ref_count_down)  # fmt: skip
+            stored, nbytes = await self._run(self._put_job, name, obj, after=obj.ref_count_down)
         except OSError as exc:
             if exc.errno in _FULL_ERRNOS:
                 self._count("write_errors")
@@ -282,8 +295,14 @@ class FSConnector(Connector):
             self._log("fs:// tier cannot publish %s: damaged records keep appearing", name.relpath)
             return False
         if stored:
-            self.bytes_written += len(out.head) + out.payload.nbytes
+            self.bytes_written += nbytes
         return True
+
+    def _put_job(self, name: EntryName, obj: MemoryObj) -> tuple[bool | None, int]:
+        """Encode (seal) and publish ``obj``'s record (executor thread): :meth:`_write`'s
+        outcome and the record's size."""
+        out = prepare(name, obj, 1 << 62, self._cipher)  # files are never split
+        return self._write(self._root / name.relpath, name.key, out.head, out.payload), len(out.head) + len(out.payload)
 
     def _write(self, path: Path, key: str, head: bytes, payload: memoryview) -> bool | None:
         """Publish one record file of ``key``. False when a valid record was already there (it is
@@ -351,13 +370,16 @@ class FSConnector(Connector):
                 self._discard(path, st)
                 raise _Expired()
             try:
-                hdr = _check_head(fd, st.st_size, key)
+                hdr = _check_head(fd, st.st_size, key, self._key_id)
                 obj = allocate(hdr, alloc)
                 try:
-                    _check_payload(fd, hdr, obj.byte_view())
+                    _check_payload(fd, hdr, obj.byte_view(), self._cipher)
                 except BaseException:
                     obj.ref_count_down()
                     raise
+            except ForeignSeal as exc:
+                self._foreign_seal(path, exc)
+                return None
             except RecordError as exc:
                 self._bad_record(path, st, exc)
                 raise
@@ -410,6 +432,7 @@ class FSConnector(Connector):
             "fsync": self._fsync,
             "corrupt": self.corrupt,
             "foreign": self.foreign,
+            "foreign_key": self.foreign_key,
             "expired": self.expired,
             "alloc_failed": self.alloc_failed,
             "write_errors": self.write_errors,
@@ -435,11 +458,12 @@ def _give_orphan(f: concurrent.futures.Future[T], orphan: Callable[[T], None]) -
     orphan(f.result())
 
 
-def _check_head(fd: int, size: int, key: str) -> RecordHeader:
+def _check_head(fd: int, size: int, key: str, key_id: bytes | None) -> RecordHeader:
     """The header of the single-part record in ``fd`` (a file of ``size`` bytes) when it is a
     well-formed record of ``key`` exactly as long as its header says. Raises
-    :class:`ForeignRecord` for a record of another key, RecordError for anything else wrong."""
-    hdr = read_header(fd, probe=PROBE_LEN)
+    :class:`ForeignRecord` for a record of another key, ``ForeignSeal`` for one the reader's
+    key (id ``key_id``) cannot open, RecordError for anything else wrong."""
+    hdr = read_header(fd, probe=PROBE_LEN, key_id=key_id)
     if hdr.key != key:
         raise ForeignRecord("record holds another key")
     if hdr.num_parts != 1 or size != hdr.header_len + hdr.payload_len:
@@ -447,12 +471,22 @@ def _check_head(fd: int, size: int, key: str) -> RecordHeader:
     return hdr
 
 
-def _check_payload(fd: int, hdr: RecordHeader, dst: memoryview) -> None:
-    """Read the payload of ``fd``'s record (header ``hdr``) into ``dst``; RecordError unless it
-    is whole and its checksum matches."""
-    problem = payload_problem(fd, hdr, dst)
+def _check_payload(fd: int, hdr: RecordHeader, dst: memoryview, cipher: RecordCipher | None) -> None:
+    """Read the payload of ``fd``'s record (header ``hdr``) into ``dst`` (the entry's bytes,
+    opened with ``cipher`` when sealed: the stored bytes go through a scratch buffer);
+    RecordError unless it is whole, its checksum matches and its tag holds."""
+    if hdr.seal is None:
+        problem = payload_problem(fd, hdr, dst)
+        if problem is not None:
+            raise RecordError(problem)
+        return
+    if cipher is None:  # pragma: no cover - _check_head lets a sealed record through only with a key
+        raise RecordError("record is sealed")
+    stored = new_buffer(hdr.payload_len)
+    problem = payload_problem(fd, hdr, stored)
     if problem is not None:
         raise RecordError(problem)
+    cipher.open_into(hdr, stored, dst)
 
 
 def _same_file(a: os.stat_result, b: os.stat_result) -> bool:

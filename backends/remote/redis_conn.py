@@ -47,6 +47,7 @@ from lmcache_async.memory import MemoryObj
 from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.records import (
     PROBE_LEN,
+    ForeignSeal,
     RecordError,
     RecordHeader,
     decode_header,
@@ -97,8 +98,7 @@ _CAS_DELETE = b"if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call(
 # put wrote (a retried MULTI/EXEC whose first try was executed: the record names these parts).
 # KEYS = record, then our parts; ARGV[1] = our record value. -1 = the record is ours.
 _UNLINK_UNLESS_OURS = (
-    b"if redis.call('GET', KEYS[1]) == ARGV[1] then return -1 end "
-    b"return redis.call('UNLINK', unpack(KEYS, 2))"
+    b"if redis.call('GET', KEYS[1]) == ARGV[1] then return -1 end return redis.call('UNLINK', unpack(KEYS, 2))"
 )
 
 
@@ -251,6 +251,8 @@ class RedisConnector(Connector):
         self._url = url
         self._settings = settings
         self._part_size = settings.part_size
+        self._cipher = settings.cipher
+        self._key_id = settings.cipher.key_id if settings.cipher is not None else None
         self._ttl: tuple[bytes, ...] = ()
         if settings.ttl_s is not None:
             self._ttl = (b"PX", b"%d" % max(1, round(settings.ttl_s * 1000)))
@@ -260,6 +262,7 @@ class RedisConnector(Connector):
         self.round_trips = 0
         self.corrupt = 0
         self.foreign = 0
+        self.foreign_key = 0
         self.vanished = 0
         self.alloc_failed = 0
         self.lost_races = 0
@@ -383,8 +386,12 @@ class RedisConnector(Connector):
             await pool.close()
 
     # ---- operations -------------------------------------------------------------------------
+    @property
+    def seals(self) -> bool:
+        return True
+
     async def put(self, name: EntryName, obj: MemoryObj) -> bool:
-        out = prepare(name, obj, self._part_size)
+        out = prepare(name, obj, self._part_size, self._cipher)
         rec = name.record.encode()
         if not out.parts:
             await self._call(rec, [[b"SET", rec, (out.head, out.payload), b"NX", *self._ttl]])
@@ -424,11 +431,15 @@ class RedisConnector(Connector):
         if value is None:
             return None
         try:
-            hdr, token = parse_head(value, name)
+            hdr, token = parse_head(value, name, self._key_id)
             if token is None:
-                obj = copy_single(value, hdr, alloc)
+                obj = copy_single(value, hdr, alloc, self._cipher)
                 self.bytes_read += len(value)
                 return obj
+        except ForeignSeal as exc:
+            self.foreign_key += 1
+            self._log("remote record %s is not for this tier's key (%s); treated as a miss", name.record, exc)
+            return None
         except ForeignRecord:
             self.foreign += 1
             self._log("remote record %s holds another key; treated as a miss", name.record)
@@ -452,6 +463,11 @@ class RedisConnector(Connector):
             return None
         names = [name.part(token, i).encode() for i in range(hdr.num_parts)]
         hasher = xxhash.xxh3_64()
+        seal, cipher = hdr.seal, self._cipher
+        if seal is not None and (cipher is None or seal.segments != hdr.num_parts):
+            obj.ref_count_down()
+            await self._discard_corrupt(name, rec, head, "sealed parts do not match the segments", names)
+            return None
         problem: list[str] = []
         error: list[Exception] = []
 
@@ -466,6 +482,14 @@ class RedisConnector(Connector):
                 problem.append("missing")
             elif len(reply) != want:
                 problem.append("size")
+            elif seal is not None:  # one sealed segment per part, opened alone
+                assert cipher is not None
+                hasher.update(reply)
+                s, e = seal.plain_bounds(i, hdr.plain_len)
+                try:
+                    cipher.open_segment(hdr, i, memoryview(reply), dst[s:e])
+                except RecordError:
+                    problem.append("tag")
             else:
                 dst[i * psize : i * psize + want] = reply
                 hasher.update(reply)
@@ -576,6 +600,7 @@ class RedisConnector(Connector):
             "round_trips": self.round_trips,
             "corrupt": self.corrupt,
             "foreign": self.foreign,
+            "foreign_key": self.foreign_key,
             "vanished": self.vanished,
             "alloc_failed": self.alloc_failed,
             "lost_races": self.lost_races,

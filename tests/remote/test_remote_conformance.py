@@ -9,6 +9,8 @@ import pytest
 
 from lmcache_async.backend import BackendContext
 from lmcache_async.backends.remote import RemoteBackend
+from lmcache_async.config import LMCacheEngineConfig
+from lmcache_async.encryption import write_key_file
 from lmcache_async.testing import PersistentBackendConformanceTests
 from lmcache_async.testing.servers import RedisClusterServers, RedisServer
 
@@ -80,5 +82,32 @@ class TestCluster(_RemoteConformance):
 
 
 class TestSharedFilesystem(_RemoteConformance):
+    def url_for(self, location: Path) -> str:
+        return f"fs://{location}"
+
+
+class _Sealed:
+    """Records sealed under a key file of the test (``encryption_key_file``)."""
+
+    @pytest.fixture(autouse=True)
+    def _key_file(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self.key_file = str(tmp_path_factory.mktemp("key") / "key")
+        write_key_file(self.key_file)
+
+    def make_config(self) -> LMCacheEngineConfig:
+        return LMCacheEngineConfig.from_defaults(encryption_key_file=self.key_file)
+
+
+class TestRedisSealedParts(_Sealed, _RemoteConformance):
+    """Sealed, in 8 KiB parts: most entries are several segments, one per part."""
+
+    part_size = 8 << 10
+
+    @pytest.fixture(autouse=True)
+    def _server(self, redis_server: RedisServer) -> None:
+        self.url = redis_server.url
+
+
+class TestSharedFilesystemSealed(_Sealed, _RemoteConformance):
     def url_for(self, location: Path) -> str:
         return f"fs://{location}"
