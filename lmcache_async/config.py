@@ -225,6 +225,26 @@ class LMCacheEngineConfig(BaseModel):
         gt=0,
         description="Longest wait between recovery probes of a failing lower tier (seconds); bounds recovery time.",
     )
+    # --- KV connector: load or recompute ------------------------------------------------------
+    load_policy: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="KV connector: load a cached prefix only when its measured load time beats recomputing it "
+        "(auto), every hit (always), or nothing (never); a request's kv_transfer_params may override it.",
+    )
+    max_load_s: float | None = Field(
+        None, gt=0, description="KV connector: most seconds one request's load may take (planned and enforced)."
+    )
+    load_margin: float = Field(
+        0.1, ge=0, description="KV connector (auto): a load is kept when its time x (1 + margin) <= recompute time."
+    )
+    load_deadline_factor: float = Field(
+        3.0, ge=1, description="KV connector: a load running this many times its expected time is abandoned."
+    )
+    load_cost_file: str | None = Field(
+        None,
+        description="KV connector: state file of measured load costs and prefill rate, kept across processes "
+        "(default: <local_disk>.kv-costs.json beside the disk tier; none without one).",
+    )
     # --- Mooncake Store tier (remote_url: mooncake://HOST:PORT, the master) ---------------------
     mooncake_metadata_server: str | None = Field(
         None,

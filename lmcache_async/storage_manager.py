@@ -24,7 +24,9 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import os
 import threading
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Literal, TypeVar
 
@@ -611,6 +613,136 @@ class StorageManager(Lifecycle):
             self._cpu.touch(keys)
         for tier in self._local:
             tier.touch(keys)
+
+    # ---- where entries lie (the KV connector's load-or-recompute) ---------------------------------
+    MEMORY_TIER = "cpu"
+    """The name :meth:`locate` gives an entry held in this process's memory (the CPU tier or
+    the queued write-through)."""
+
+    def tier_status(self) -> dict[str, tuple[bool, bool]]:
+        """Per tier name, in search order: ``(reads_memory, available)``. ``reads_memory``: a
+        read is a memory copy on the caller's thread (the CPU tier, the node server's shared
+        pool); ``available``: the tier's circuit breaker is closed (an open or half-open
+        breaker means it failed or timed out lately). Any thread, no I/O."""
+        out: dict[str, tuple[bool, bool]] = {}
+        if self._cpu is not None:
+            out[self._cpu.name] = (True, True)
+        for g in self._lower:
+            out[g.name] = (g in self._memory_readers, g.breaker.state == g.breaker.CLOSED)
+        return out
+
+    def _locate_front(self, keys: Sequence[CacheEngineKey]) -> tuple[list[str | None], dict[int, int], list[Any]]:
+        """(tier per key where this thread can tell, ``{key index: guard index}`` of the keys
+        whose answer needs the loop from that tier on, the local tiers' flags per guard)."""
+        self._check_usable()
+        for k in keys:
+            if type(k) is not CacheEngineKey:
+                self._check_key(k)
+        cpu, pending = self._cpu, self._pending
+        names: list[str | None] = [None] * len(keys)
+        rest = []
+        for i, k in enumerate(keys):
+            if k in pending or (cpu is not None and k in cpu):
+                names[i] = self.MEMORY_TIER
+            else:
+                rest.append(i)
+        flags: list[Any] = [None] * len(self._lower)
+        if rest:
+            for gi, g in enumerate(self._lower):  # one batched question per local tier
+                if g.local is not None:
+                    got = g.local.present_flags([keys[i] for i in rest])
+                    flags[gi] = dict(zip(rest, got, strict=True))
+        unresolved: dict[int, int] = {}
+        for i in rest:
+            for gi, g in enumerate(self._lower):
+                r = flags[gi][i] if flags[gi] is not None else g.backend.contains_nowait(keys[i])
+                if r is None:
+                    unresolved[i] = gi
+                    break
+                if r:
+                    names[i] = g.name
+                    break
+        return names, unresolved, flags
+
+    def locate_here(self, keys: Sequence[CacheEngineKey]) -> tuple[list[str | None], bool]:
+        """:meth:`locate` as far as the caller's thread can answer it, with no hop: (the tier per
+        key, or None; whether the loop must be asked, i.e. some key's answer is unknown here).
+        Local tiers are asked (the node server: one round trip, bounded by its timeout)."""
+        names, unresolved, _ = self._locate_front(keys)
+        return names, bool(unresolved)
+
+    async def _locate_lower(
+        self, keys: list[CacheEngineKey], names: list[str | None], unresolved: dict[int, int], flags: list[Any]
+    ) -> list[str | None]:
+        for gi, g in enumerate(self._lower):
+            ask = [i for i, start in unresolved.items() if start <= gi]
+            if not ask:
+                continue
+            if flags[gi] is not None:
+                got: Any = [flags[gi][i] for i in ask]
+            else:
+                got = await g.call("contains", g.backend.batched_contains, [keys[i] for i in ask], n=len(ask) // 32 + 1)
+                if got is NO_ANSWER:
+                    continue
+            for i, present in zip(ask, got, strict=True):
+                if present:
+                    names[i] = g.name
+                    del unresolved[i]
+        return names
+
+    async def locate(self, keys: Sequence[CacheEngineKey]) -> list[str | None]:
+        """Which tier holds each key: the name of the first tier in search order that has it
+        (:attr:`MEMORY_TIER` for this process's memory), None where no tier does or none could
+        answer (a tier that fails counts as not holding it). One hop for every key the caller's
+        thread cannot answer; none when it can. ``TypeError`` naming ``key`` for a non-key."""
+        names, unresolved, flags = self._locate_front(keys)
+        if not unresolved:
+            return names
+        return await self._hop(self._locate_lower(list(keys), names, unresolved, flags))
+
+    locate_sync = sync_twin(locate)
+
+    async def _probe(self, guard: TierGuard, nbytes: int) -> float | None:
+        key = CacheEngineKey("lmcache-async-probe", 1, 0, int.from_bytes(os.urandom(8), "little"), torch.uint8)
+        obj = self._staging.allocate((nbytes,), torch.uint8, MemoryFormat.UNDEFINED)
+        if obj is None:
+            return None
+        try:
+            obj.tensor.zero_()
+            ok = await guard.call("probe", guard.backend.put, key, obj)
+        finally:
+            obj.ref_count_down()
+        if ok is NO_ANSWER or not ok:
+            return None
+        try:
+            await guard.call("probe", guard.backend.flush)
+            t0 = time.perf_counter()
+            got = await guard.call("probe", guard.backend.get, key, self._staging.allocate)
+            took = time.perf_counter() - t0
+            if got is NO_ANSWER or got is None:
+                return None
+            got.ref_count_down()
+            return took
+        finally:
+            if guard.backend.supports_delete:
+                await guard.call("probe", guard.backend.remove, key)
+
+    async def probe_read(self, tier: str, nbytes: int) -> float | None:
+        """Seconds one read of an ``nbytes`` entry from lower tier ``tier`` took: an entry under
+        a key of its own (model ``lmcache-async-probe``) is written to that tier only, read
+        back (timed) and removed. None when the tier is not a lower tier, or failed, timed out
+        or refused the write. Every call runs under the tier's timeout and breaker; the whole
+        probe is bounded like every call (``blocking_timeout_secs``). ``ValueError`` naming
+        ``nbytes`` unless it is > 0."""
+        if not isinstance(nbytes, int) or nbytes <= 0:
+            raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
+        self._check_usable()
+        guard = next((g for g in self._lower if g.name == tier), None)
+        if guard is None or guard.answers_locally:
+            return None
+        return await self._hop(self._probe(guard, nbytes))
+
+    probe_read_sync = sync_twin(probe_read)
 
     # ---- remove / clear ---------------------------------------------------------------------------
     async def _remove_lower(self, key: CacheEngineKey) -> bool:

@@ -27,7 +27,10 @@ Importing this module imports vLLM; ``import lmcache_async.integration.vllm`` do
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +41,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.engines.hidden_states import HiddenStateStore
+from lmcache_async.integration.vllm.kv_costs import CostBook, cost_book
 from lmcache_async.integration.vllm.kv_engine import (
     KVStore,
     acquire_store,
@@ -49,6 +54,7 @@ from lmcache_async.integration.vllm.kv_engine import (
 )
 from lmcache_async.integration.vllm.kv_hidden import publish_hidden_states, restore_hidden_states
 from lmcache_async.integration.vllm.kv_layout import check_chunk_alignment
+from lmcache_async.integration.vllm.kv_lookup import LoadSettings
 from lmcache_async.integration.vllm.kv_metadata import KVStepMetadata
 from lmcache_async.integration.vllm.kv_scheduler import KVSchedulerSide
 from lmcache_async.integration.vllm.kv_worker import KVWorkerSide
@@ -63,6 +69,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
@@ -77,6 +84,38 @@ in flight (a request arriving meanwhile waits at most this long more)."""
 @dataclass
 class LMCacheKVConnectorMetadata(KVConnectorMetadata, KVStepMetadata):
     """Scheduler → worker for one step: the load and save runs (:class:`KVStepMetadata`)."""
+
+
+def tier_locations(config: LMCacheEngineConfig) -> dict[str, str]:
+    """Where each configured lower tier is, as a short digest (the cost book keys its
+    estimates by tier and location; a URL's credentials never reach the state file)."""
+    where = {
+        "disk": config.local_disk,
+        "remote": config.remote_url,
+        "server": config.cache_server_socket,
+        "nixl": config.nixl_path,
+    }
+    return {t: hashlib.sha256(str(v).encode()).hexdigest()[:16] for t, v in where.items() if v}
+
+
+def cost_file(config: LMCacheEngineConfig) -> str | None:
+    """The load-cost state file: ``load_cost_file``, else ``<local_disk>.kv-costs.json`` beside
+    the disk tier's directory, else None (estimates live in this process only)."""
+    if config.load_cost_file:
+        return os.path.expanduser(config.load_cost_file)
+    if config.local_disk:
+        return os.path.abspath(config.local_disk).rstrip(os.sep) + ".kv-costs.json"
+    return None
+
+
+def chunk_record_bytes(kv_cache_config: Any, group: int, blocks_per_chunk: int) -> int | None:
+    """Bytes of one chunk's record (every layer of attention group ``group``), from vLLM's
+    ``KVCacheConfig``; None when it does not say."""
+    try:
+        g = kv_cache_config.kv_cache_groups[group]
+        return int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names) * blocks_per_chunk
+    except Exception:
+        return None
 
 
 def _worker_rank() -> int:
@@ -134,14 +173,36 @@ class LMCacheKVConnector(KVConnectorBase_V1):
         self._lease: tuple[Any, ...] | None = lease
         self.scheduler_side: KVSchedulerSide | None = None
         self.worker_side: KVWorkerSide | None = None
+        self.costs: CostBook = cost_book(tier_locations(config), cost_file(config))
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+        per_request = len(groups) > 1  # vLLM refuses block ids there: failures go by request
         if is_worker:
             self.worker_side = KVWorkerSide(
-                self.store.storage_manager, self.store.token_database, self.block_size, self.blocks_per_chunk
+                self.store.storage_manager,
+                self.store.token_database,
+                self.block_size,
+                self.blocks_per_chunk,
+                costs=self.costs,
+                per_request_failures=per_request,
             )
         else:
-            self.scheduler_side = KVSchedulerSide(
-                self._lookup_manager, self.store.token_database, self.block_size, self.blocks_per_chunk
+            settings = LoadSettings(
+                config.load_policy, config.max_load_s, config.load_margin, config.load_deadline_factor
             )
+            chunk_bytes = chunk_record_bytes(kv_cache_config, 0, self.blocks_per_chunk) or (1 << 20)
+            self.scheduler_side = KVSchedulerSide(
+                self._lookup_manager,
+                self.store.token_database,
+                self.block_size,
+                self.blocks_per_chunk,
+                costs=self.costs,
+                settings=settings,
+                chunk_bytes=chunk_bytes,
+                per_request_failures=per_request,
+                lookup_give_up_s=2.0 * float(config.remote_timeout_s) + 1.0,
+            )
+            if config.load_policy != "never" and self.store.storage_manager.has_lower_tiers:
+                self.scheduler_side.lookups.start_probe(chunk_bytes)
 
     def _lookup_manager(self) -> StorageManager:
         """A worker's manager of this process when there is one (it sees the CPU tier too)."""
@@ -227,6 +288,11 @@ class LMCacheKVConnector(KVConnectorBase_V1):
         self._sched().finished(request.request_id)
         return False, None
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """How this step's loads went (failed ones are never offered again)."""
+        if self.scheduler_side is not None:
+            self.scheduler_side.after_step(connector_output)
+
     # ---- worker side ----
     def _worker(self) -> KVWorkerSide:
         if self.worker_side is None:
@@ -271,6 +337,13 @@ class LMCacheKVConnector(KVConnectorBase_V1):
             logger.info("LMCacheKVConnector: %s hold hidden states, not KV; left out of KV records", sorted(skip))
         return {name: t for name, t in kv_caches.items() if name not in skip}
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """vLLM hands the step's metadata before the forward: the step's clock starts (the
+        worker times steps that compute many tokens: the engine's prefill rate)."""
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker_side is not None:
+            self.worker_side.step_started(time.perf_counter())
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._step_meta()
         if meta is not None and (meta.loads or meta.async_loads):
@@ -287,6 +360,8 @@ class LMCacheKVConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         meta = self._step_meta()
+        if meta is not None and self.worker_side is not None:
+            self.worker_side.step_computed(meta.num_tokens, time.perf_counter())
         if meta is not None and meta.saves:
             self._worker().save(meta)
 
@@ -299,6 +374,15 @@ class LMCacheKVConnector(KVConnectorBase_V1):
         wait_s = IDLE_STEP_WAIT_S if meta is not None and meta.idle else 0.0
         return None, self.worker_side.finished_loads(wait_s) or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """:meth:`get_finished`'s requests, and those whose asynchronous load failed or was
+        abandoned when vLLM has more than one KV-cache group (it takes no block ids there)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        _, recving = self.get_finished(finished_req_ids)
+        failed = self.worker_side.take_failed_requests() if self.worker_side is not None else set()
+        return KVConnectorTransferResults(finished_recving=set(recving or ()) | failed, failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.worker_side is None:
             return set()
@@ -309,7 +393,7 @@ class LMCacheKVConnector(KVConnectorBase_V1):
         """Counters of this connector's side and its manager's per-tier stats."""
         if self.worker_side is not None:
             return self.worker_side.stats()
-        out: dict[str, Any] = dict(self._sched().counters)
+        out: dict[str, Any] = self._sched().stats()
         out["manager"] = self._lookup_manager().stats()
         return out
 
@@ -320,6 +404,9 @@ class LMCacheKVConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker_side is not None:
             self.worker_side.close()
+        if self.scheduler_side is not None:
+            self.scheduler_side.close()
+        self.costs.save(force=True)
         lease, self._lease = self._lease, None
         if lease is not None:
             release_store(lease)

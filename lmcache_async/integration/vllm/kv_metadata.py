@@ -39,14 +39,18 @@ class BlockRun:
 
     ``block_ids[i]`` is the vLLM block holding request block ``first_block + i``;
     ``chunk_hashes[j]`` is the prefix-chained hash of chunk ``first_block // blocks_per_chunk + j``
-    (one per chunk the run touches). Construction validates the fields (``TypeError`` /
-    ``ValueError`` naming the field).
+    (one per chunk the run touches). Loads only: ``tiers[j]`` names the tier the scheduler found
+    chunk ``j`` in (empty: not known), and ``deadline_s`` is how long the load may take before
+    the worker abandons it (None: no deadline beyond each read's own timeouts). Construction
+    validates the fields (``TypeError`` / ``ValueError`` naming the field).
     """
 
     req_id: str
     first_block: int
     block_ids: tuple[int, ...]
     chunk_hashes: tuple[int, ...]
+    tiers: tuple[str, ...] = ()
+    deadline_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.req_id, str):
@@ -55,6 +59,17 @@ class BlockRun:
             raise ValueError(f"first_block must be an int >= 0, got {self.first_block!r}")
         object.__setattr__(self, "block_ids", _int_tuple(self.block_ids, "block_ids"))
         object.__setattr__(self, "chunk_hashes", _int_tuple(self.chunk_hashes, "chunk_hashes", hi=_U64))
+        tiers = self.tiers
+        if isinstance(tiers, (str, bytes)) or not isinstance(tiers, Sequence):
+            raise TypeError(f"tiers must be a sequence of str, got {type(tiers).__name__}")
+        if not all(isinstance(t, str) for t in tiers):
+            raise TypeError("tiers must hold only str")
+        if tiers and len(tiers) != len(self.chunk_hashes):
+            raise ValueError(f"tiers has {len(tiers)} entries for {len(self.chunk_hashes)} chunk hashes")
+        object.__setattr__(self, "tiers", tuple(tiers))
+        d = self.deadline_s
+        if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not d > 0):
+            raise ValueError(f"deadline_s must be a number > 0 or None, got {d!r}")
 
     def chunks(self, blocks_per_chunk: int) -> list[tuple[int, int, int, list[int]]]:
         """Per chunk the run touches: ``(chunk_hash, chunk_index, first block within the chunk,
@@ -83,6 +98,8 @@ class BlockRun:
             "first_block": self.first_block,
             "block_ids": list(self.block_ids),
             "chunk_hashes": list(self.chunk_hashes),
+            "tiers": list(self.tiers),
+            "deadline_s": self.deadline_s,
         }
 
     @classmethod
@@ -93,7 +110,9 @@ class BlockRun:
         missing = {"req_id", "first_block", "block_ids", "chunk_hashes"} - set(d)
         if missing:
             raise ValueError(f"block run lacks {sorted(missing)}")
-        return cls(d["req_id"], d["first_block"], d["block_ids"], d["chunk_hashes"])
+        return cls(
+            d["req_id"], d["first_block"], d["block_ids"], d["chunk_hashes"], d.get("tiers", ()), d.get("deadline_s")
+        )
 
 
 @dataclass(frozen=True)
@@ -163,6 +182,8 @@ class KVStepMetadata:
     """Hidden-state group rows to store after this step's forward (``extract_hidden_states``)."""
     hs_loads: list[HSRun] = field(default_factory=list)
     """Hidden-state group rows to restore with the KV load of the same request."""
+    num_tokens: int = 0
+    """Tokens this step computes (the worker times the step: the engine's prefill rate)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -172,6 +193,7 @@ class KVStepMetadata:
             "idle": self.idle,
             "hs_saves": [r.to_dict() for r in self.hs_saves],
             "hs_loads": [r.to_dict() for r in self.hs_loads],
+            "num_tokens": self.num_tokens,
         }
 
     @classmethod
@@ -189,4 +211,5 @@ class KVStepMetadata:
             idle,
             [HSRun.from_dict(r) for r in d.get("hs_saves", ())],
             [HSRun.from_dict(r) for r in d.get("hs_loads", ())],
+            _int_tuple([d.get("num_tokens", 0)], "num_tokens")[0],
         )

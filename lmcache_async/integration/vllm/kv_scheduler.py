@@ -19,6 +19,17 @@ nothing of vLLM. Runs on vLLM's scheduler thread (one thread; no locking).
 * **Save plan** (:meth:`build_meta`): every prompt chunk whose tokens are all computed by the
   end of this step and that was neither loaded nor saved before becomes a save run.
 
+**Load or recompute** (:mod:`.kv_costs`): the stored prefix is located tier by tier
+(:meth:`StorageManager.locate <lmcache_async.storage_manager.StorageManager.locate>`; off this
+thread when a loop-side tier must be asked: the hook answers None, "ask again", meanwhile,
+:mod:`.kv_lookup`) and only the prefix whose measured load time beats its recompute time is
+offered (``load_policy``, ``max_load_s``, ``load_margin``; ``kv_transfer_params`` may override
+the first two per request). An asynchronous load carries a deadline the worker enforces. A
+request whose load failed or was abandoned (vLLM's ``update_connector_output`` shows its
+blocks invalid or the request failed) is never offered a load again: vLLM's recompute finishes
+it. Every decision is counted (``decision_<reason>``, tokens loaded and declined) and logged
+at debug.
+
 A hit held in memory the worker reads on its own thread — the CPU tier of this process, or the
 node cache server's shared pool (:meth:`StorageManager.memory_prefix_len
 <lmcache_async.storage_manager.StorageManager.memory_prefix_len>`) — is loaded synchronously
@@ -29,11 +40,16 @@ the load finished, so no step waits on that I/O.
 
 from __future__ import annotations
 
+import collections
 import logging
+import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmcache_async.integration.vllm.kv_costs import CostBook, decide_load, load_deadline
+from lmcache_async.integration.vllm.kv_lookup import LoadSettings, TierLookups
 from lmcache_async.integration.vllm.kv_metadata import BlockRun, HSRun, KVStepMetadata
 from lmcache_async.integration.vllm.kv_request_keys import UnreadableRequest, request_key_inputs
 from lmcache_async.ratelog import RateLimitedLog
@@ -53,6 +69,30 @@ class _Req:
     block_ids: list[int] = field(default_factory=list)
     saved_chunks: int = 0
     hs_block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Planned:
+    """A load handed to the workers, until vLLM's output says how it went."""
+
+    block_ids: frozenset[int]
+    is_async: bool
+    tiers: tuple[str, ...]
+    steps_seen: int = 0
+
+
+@dataclass(frozen=True)
+class _Lookup:
+    computed: int
+    hit: int
+    is_async: bool
+    tiers: tuple[str | None, ...]
+    """The tier of every chunk from chunk 0 (None: not held, or not loaded)."""
+    deadline_s: float | None
+
+
+HOOK_TIMES_KEPT = 4096
+"""How many of the lookup hook's latest call times :attr:`KVSchedulerSide.hook_times` keeps."""
 
 
 def _group(block_ids: Any, index: int = 0) -> list[int] | None:
@@ -83,8 +123,25 @@ class KVSchedulerSide:
         blocks_per_chunk: int,
         kv_group: int = 0,
         hs_group: int | None = None,
+        *,
+        costs: CostBook | None = None,
+        settings: LoadSettings | None = None,
+        chunk_bytes: int = 1 << 20,
+        per_request_failures: bool = False,
+        lookup_give_up_s: float = 5.0,
     ) -> None:
         self._manager = manager
+        self.costs = costs if costs is not None else CostBook({})
+        self.settings = settings if settings is not None else LoadSettings()
+        self.chunk_bytes = chunk_bytes
+        self.per_request_failures = per_request_failures
+        """More than one KV-cache group: every load is asynchronous (vLLM takes per-request
+        failures of asynchronous loads there, not block ids)."""
+        self.lookups = TierLookups(manager, self.costs, lookup_give_up_s)
+        self._planned: dict[str, _Planned] = {}
+        self._refused: set[str] = set()
+        self.hook_times: collections.deque[float] = collections.deque(maxlen=HOOK_TIMES_KEPT)
+        """Seconds each :meth:`num_new_matched_tokens` call took (the latest ones)."""
         self.kv_group = kv_group
         self.hs_group = hs_group
         self._hs_loads: dict[str, HSRun] = {}
@@ -93,7 +150,7 @@ class KVSchedulerSide:
         self.blocks_per_chunk = blocks_per_chunk
         self.chunk_size = block_size * blocks_per_chunk
         self._reqs: dict[str, _Req] = {}
-        self._lookups: dict[str, tuple[int, int, bool]] = {}
+        self._lookups: dict[str, _Lookup] = {}
         self._loads: dict[str, tuple[BlockRun, bool]] = {}
         self._log = RateLimitedLog(logger)
         self.counters: dict[str, int] = dict.fromkeys(
@@ -107,6 +164,10 @@ class KVSchedulerSide:
                 "keyed_with_extras",
                 "unkeyed_requests",
                 "unkeyed_saves_skipped",
+                "loads_failed",
+                "loads_refused_after_failure",
+                "tokens_declined",
+                "bad_transfer_params",
             ),
             0,
         )
@@ -142,10 +203,20 @@ class KVSchedulerSide:
         return r
 
     # ---- lookup ----
-    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """``(tokens beyond num_computed_tokens the workers can load, whether the load is
-        asynchronous)`` for vLLM's ``request``; ``(0, False)`` on a miss, a fault or a request
-        whose key extras cannot be read."""
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """``(tokens beyond num_computed_tokens the workers will load, whether the load is
+        asynchronous)`` for vLLM's ``request``: the prefix worth loading (see the module
+        docstring). ``(None, False)`` while the lookup runs off this thread (vLLM asks again on
+        a later step); ``(0, False)`` on a miss, a fault, a load not worth it, a request whose
+        load failed before, or one whose key extras cannot be read. Scheduler thread; never
+        waits on a loop-side tier; never raises for storage trouble."""
+        t0 = time.perf_counter()
+        try:
+            return self._match(request, num_computed_tokens)
+        finally:
+            self.hook_times.append(time.perf_counter() - t0)
+
+    def _match(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = str(request.request_id)
         self._lookups.pop(req_id, None)
         r = self._keyed(request)
@@ -154,25 +225,95 @@ class KVSchedulerSide:
         cap = (max(r.prompt_len - 1, 0) // self.block_size) * self.block_size
         if not r.hashes or cap <= num_computed_tokens:
             return 0, False
+        if req_id in self._refused:  # its load failed or was abandoned: vLLM recomputes it
+            self.counters["loads_refused_after_failure"] += 1
+            return 0, False
+        settings, bad = self.settings.for_request(getattr(request, "kv_transfer_params", None))
+        if bad is not None:
+            self.counters["bad_transfer_params"] += 1
+            self._log.warning("KV connector: request %s: kv_transfer_params: %s (ignored)", req_id, bad, key="params")
+        if settings.policy == "never":
+            self.counters["decision_never"] = self.counters.get("decision_never", 0) + 1
+            return 0, False
         n_chunks = min(len(r.hashes), -(-cap // self.chunk_size))
-        self.counters["lookups"] += 1
         try:
             sm = self._manager()
             keys = self.db.make_keys(r.hashes[:n_chunks])
-            found = sm.batched_contains_sync(keys)
+            names = self.lookups.where(req_id, keys)
+            if names is None:
+                return None, False
+            self.counters["lookups"] += 1
+            found = 0
+            while found < len(names) and names[found] is not None:
+                found += 1
             hit = min(found * self.chunk_size, cap)
             if hit <= num_computed_tokens:
                 return 0, False
-            needed = -(-hit // self.chunk_size)
-            first = num_computed_tokens // self.chunk_size
-            is_async = first + sm.memory_prefix_len(keys[first:needed]) < needed
+            status = sm.tier_status()
         except Exception as exc:  # a tier down or slow is a miss; never raise into the step
             self.counters["lookup_errors"] += 1
             self._log.warning("KV connector: lookup failed (treated as a miss): %s", exc, key="lookup")
             return 0, False
-        self._lookups[req_id] = (num_computed_tokens, hit, is_async)
-        self.counters["hit_tokens"] += hit - num_computed_tokens
-        return hit - num_computed_tokens, is_async
+        return self._decide(req_id, names, num_computed_tokens, hit, status, settings)
+
+    def _decide(
+        self,
+        req_id: str,
+        names: list[str | None],
+        computed: int,
+        hit: int,
+        status: dict[str, tuple[bool, bool]],
+        settings: LoadSettings,
+    ) -> tuple[int, bool]:
+        """Cut the stored prefix ``computed..hit`` to the part worth loading (counted, logged)."""
+        cs = self.chunk_size
+        first, needed = computed // cs, -(-hit // cs)
+        tokens = [min((i + 1) * cs, hit) - max(i * cs, computed) for i in range(first, needed)]
+        memory = {name for name, (reads_memory, _) in status.items() if reads_memory} | {"cpu"}
+
+        def price(tier: str, nbytes: int, reads: int) -> float | None:
+            if not status.get(tier, (False, True))[1]:
+                return math.inf  # its breaker is open: failing or timing out lately
+            return self.costs.read_time(tier, nbytes, reads)
+
+        rate = self.costs.prefill_tokens_per_s
+        d = decide_load(
+            names[first:needed],
+            tokens,
+            self.chunk_bytes,
+            price,
+            rate,
+            memory_tiers=memory,
+            policy=settings.policy,
+            max_load_s=settings.max_load_s,
+            margin=settings.margin,
+        )
+        key = f"decision_{d.reason}"
+        self.counters[key] = self.counters.get(key, 0) + 1
+        end = min(hit, (first + d.chunks) * cs)
+        self.counters["tokens_declined"] += hit - max(end, computed)
+        logger.debug(
+            "KV connector: request %s: %d of %d stored tokens loaded (%s): tiers %s, load %s s, recompute %s s, "
+            "prefill %s tokens/s",
+            req_id,
+            max(end - computed, 0),
+            hit - computed,
+            d.reason,
+            sorted(set(d.tiers)),
+            None if d.load_s is None else round(d.load_s, 4),
+            None if d.recompute_s is None else round(d.recompute_s, 4),
+            None if rate is None else round(rate),
+        )
+        if end <= computed:
+            return 0, False
+        is_async = self.per_request_failures or any(t not in memory for t in d.tiers)
+        deadline = (
+            load_deadline(d, factor=settings.deadline_factor, max_load_s=settings.max_load_s) if is_async else None
+        )
+        kept = tuple(names[: first + d.chunks]) + (None,) * (len(names) - first - d.chunks)
+        self._lookups[req_id] = _Lookup(computed, end, is_async, kept, deadline)
+        self.counters["hit_tokens"] += end - computed
+        return end - computed, is_async
 
     def after_alloc(self, request: Any, block_ids: Any, num_external_tokens: int) -> None:
         """Key ``request`` if it is new, and plan the load of ``num_external_tokens`` into its
@@ -182,7 +323,7 @@ class KVSchedulerSide:
         r = self._keyed(request)
         if num_external_tokens <= 0 or lookup is None or r is None:
             return
-        local, hit, is_async = lookup
+        local, hit, is_async = lookup.computed, lookup.hit, lookup.is_async
         if local + num_external_tokens != hit:
             local = hit - num_external_tokens
         blocks = _group(block_ids, self.kv_group) or []
@@ -200,10 +341,17 @@ class KVSchedulerSide:
             return
         first_chunk = first_block // self.blocks_per_chunk
         last_chunk = (end_block - 1) // self.blocks_per_chunk
+        tiers = tuple(t or "" for t in lookup.tiers[first_chunk : last_chunk + 1])
         run = BlockRun(
-            req_id, first_block, tuple(blocks[first_block:end_block]), tuple(r.hashes[first_chunk : last_chunk + 1])
+            req_id,
+            first_block,
+            tuple(blocks[first_block:end_block]),
+            tuple(r.hashes[first_chunk : last_chunk + 1]),
+            tiers if len(tiers) == last_chunk + 1 - first_chunk else (),
+            lookup.deadline_s,
         )
         self._loads[req_id] = (run, is_async)
+        self._planned[req_id] = _Planned(frozenset(run.block_ids), is_async, tuple(t for t in tiers if t))
         if self.hs_group is not None:
             hs_blocks = _group(block_ids, self.hs_group) or []
             self._hs_loads[req_id] = HSRun(
@@ -215,7 +363,8 @@ class KVSchedulerSide:
     # ---- per step ----
     def build_meta(self, scheduler_output: Any) -> KVStepMetadata:
         """This step's loads (planned by :meth:`after_alloc`) and saves; resets the load plan."""
-        meta = KVStepMetadata(idle=getattr(scheduler_output, "total_num_scheduled_tokens", None) == 0)
+        total = getattr(scheduler_output, "total_num_scheduled_tokens", None)
+        meta = KVStepMetadata(idle=total == 0, num_tokens=int(total or 0))
         num_scheduled: dict[str, int] = getattr(scheduler_output, "num_scheduled_tokens", {}) or {}
         for new in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
             req_id = new.req_id
@@ -266,8 +415,57 @@ class KVSchedulerSide:
         r.saved_chunks = ready
         self.counters["saves_planned"] += 1
 
+    def after_step(self, output: Any) -> None:
+        """Learn from vLLM's ``KVConnectorOutput`` of a step how the planned loads went: a
+        request whose load blocks came back invalid, or that vLLM lists in ``failed_recving``,
+        failed (it is never offered a load again, and a tier it used that is failing now is
+        priced unavailable); one in ``finished_recving`` (asynchronous) or still clean a step
+        after its synchronous load succeeded. Scheduler thread."""
+        invalid = set(getattr(output, "invalid_block_ids", None) or ())
+        failed = set(getattr(output, "failed_recving", None) or ())
+        finished = set(getattr(output, "finished_recving", None) or ())
+        for req_id, plan in list(self._planned.items()):
+            if req_id in failed or (invalid and not invalid.isdisjoint(plan.block_ids)):
+                del self._planned[req_id]
+                self._refused.add(req_id)
+                self.counters["loads_failed"] += 1
+                status = self._manager().tier_status()
+                for tier in set(plan.tiers):
+                    if not status.get(tier, (False, True))[1]:
+                        self.costs.mark_unavailable(tier)
+                logger.debug("KV connector: request %s: its load failed; it is recomputed", req_id)
+            elif plan.is_async and req_id in finished:
+                del self._planned[req_id]
+            elif not plan.is_async:
+                plan.steps_seen += 1
+                if plan.steps_seen > 1:
+                    del self._planned[req_id]
+
+    def stats(self) -> dict[str, Any]:
+        """The counters, the lookups' counters, the cost book's estimates and the hook's call
+        time (p50/p99/max over its latest calls, seconds)."""
+        out: dict[str, Any] = dict(self.counters)
+        out.update(self.lookups.counters)
+        out["costs"] = self.costs.snapshot()
+        times = sorted(self.hook_times)
+        if times:
+            out["hook_s"] = {
+                "calls": len(times),
+                "p50": times[len(times) // 2],
+                "p99": times[min(len(times) - 1, int(len(times) * 0.99))],
+                "max": times[-1],
+            }
+        return out
+
+    def close(self) -> None:
+        """Stop the lookup thread."""
+        self.lookups.close()
+
     def finished(self, req_id: str) -> None:
         """Forget a finished request (saves are synchronous: its blocks may be freed now)."""
+        self._planned.pop(req_id, None)
+        self._refused.discard(req_id)
+        self.lookups.forget(req_id)
         self._reqs.pop(req_id, None)
         self._unkeyed.discard(req_id)
         self._lookups.pop(req_id, None)

@@ -18,6 +18,20 @@ Framework-free (no vLLM import). Runs on vLLM's model-runner thread.
   missing, unreadable, or of another shape or dtype stops that run: its blocks (possibly partly
   written) and every later block of the run are reported by :meth:`take_load_errors`, and vLLM
   (with ``kv_load_failure_policy="recompute"``) recomputes them. Nothing raises into the step.
+  With more than one KV-cache group vLLM takes no block ids: a failed asynchronous load is
+  reported by request (:meth:`KVWorkerSide.take_failed_requests`; the scheduler makes every
+  load asynchronous there).
+* **Deadlines** (load or recompute): an asynchronous run is read in pieces (split where the
+  tier changes, at most :data:`PIECE_BYTES` each), and before each piece the load thread
+  checks the run's ``deadline_s`` (counted from when the step handed it over). Past it, the
+  load is abandoned at that chunk boundary: the piece in flight is waited out — it is bounded
+  by the tier's own timeouts, and the loop-side tiers read into buffers the manager owns and
+  copy on the load thread, so after the thread stops nothing writes into vLLM's blocks — and
+  the rest of the run is reported failed (recomputed). Waiting out one piece beats staging
+  every slow read: staging would copy every byte twice on a hit that was judged worth loading.
+  Each piece's time feeds the :class:`~.kv_costs.CostBook` (bytes, seconds per tier); an
+  abandoned or failing tier is priced unavailable for a while. The model-runner thread also
+  times steps that compute many tokens: the engine's prefill rate.
 * **Save** (:meth:`KVWorkerSide.save`, from ``wait_for_save``): each planned chunk the CPU tier
   does not already hold is gathered straight into a block of the manager's pool (one copy; on
   host caches all of the step's records at once, by address: one ``index_select`` per layer
@@ -38,6 +52,7 @@ import collections
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -45,6 +60,7 @@ from typing import Any
 import torch
 
 from lmcache_async.engines.hidden_states import HiddenStateStore, hs_entry_key
+from lmcache_async.integration.vllm.kv_costs import CostBook
 from lmcache_async.integration.vllm.kv_hs_group import HiddenStateGroup, load_hs_run, save_hs_run
 from lmcache_async.integration.vllm.kv_layout import (
     PagedCaches,
@@ -61,7 +77,12 @@ from lmcache_async.token_database import ChunkedTokenDatabase
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KVWorkerSide"]
+__all__ = ["PIECE_BYTES", "PREFILL_SAMPLE_TOKENS", "KVWorkerSide"]
+
+PIECE_BYTES = 4 << 20
+"""Most bytes an asynchronous load reads in one call (a deadline is checked between calls)."""
+PREFILL_SAMPLE_TOKENS = 256
+"""A step computing at least this many tokens is a sample of the engine's prefill rate."""
 
 COUNTER_NAMES = (
     "load_runs",
@@ -71,6 +92,9 @@ COUNTER_NAMES = (
     "loaded_bytes",
     "load_failures",
     "failed_blocks",
+    "abandoned_loads",
+    "abandoned_blocks",
+    "failed_requests",
     "saved_chunks",
     "saved_bytes",
     "save_skipped",
@@ -114,8 +138,15 @@ class KVWorkerSide:
         block_size: int,
         blocks_per_chunk: int,
         hidden_state_store: HiddenStateStore | None = None,
+        *,
+        costs: CostBook | None = None,
+        per_request_failures: bool = False,
     ) -> None:
         self.manager = manager
+        self.costs = costs
+        self.per_request_failures = per_request_failures
+        self._failed_reqs: set[str] = set()
+        self._step_t0: float | None = None
         self.hs = hidden_state_store
         self.hs_group: HiddenStateGroup | None = None
         self.recent_hs_runs: collections.deque[tuple[str, HSRun]] = collections.deque(maxlen=16)
@@ -167,11 +198,13 @@ class KVWorkerSide:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-async-kv-load")
             try:
-                fut = self._executor.submit(self._fetch_guarded, run, hs_runs.get(run.req_id) is not None)
+                fut = self._executor.submit(
+                    self._fetch_guarded, run, hs_runs.get(run.req_id) is not None, time.monotonic()
+                )
                 self._inflight[run.req_id] = (run, fut, hs_runs.get(run.req_id))
             except RuntimeError as exc:  # shut down: the load is a failure, reported at once
                 self._fault("load", exc)
-                self._fail(run.block_ids)
+                self._fail(run.block_ids, run.req_id)
                 done: concurrent.futures.Future[_Fetched | None] = concurrent.futures.Future()
                 done.set_result(None)
                 self._inflight[run.req_id] = (run, done, None)
@@ -196,32 +229,61 @@ class KVWorkerSide:
                 self._apply_guarded(run, fetched, hs_run)
         return done
 
-    def _fail(self, block_ids: Any) -> None:
+    def _fail(self, block_ids: Any, req_id: str) -> None:
+        """Record ``block_ids`` of request ``req_id`` as not loaded: by block id, or (more than
+        one KV-cache group) the request as a whole."""
         ids = list(block_ids)
         if ids:
             with self._lock:
                 self.counters["load_failures"] += 1
                 self.counters["failed_blocks"] += len(ids)
-                self._errors.update(ids)
+                if self.per_request_failures:
+                    self.counters["failed_requests"] += 1
+                    self._failed_reqs.add(req_id)
+                else:
+                    self._errors.update(ids)
 
-    def _fetch_guarded(self, run: BlockRun, with_hidden_states: bool = False) -> _Fetched | None:
+    def take_failed_requests(self) -> set[str]:
+        """Requests whose asynchronous load failed since the last call, when failures are
+        reported by request (more than one KV-cache group); clears. Model-runner thread."""
+        with self._lock:
+            failed, self._failed_reqs = self._failed_reqs, set()
+        return failed
+
+    # ---- the engine's prefill rate (model-runner thread) ----
+    def step_started(self, now: float) -> None:
+        """vLLM bound a step's metadata (its forward comes next)."""
+        self._step_t0 = now
+
+    def step_computed(self, num_tokens: int, now: float) -> None:
+        """The step's forward is done: a step of many tokens is a sample of the prefill rate."""
+        t0, self._step_t0 = self._step_t0, None
+        if t0 is not None and self.costs is not None and num_tokens >= PREFILL_SAMPLE_TOKENS and now > t0:
+            self.costs.observe_prefill(num_tokens, now - t0)
+            self.costs.save()
+
+    def _fetch_guarded(
+        self, run: BlockRun, with_hidden_states: bool = False, started: float | None = None
+    ) -> _Fetched | None:
         """Read ``run``'s records (any thread) and, ``with_hidden_states``, the published
-        hidden-state records of its chunks; None when the run failed as a whole (recorded)."""
+        hidden-state records of its chunks; None when the run failed as a whole (recorded).
+        ``started``: when the load was handed over (its deadline counts from then)."""
         caches = self.caches
         if caches is None:
-            self._fail(run.block_ids)
+            self._fail(run.block_ids, run.req_id)
             return None
         try:
             self._add(load_runs=1)
             chunks = run.chunks(self.blocks_per_chunk)
             keys = self.db.make_keys([c[0] for c in chunks])
             if caches.host_blocks:
-                fetched = _Fetched(keys, chunks, [], filled=self._read_into_blocks(caches, keys, chunks))
+                filled = self._read_into_blocks(caches, keys, chunks, run, started)
+                fetched = _Fetched(keys, chunks, [], filled=filled)
             else:
                 fetched = _Fetched(keys, chunks, self.manager.batched_get_sync(keys))
         except Exception as exc:  # timeout, closed tier, wiring: the whole run is recomputed
             self._fault("load", exc)
-            self._fail(run.block_ids)
+            self._fail(run.block_ids, run.req_id)
             return None
         group = self.hs_group
         if with_hidden_states and group is not None:
@@ -233,12 +295,18 @@ class KVWorkerSide:
         return fetched
 
     def _read_into_blocks(
-        self, caches: PagedCaches, keys: list[Any], chunks: list[tuple[int, int, int, list[int]]]
+        self,
+        caches: PagedCaches,
+        keys: list[Any],
+        chunks: list[tuple[int, int, int, list[int]]],
+        run: BlockRun,
+        started: float | None = None,
     ) -> int:
         """Read the run's records straight into its blocks (any thread; ``memmove``, file reads
         and the node server's round trips only, no torch op); the blocks filled, a prefix of the
         run. A chunk that is missing, damaged or of another shape ends it (its blocks may be
-        partly written: they are failed with the rest)."""
+        partly written: they are failed with the rest), and so does the run's deadline, checked
+        between pieces (see the module docstring)."""
         bpc = self.blocks_per_chunk
         scratch: list[torch.Tensor] = []  # the chunk blocks a partial run does not load
         sinks = []
@@ -248,22 +316,71 @@ class KVWorkerSide:
                 spare = torch.empty(caches.scratch_bytes(len(bids)), dtype=torch.uint8)
                 scratch.append(spare)
             sinks.append(caches.read_sink(bids, first, spare))
-        flags = self.manager.read_into_sync(keys, sinks, prefix=True)
+        tiers = run.tiers if len(run.tiers) == len(chunks) else ("",) * len(chunks)
+        per_piece = max(1, PIECE_BYTES // max(caches.record_bytes, 1))
+        deadline = None if run.deadline_s is None or started is None else started + run.deadline_s
         done = loaded = 0
-        for ok, (_, _, _, bids) in zip(flags, chunks, strict=True):
-            if not ok:
+        i = 0
+        while i < len(chunks):
+            j = i + 1
+            while j < len(chunks) and j - i < per_piece and tiers[j] == tiers[i]:
+                j += 1
+            if deadline is not None and time.monotonic() > deadline:
+                self._abandon(run, tiers[i], sum(len(c[3]) for c in chunks[i:]))
                 break
-            done += len(bids)
-            loaded += 1
+            t0 = time.perf_counter()
+            flags = self.manager.read_into_sync(keys[i:j], sinks[i:j], prefix=True)
+            took = time.perf_counter() - t0
+            ok = 0
+            while ok < len(flags) and flags[ok]:
+                ok += 1
+            for _, _, _, bids in chunks[i : i + ok]:
+                done += len(bids)
+                loaded += 1
+            if ok == j - i and self.costs is not None and tiers[i]:
+                nbytes = sum(len(c[3]) for c in chunks[i:j]) * caches.num_layers * caches.block_bytes
+                self.costs.observe_read(tiers[i], nbytes, took)
+            if ok < j - i:
+                self._tier_failed(tiers[i + ok])
+                break
+            i = j
         self._add(loaded_chunks=loaded, loaded_blocks=done, loaded_bytes=done * caches.num_layers * caches.block_bytes)
+        if self.costs is not None:
+            self.costs.save()
         return done
+
+    def _abandon(self, run: BlockRun, tier: str, blocks_left: int) -> None:
+        """The run passed its deadline: counted, logged, its tier priced unavailable a while."""
+        self._add(abandoned_loads=1, abandoned_blocks=blocks_left)
+        self._log.warning(
+            "KV connector: request %s: load abandoned after %.3f s (%d blocks left, tier %s); recomputing",
+            run.req_id,
+            run.deadline_s or 0.0,
+            blocks_left,
+            tier or "?",
+            key="abandon",
+        )
+        if self.costs is not None and tier:
+            self.costs.mark_unavailable(tier)
+
+    def _tier_failed(self, tier: str) -> None:
+        """A read from ``tier`` came back short: when its breaker is open (it failed or timed
+        out, not a mere missing record) it is priced unavailable a while."""
+        if self.costs is None or not tier:
+            return
+        try:
+            available = self.manager.tier_status().get(tier, (False, True))[1]
+        except Exception:
+            return
+        if not available:
+            self.costs.mark_unavailable(tier)
 
     def _apply_guarded(self, run: BlockRun, fetched: _Fetched, hs_run: HSRun | None = None) -> None:
         try:
             done = self._apply(run, fetched)
         except Exception as exc:  # a wiring surprise: recompute the whole run
             self._fault("load", exc)
-            self._fail(run.block_ids)
+            self._fail(run.block_ids, run.req_id)
             return
         if hs_run is not None:
             self._apply_hidden_states(run, done, hs_run)
@@ -288,7 +405,7 @@ class KVWorkerSide:
         if got < kv_end:
             self._add(hs_short_loads=1)
             first_bad = max(got // self.block_size - run.first_block, 0)
-            self._fail(run.block_ids[first_bad:done])
+            self._fail(run.block_ids[first_bad:done], run.req_id)
 
     def _apply(self, run: BlockRun, fetched: _Fetched) -> int:
         """Scatter the fetched records (model-runner thread); blocks of the first missing or
@@ -296,7 +413,7 @@ class KVWorkerSide:
         blocks loaded."""
         if fetched.filled is not None:  # read straight into the blocks already
             fetched.release()
-            self._fail(run.block_ids[fetched.filled :])
+            self._fail(run.block_ids[fetched.filled :], run.req_id)
             return fetched.filled
         caches = self.caches
         done = 0
@@ -327,7 +444,7 @@ class KVWorkerSide:
                 )
         finally:
             fetched.release()
-        self._fail(run.block_ids[done:])
+        self._fail(run.block_ids[done:], run.req_id)
         return done
 
     def take_load_errors(self) -> set[int]:
@@ -432,6 +549,8 @@ class KVWorkerSide:
         with self._lock:
             out: dict[str, Any] = dict(self.counters)
         out["loads_in_flight"] = len(self._inflight)
+        if self.costs is not None:
+            out["costs"] = self.costs.snapshot()
         out["manager"] = self.manager.stats()
         return out
 
