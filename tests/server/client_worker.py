@@ -9,8 +9,8 @@ Modes (argv: socket namespace mode ...):
   print one JSON line with ``ops``, ``errors``, ``wrong`` and the client's stats.
 * ``stall-put I`` — put entry ``I``, stopping itself (``SIGSTOP``) right before the copy into the
   granted block; print ``stored <count>`` once continued and done.
-* ``put-loop FIRST COUNT`` — put entries FIRST..FIRST+COUNT-1 round and round (each put copies,
-  then commits; present keys are freed again) until stdin closes; print ``puts <n>``.
+* ``stall-loop FIRST COUNT`` — put entries FIRST..FIRST+COUNT-1, one at a time, each stopping
+  itself (``SIGSTOP``) right before its copy into the granted block; print ``stored <count>``.
 
 Entry ``i``'s payload is a pure function of ``i``, so any process can check any entry; entries
 from :data:`BIG` on are 1 MiB.
@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import select
 import signal
 import sys
 import time
@@ -88,8 +87,9 @@ def main(argv: list[str]) -> int:
                 wrong += not check(obj, i)
                 obj.ref_count_down()
         print(f"got {hits} wrong {wrong}", flush=True)
-    elif mode == "stall-put":
-        i = int(argv[3])
+    elif mode in ("stall-put", "stall-loop"):
+        first = int(argv[3])
+        count = int(argv[4]) if mode == "stall-loop" else 1
         copy = client_module._copy_bytes
 
         def stalled_copy(*args: object, **kw: object) -> None:
@@ -97,20 +97,13 @@ def main(argv: list[str]) -> int:
             copy(*args, **kw)  # type: ignore[arg-type]
 
         client_module._copy_bytes = stalled_copy  # type: ignore[assignment]
-        obj = fill(pool, i)
-        res = client.put([(key_of(i), obj)])
-        obj.ref_count_down()
-        print(f"stored {int(bool(res and res[0]))}", flush=True)
-    elif mode == "put-loop":
-        first, count = int(argv[3]), int(argv[4])
-        objs = [fill(pool, i) for i in range(first, first + count)]
-        print("ready", flush=True)
-        puts = 0
-        while not select.select([sys.stdin], [], [], 0)[0]:
-            j = puts % count
-            client.put([(key_of(first + j), objs[j])])
-            puts += 1
-        print(f"puts {puts}", flush=True)
+        stored = 0
+        for i in range(first, first + count):
+            obj = fill(pool, i)
+            res = client.put([(key_of(i), obj)])
+            obj.ref_count_down()
+            stored += bool(res and res[0])
+        print(f"stored {stored}", flush=True)
     elif mode == "load":
         seconds, seed = float(argv[3]), int(argv[4])
         rng = random.Random(seed)

@@ -107,7 +107,7 @@ def test_a_writer_stopped_past_its_grant_ttl_never_lands_in_another_entry(make_s
         settings["cache_server_idle_timeout_s"] = 0.5
     srv = make_server(**settings).start()
     pool = PoolAllocator(64 << 20, name="t-stall", pretouch=False)
-    stalled = _worker(srv, "stall", "stall-put", str(cw.BIG))
+    stalled = _worker(srv, "stall", "stall-put", str(cw.BIG))  # one put, stopped inside
     try:
         assert _wait(lambda: _stopped(stalled.pid)), stalled.stderr.read() if stalled.stderr else ""
         time.sleep(1.5)  # past the grant's TTL (and the idle timeout)
@@ -139,38 +139,34 @@ def test_a_writer_stopped_past_its_grant_ttl_never_lands_in_another_entry(make_s
 
 
 def _stall_run(srv: CacheServerProcess, stalls: int, ttl_s: float, seed: int) -> dict[str, int]:
-    """A writer process putting 1 MiB entries round and round is stopped ``stalls`` times, each
-    time past the grant TTL, while this process fills the pool with other entries; then every
-    entry is read and checked. Returns the counts."""
+    """A writer process puts ``stalls`` 1 MiB entries, each time stopped inside its put (right
+    before its copy into the granted block) past the grant TTL, while this process writes other
+    entries (each removed and put again, so freed blocks are granted again); after each stall the
+    writer goes on and every entry is read and checked. Returns the counts."""
     rng = random.Random(seed)
     pool = PoolAllocator(64 << 20, name="t-stalls", pretouch=False)
-    other = ServerClient(srv.socket, "stalls", timeout_s=30.0)
-    writer = _worker(srv, "stalls", "put-loop", str(cw.BIG), "6")
-    assert writer.stdout is not None and writer.stdin is not None
-    assert writer.stdout.readline().strip() == "ready"
-    objs = {i: cw.fill(pool, i) for i in range(cw.BIG + 100, cw.BIG + 112)}
+    other = ServerClient(srv.socket, "stalls", timeout_s=60.0)
+    writer = _worker(srv, "stalls", "stall-loop", str(cw.BIG), str(stalls))
+    mine = list(range(cw.BIG + 1000, cw.BIG + 1012))
+    objs = {i: cw.fill(pool, i) for i in mine}
+    everything = [*range(cw.BIG, cw.BIG + stalls), *mine]
     wrong = checked = 0
     try:
         for n in range(stalls):
-            time.sleep(rng.uniform(0.0, 0.02))
-            os.kill(writer.pid, signal.SIGSTOP)
-            until = time.monotonic() + ttl_s * 1.5 + 0.3
-            while time.monotonic() < until:  # fill the pool meanwhile: freed blocks are granted again
-                i = rng.choice(list(objs))
+            assert _wait(lambda: _stopped(writer.pid) or writer.poll() is not None, 120), n
+            time.sleep(ttl_s * 1.3 + 0.1)  # past the grant TTL and the server's next sweep
+            for i in rng.sample(mine, 8):  # fresh commits: freed blocks are granted again
+                other.remove([cw.key_of(i)])
                 other.put([(cw.key_of(i), objs[i])])
-                if rng.random() < 0.3:
-                    other.remove([cw.key_of(rng.choice(list(objs)))])
-            os.kill(writer.pid, signal.SIGCONT)
-            if n % 5 == 4:  # let the writer run a while, then check everything
-                time.sleep(0.05)
-                present, bad = _wrong_big(other, pool, range(cw.BIG, cw.BIG + 112))
-                checked += present
-                wrong += bad
-        writer.stdin.close()
+            os.kill(writer.pid, signal.SIGCONT)  # the late copy lands now
+            assert _wait(lambda: not _stopped(writer.pid) or writer.poll() is not None, 10)
+            time.sleep(0.05)
+            present, bad = _wrong_big(other, pool, everything)
+            checked += present
+            wrong += bad
         out, err = writer.communicate(timeout=60)
         assert writer.returncode == 0, err
-        present, bad = _wrong_big(other, pool, range(cw.BIG, cw.BIG + 112))
-        return {"stalls": stalls, "checked": checked + present, "wrong": wrong + bad}
+        return {"stalls": stalls, "checked": checked, "wrong": wrong, "writer_stored": int(out.split()[-1])}
     finally:
         if writer.poll() is None:
             os.kill(writer.pid, signal.SIGCONT)
