@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import enum
+import importlib
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -380,6 +381,11 @@ _BUILTIN_ENABLED: dict[str, Callable[[LMCacheEngineConfig], bool]] = {
     "nixl": lambda c: bool(c.nixl_path),
     "server": lambda c: bool(c.cache_server_socket),
 }
+# What each built-in tier says about its own configuration before it is built ("module:attr" of a
+# ``(config) -> list[str]`` of errors), imported only when that tier is configured.
+_BUILTIN_CONFIG_CHECKS: dict[str, str] = {
+    "remote": "lmcache_async.backends.remote.checks:config_findings",
+}
 _registry: LazyRegistry[BackendFactory] = LazyRegistry(
     "backend",
     _BUILTINS,
@@ -411,6 +417,17 @@ def is_configured(name: str, config: LMCacheEngineConfig) -> bool:
     """False when ``name`` is a built-in whose configuration key is unset (skip importing it)."""
     check = _BUILTIN_ENABLED.get(name)
     return True if check is None else check(config)
+
+
+def tier_config_errors(name: str, config: LMCacheEngineConfig) -> list[str]:
+    """The errors built-in tier ``name`` finds in ``config`` before it is built (``[]`` for a
+    tier without such a check, or one that is not configured)."""
+    where = _BUILTIN_CONFIG_CHECKS.get(name)
+    if where is None or not is_configured(name, config):
+        return []
+    module, _, attr = where.partition(":")
+    check: Callable[[LMCacheEngineConfig], list[str]] = getattr(importlib.import_module(module), attr)
+    return list(check(config))
 
 
 def get_backend_factory(name: str) -> BackendFactory:

@@ -192,16 +192,24 @@ def _load_config(args: argparse.Namespace) -> Any:
 def _cmd_config(args: argparse.Namespace) -> int:
     if args.explain is not None:
         return _explain(args)
-    rows = _load_config(args).describe()
+    from lmcache_async.config_check import check_config, redacted
+
+    config = _load_config(args)
+    rows = [(k, redacted(k, v), s) for k, v, s in config.describe()]
+    findings = check_config(config)
     if args.json:
-        print(json.dumps({k: {"value": v, "source": s} for k, v, s in rows}, indent=2, default=str))
-        return 0
-    width = max(len(k) for k, _, _ in rows)
-    vwidth = min(max(len(repr(v)) for _, v, _ in rows), 48)
-    print(f"{'key'.ljust(width)}  {'value'.ljust(vwidth)}  source")
-    for k, v, s in rows:
-        print(f"{k.ljust(width)}  {repr(v).ljust(vwidth)}  {s}")
-    return 0
+        out = {k: {"value": v, "source": s} for k, v, s in rows}
+        problems = [{"level": f.level, "key": f.key, "message": f.message} for f in findings]
+        print(json.dumps({"keys": out, "problems": problems}, indent=2, default=str))
+    else:
+        width = max(len(k) for k, _, _ in rows)
+        vwidth = min(max(len(repr(v)) for _, v, _ in rows), 48)
+        print(f"{'key'.ljust(width)}  {'value'.ljust(vwidth)}  source")
+        for k, v, s in rows:
+            print(f"{k.ljust(width)}  {repr(v).ljust(vwidth)}  {s}")
+        for f in findings:  # what the manager would refuse (error) or do differently (warning)
+            print(f"{PROG} config: {f}", file=sys.stderr)
+    return 1 if any(f.level == "error" for f in findings) else 0
 
 
 def config_key(name: str) -> str:

@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 ENV_PREFIX = "LMCACHE_"
 EC_ENV_PREFIX = "LMCACHE_EC_"
 CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
-DEFAULT_TIER_ORDER = ("cpu", "nixl", "disk", "remote")
+DEFAULT_TIER_ORDER = ("cpu", "server", "nixl", "disk", "remote")
 
 # LMCache keys accepted from every source without acting on them: a migrating user's YAML and
 # environment load unchanged, with one warning per key per load saying it has no effect here.
@@ -281,7 +281,9 @@ class LMCacheEngineConfig(BaseModel):
     )
     # --- node cache server (lmcache-async serve; client tier "server") ---------------------------
     cache_server_socket: str | None = Field(
-        None, description="Unix socket of the node cache server; enables the client tier 'server'."
+        None,
+        description="Unix socket of the node cache server; enables the client tier 'server' (second in the default "
+        "tier_order, after cpu).",
     )
     cache_server_namespace: str | None = Field(
         None, description="Namespace on the cache server (default: the metadata's model name, else 'default')."
@@ -342,7 +344,10 @@ class LMCacheEngineConfig(BaseModel):
     @field_validator("cache_policy", mode="before")
     @classmethod
     def _upper_policy(cls, v: Any) -> Any:
-        return v.strip().upper() if isinstance(v, str) else v
+        v = v.strip().upper() if isinstance(v, str) else v
+        if v in ("LFU", "MRU"):
+            raise ValueError(f"LMCache's {v} policy has no equal here: every tier evicts LRU or FIFO")
+        return v
 
     @field_validator("nixl_backend", mode="before")
     @classmethod
@@ -568,6 +573,16 @@ def convert_value(key: str, value: Any, source: str) -> Any:
     return text
 
 
+def _did_you_mean(key: str, prefix: str = "") -> str:
+    """``"; did you mean 'chunk_size'?"`` for a key close to one of ours (spelled with ``prefix``
+    and upper case for a variable), else ``""``."""
+    close = difflib.get_close_matches(key, LMCacheEngineConfig.model_fields, n=1)
+    if not close:
+        return ""
+    name = f"{prefix}{close[0].upper()}" if prefix else close[0]
+    return f"; did you mean {name!r}?"
+
+
 def _unknown_key_message(key: str, source: str) -> str:
     close = difflib.get_close_matches(key, LMCacheEngineConfig.model_fields, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -599,7 +614,7 @@ def _mapping_entries(data: Mapping[str, Any], source: str) -> list[Entry]:
         elif _is_overlay_key(key):
             continue  # the encoder-cache overlay reads these
         else:
-            logger.warning("unknown configuration key %r (from %s) dropped", key, source)
+            logger.warning("unknown configuration key %r (from %s) dropped%s", key, source, _did_you_mean(key))
     return out
 
 
@@ -638,7 +653,26 @@ def _env_entries(environ: Mapping[str, str]) -> list[Entry]:
         key = var[len(ENV_PREFIX) :].lower()
         if key in fields or key in LMCACHE_KEYS_WITHOUT_EFFECT:  # build_config warns about the latter
             out.append((key, value, f"env {var}"))
+        elif not var.startswith(_OTHER_ENV_PREFIXES) and var not in _warned_env:
+            _warned_env.add(var)  # once per process: configurations are loaded more than once
+            logger.warning("unknown configuration variable %s ignored%s", var, _did_you_mean(key, ENV_PREFIX))
     return out
+
+
+# LMCACHE_* variables that are not configuration keys: this project's tools and tests, and
+# LMCache's own process settings a migrating user may still export.
+_OTHER_ENV_PREFIXES = (
+    "LMCACHE_ASYNC_",
+    "LMCACHE_E2E_",
+    "LMCACHE_VLLM_",
+    "LMCACHE_SGLANG_",
+    "LMCACHE_ENV_",
+    "LMCACHE_PYTHON",
+    "LMCACHE_LOG_LEVEL",
+    "LMCACHE_TRACK_USAGE",
+    "LMCACHE_USE_EXPERIMENTAL",
+)
+_warned_env: set[str] = set()
 
 
 def build_config(entries: Iterable[Entry], base: LMCacheEngineConfig | None = None) -> LMCacheEngineConfig:
@@ -656,6 +690,14 @@ def build_config(entries: Iterable[Entry], base: LMCacheEngineConfig | None = No
             without_effect.setdefault(key, source)
             continue
         values[key] = (convert_value(key, raw, source), raw, source)
+    serde = values.get("remote_serde")
+    if serde is not None and serde[0] not in (None, "naive"):
+        logger.warning(
+            "remote_serde %r (from %s) has no effect here: records are stored as they are, self-describing "
+            "(LMCache's serializers such as cachegen are not used)",
+            serde[0],
+            serde[2],
+        )
     for key, source in without_effect.items():
         logger.warning(
             "configuration key %r (from %s) is an LMCache setting with no effect in lmcache_async; ignored",

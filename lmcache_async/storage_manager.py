@@ -33,8 +33,17 @@ from typing import Any, Literal, TypeVar
 import torch
 
 from lmcache_async import at_exit
-from lmcache_async.backend import BackendContext, DirectReader, LocalTier, PoolTier, Presence, StorageBackend
+from lmcache_async.backend import (
+    BackendContext,
+    DirectReader,
+    LocalTier,
+    PoolTier,
+    Presence,
+    StorageBackend,
+    is_configured,
+)
 from lmcache_async.config import LMCacheEngineConfig
+from lmcache_async.config_check import raise_or_warn
 from lmcache_async.errors import LoopThreadCallError, ManagerClosedError
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.local_answers import contains_here, prefix_here
@@ -131,6 +140,7 @@ class StorageManager(Lifecycle):
             raise TypeError(f"config must be an LMCacheEngineConfig, got {type(config).__name__}")
         if metadata is not None and not isinstance(metadata, LMCacheEngineMetadata):
             raise TypeError(f"metadata must be an LMCacheEngineMetadata, got {type(metadata).__name__}")
+        raise_or_warn(config, f"{name} manager")  # unknown tiers, bad URLs, pools that never fit: one line
         self.config = config
         self.metadata = metadata if metadata is not None else NEUTRAL_METADATA
         self.name = name
@@ -151,7 +161,7 @@ class StorageManager(Lifecycle):
             config.local_disk
             or config.remote_url
             or config.nixl_path
-            or any(t != "cpu" and t not in BUILTIN_LOWER for t in config.tier_order)
+            or any(t != "cpu" and t not in BUILTIN_LOWER and is_configured(t, config) for t in config.tier_order)
         )
         self.staging_pool: PoolAllocator | None = None
         if (wants_lower or self.pool is None) and config.staging_size > 0:
