@@ -221,6 +221,8 @@ class DiskStore:
 
     def _write_failed(self, exc: OSError, what: str) -> None:
         self.count("write_errors")
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # the filesystem (not the budget) is full
+            self.count("no_space")
         if exc.errno not in WRITE_STOP_ERRNOS:
             self.warn("write", "disk tier: %s failed: %s", what, exc)
             return
