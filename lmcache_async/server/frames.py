@@ -87,7 +87,8 @@ class FrameProtocol(asyncio.Protocol):
 
     def stalled(self, now: float, frame_timeout_s: float, idle_timeout_s: float) -> str | None:
         """Why the server should close this connection now (a partial frame older than
-        ``frame_timeout_s``, no request for ``idle_timeout_s``; 0 turns a check off), or None."""
+        ``frame_timeout_s``; no request for ``idle_timeout_s`` while it holds no grant or lease;
+        0 turns a check off), or None."""
         if self._closed.done():
             return None
         if self._activity != self._seen[0]:
@@ -96,7 +97,11 @@ class FrameProtocol(asyncio.Protocol):
         if frame_timeout_s > 0 and since is not None and now - since > frame_timeout_s:
             return f"stalled inside a frame for {now - since:.1f} s"
         if idle_timeout_s > 0 and not self._busy and now - self._seen[1] > idle_timeout_s:
-            return f"idle for {now - self._seen[1]:.1f} s"
+            # A client holding grants or leases keeps its connection: closing it would only
+            # move its grants to quarantine until its process exits (see namespace.py).
+            st = self._conn.state
+            if st is None or not (st.grants or st.leases):
+                return f"idle for {now - self._seen[1]:.1f} s"
         return None
 
     def close_by_server(self) -> None:

@@ -7,8 +7,9 @@ Modes (argv: socket namespace mode ...):
   ``got <hits> wrong <wrong>``.
 * ``load SECONDS SEED`` — mixed put/get/remove/contains over a shared key space for SECONDS;
   print one JSON line with ``ops``, ``errors``, ``wrong`` and the client's stats.
-* ``stall-put I`` — put entry ``I``, stopping itself (``SIGSTOP``) right before the copy into the
-  granted block; print ``stored <count>`` once continued and done.
+* ``stall-put I [partial]`` — put entry ``I``, stopping itself (``SIGSTOP``) right before the copy
+  into the granted block (``partial``: after sending the server half a frame); print
+  ``stored <count>`` once continued and done.
 * ``stall-loop FIRST COUNT`` — put entries FIRST..FIRST+COUNT-1, one at a time, each stopping
   itself (``SIGSTOP``) right before its copy into the granted block; print ``stored <count>``.
 
@@ -31,6 +32,7 @@ from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryFormat, MemoryObj, PoolAllocator
 from lmcache_async.server import client as client_module
 from lmcache_async.server.client import ServerClient
+from lmcache_async.server.protocol import FRAME, Op
 
 #: Entries from this index on are 1 MiB (a copy long enough for a stop to land in a put).
 BIG = 100_000
@@ -93,6 +95,10 @@ def main(argv: list[str]) -> int:
         copy = client_module._copy_bytes
 
         def stalled_copy(*args: object, **kw: object) -> None:
+            if argv[4:] == ["partial"]:  # the server then closes the connection (frame timeout)
+                conn = client._conn
+                assert conn is not None
+                conn.sock.send(FRAME.pack(64, int(Op.PING), 0) + b"half")
             os.kill(os.getpid(), signal.SIGSTOP)  # a writer stalled inside its put
             copy(*args, **kw)  # type: ignore[arg-type]
 

@@ -103,14 +103,15 @@ def _wrong_big(client: ServerClient, pool: PoolAllocator, indices: range) -> tup
 @pytest.mark.parametrize("server_closes", [False, True], ids=["connection-open", "closed-by-server"])
 def test_a_writer_stopped_past_its_grant_ttl_never_lands_in_another_entry(make_server, server_closes: bool) -> None:  # type: ignore[no-untyped-def]
     settings: dict[str, object] = {"max_local_cpu_size": 1 / 128, "cache_server_lease_ttl_s": 0.4}  # 8 MiB pool
-    if server_closes:  # the server gives up on the stopped client; its process lives on
-        settings["cache_server_idle_timeout_s"] = 0.5
+    if server_closes:  # the server gives up on the client stalled inside a frame; its process lives on
+        settings["cache_server_frame_timeout_s"] = 0.5
     srv = make_server(**settings).start()
     pool = PoolAllocator(64 << 20, name="t-stall", pretouch=False)
-    stalled = _worker(srv, "stall", "stall-put", str(cw.BIG))  # one put, stopped inside
+    args = ["stall-put", str(cw.BIG)] + (["partial"] if server_closes else [])
+    stalled = _worker(srv, "stall", *args)  # one put, stopped inside
     try:
         assert _wait(lambda: _stopped(stalled.pid)), stalled.stderr.read() if stalled.stderr else ""
-        time.sleep(1.5)  # past the grant's TTL (and the idle timeout)
+        time.sleep(1.5)  # past the grant's TTL (and the frame timeout)
         st = srv.status()["namespaces"]["stall"]
         other = ServerClient(srv.socket, "stall", timeout_s=10.0)
         others = range(cw.BIG + 1, cw.BIG + 17)  # twice the pool: every free block is granted again
