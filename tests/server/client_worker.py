@@ -11,7 +11,8 @@ Modes (argv: socket namespace mode ...):
   into the granted block (``partial``: after sending the server half a frame); print
   ``stored <count>`` once continued and done.
 * ``stall-loop FIRST COUNT`` — put entries FIRST..FIRST+COUNT-1, one at a time, each stopping
-  itself (``SIGSTOP``) right before its copy into the granted block; print ``stored <count>``.
+  itself (``SIGSTOP``) right before its copy into the granted block; print ``put <0|1>`` after
+  each put and ``stored <count>`` at the end.
 
 Entry ``i``'s payload is a pure function of ``i``, so any process can check any entry; entries
 from :data:`BIG` on are 1 MiB.
@@ -76,6 +77,7 @@ def main(argv: list[str]) -> int:
             res = client.put([(key_of(i), obj)])
             obj.ref_count_down()
             stored += bool(res and res[0])
+            print(f"put {int(bool(res and res[0]))}", flush=True)
         print(f"stored {stored}", flush=True)
     elif mode == "wait-get":
         n = int(argv[3])
@@ -109,6 +111,7 @@ def main(argv: list[str]) -> int:
             res = client.put([(key_of(i), obj)])
             obj.ref_count_down()
             stored += bool(res and res[0])
+            print(f"put {int(bool(res and res[0]))}", flush=True)
         print(f"stored {stored}", flush=True)
     elif mode == "load":
         seconds, seed = float(argv[3]), int(argv[4])
