@@ -686,6 +686,8 @@ def create(ctx: BackendContext) -> NixlBackend | None:
     """
     if not ctx.config.nixl_path:
         return None
+    if ctx.config.encryption_key_file:  # NIXL moves pool blocks as they are: never write plaintext
+        raise ValueError("encryption_key_file is set but the nixl tier does not seal records")
     settings = NixlSettings.from_config(ctx.config)
     load_nixl()
     try:

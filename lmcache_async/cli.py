@@ -35,6 +35,7 @@ BENCH_SUITES: dict[str, str] = {
     "kv_keys": f"{BENCH_PACKAGE}.kv_keys",
     "disk": f"{BENCH_PACKAGE}.disk",
     "remote": f"{BENCH_PACKAGE}.remote",
+    "s3": f"{BENCH_PACKAGE}.s3",
     "nixl": f"{BENCH_PACKAGE}.nixl",
     "scaling": f"{BENCH_PACKAGE}.scaling",
     "sweep": f"{BENCH_PACKAGE}.sweep",
@@ -431,6 +432,20 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(workdir=workdir, keep=args.keep)
 
 
+# ---- encryption key files ----------------------------------------------------------------------
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    from lmcache_async.encryption import write_key_file
+
+    try:
+        key_id = write_key_file(args.file)
+    except FileExistsError:
+        raise UsageError(f"{args.file} exists; a key file is never overwritten", f"{PROG} keygen") from None
+    except OSError as exc:
+        raise UsageError(f"cannot write {args.file}: {exc.strerror}", f"{PROG} keygen") from None
+    print(f"wrote a 256-bit key to {args.file} (mode 0600), key id {key_id.hex()}")
+    return 0
+
+
 # ---- node cache server -------------------------------------------------------------------------
 def _cmd_serve(args: argparse.Namespace) -> int:
     import logging
@@ -578,6 +593,16 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default 5)")
     st.add_argument("--json", action="store_true", help="print JSON")
     st.set_defaults(func=_cmd_status)
+
+    kg = sub.add_parser(
+        "keygen",
+        help="write a new encryption key file (for encryption_key_file)",
+        description="Write 32 random bytes as 64 hex digits to FILE, created with mode 0600 (an existing "
+        "file is never overwritten), and print the key's id. Set encryption_key_file to FILE to seal "
+        "every record written outside process memory with AES-256-GCM.",
+    )
+    kg.add_argument("file", metavar="FILE", help="the key file to create")
+    kg.set_defaults(func=_cmd_keygen)
 
     _add_inspect(sub)
     return p

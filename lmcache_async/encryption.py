@@ -43,6 +43,11 @@ _PERSON = b"lmcache-async-k1"
 _AAD = struct.Struct("<8sHHHHIIQ")
 _AAD_MAGIC = b"LMCRseal"
 
+try:  # numpy hands out buffers without zeroing them; without it, a bytearray does
+    import numpy as _np
+except ImportError:  # pragma: no cover - torch installs usually bring numpy
+    _np = None  # type: ignore[assignment]
+
 
 def key_id_of(key: bytes) -> bytes:
     """The 16-byte id of ``key`` (stored in sealed headers)."""
@@ -56,9 +61,12 @@ def _aad(key: str, shape: tuple[int, ...], dtype: torch.dtype, fmt: MemoryFormat
 
 
 def new_buffer(n: int) -> memoryview:
-    """A writable buffer of ``n`` bytes that is not zeroed first (it is overwritten at once)."""
-    arr: Any = torch.empty(n, dtype=torch.uint8).numpy()  # the view keeps the array alive
-    return memoryview(arr).cast("B")
+    """A writable buffer of ``n`` bytes the caller owns, not zeroed first where numpy allows
+    (it is overwritten at once; zeroing would cost a pass over it)."""
+    if _np is not None:
+        arr: Any = _np.empty(n, dtype=_np.uint8)  # the view keeps the array alive
+        return memoryview(arr).cast("B")
+    return memoryview(bytearray(n))
 
 
 class RecordCipher:

@@ -115,6 +115,8 @@ class MooncakeBackend(StorageBackend):
         url = url if url is not None else cfg.remote_url
         if not url:
             raise ValueError("remote_url is not set")
+        if cfg.encryption_key_file:  # its transfers move pool blocks as they are: never write plaintext
+            raise ValueError("encryption_key_file is set but the mooncake:// tier does not seal records")
         timeout = cfg.remote_timeout_s if timeout_s is None else timeout_s
         if not timeout > 0:
             raise ValueError(f"remote_timeout_s must be > 0, got {timeout!r}")
