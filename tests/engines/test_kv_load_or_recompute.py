@@ -184,6 +184,7 @@ def test_max_load_s_cuts_the_load_to_what_fits() -> None:
     book = book_with(disk=(0.0, 20 * MB))  # ~0.105 s per chunk
     d = decide(["disk"] * 10, book, 100.0, max_load_s=0.35)
     assert d.chunks == 3 and d.reason == "max_load_s"
+    assert decide(["disk"] * 10, book, 100.0, max_load_s=0.35, policy="always").chunks == 10  # a deadline only
 
 
 def test_the_deadline_is_a_factor_over_the_estimate_never_below_the_recompute_and_capped() -> None:
@@ -440,3 +441,20 @@ def test_the_manager_locates_each_key_in_its_tier_and_probes_a_lower_tier(tmp_pa
     finally:
         store.close()
         other.close()
+
+
+def test_decisions_and_estimates_are_exported_to_prometheus(two_stores: tuple[KVStore, KVStore]) -> None:
+    pytest.importorskip("prometheus_client")
+    from lmcache_async.integration.vllm.kv_metrics import SchedulerMetrics
+
+    store_prompt(two_stores[0])
+    book = book_with(disk=(0.5, 1e6))
+    book.observe_prefill(10_000, 1.0)
+    sched = sched_for(two_stores[1], book)
+    sched.num_new_matched_tokens(vreq("r1"), 0)
+    families = {f.name: f for f in SchedulerMetrics(sched).collect()}
+    counters = {s.labels["counter"]: s.value for s in families["lmcache_async_kv_connector"].samples}
+    assert counters["decision_slower"] == 1 and counters["tokens_declined"] == 24
+    assert families["lmcache_async_kv_prefill_tokens_per_second"].samples[0].value == pytest.approx(10_000)
+    bw = {s.labels["tier"]: s.value for s in families["lmcache_async_kv_tier_read_bytes_per_second"].samples}
+    assert bw["disk"] == pytest.approx(1e6)

@@ -27,6 +27,7 @@ Importing this module imports vLLM; ``import lmcache_async.integration.vllm`` do
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -203,6 +204,12 @@ class LMCacheKVConnector(KVConnectorBase_V1):
             )
             if config.load_policy != "never" and self.store.storage_manager.has_lower_tiers:
                 self.scheduler_side.lookups.start_probe(chunk_bytes)
+            self._metrics = None
+            if self.store.metrics is not None:
+                from lmcache_async.integration.vllm.kv_metrics import SchedulerMetrics
+
+                self._metrics = SchedulerMetrics(self.scheduler_side)
+                self.store.metrics.registry.register(self._metrics)
 
     def _lookup_manager(self) -> StorageManager:
         """A worker's manager of this process when there is one (it sees the CPU tier too)."""
@@ -282,6 +289,7 @@ class LMCacheKVConnector(KVConnectorBase_V1):
             idle=step.idle,
             hs_saves=step.hs_saves,
             hs_loads=step.hs_loads,
+            num_tokens=step.num_tokens,
         )
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -406,6 +414,10 @@ class LMCacheKVConnector(KVConnectorBase_V1):
             self.worker_side.close()
         if self.scheduler_side is not None:
             self.scheduler_side.close()
+            metrics, server = getattr(self, "_metrics", None), self.store.metrics
+            if metrics is not None and server is not None:
+                with contextlib.suppress(Exception):  # the exporter may be closed already
+                    server.registry.unregister(metrics)
         self.costs.save(force=True)
         lease, self._lease = self._lease, None
         if lease is not None:

@@ -192,6 +192,8 @@ def decide_load(
     tier is read in pieces of up to ``piece_bytes`` (one read each) and kept when its read time
     times ``1 + margin`` is at most the prefill time of its tokens; the first run that is not
     ends the prefix (a slow tail never rides on a fast head). ``max_load_s`` caps the total.
+    ``policy="always"`` loads every held chunk whatever it costs (``max_load_s`` is then only
+    the load's deadline); ``"never"`` loads nothing.
 
     ``ValueError`` naming ``policy``/``tokens`` for caller mistakes."""
     if policy not in LOAD_POLICIES:
@@ -239,7 +241,7 @@ def decide_load(
         ):
             stop = "slower"
             break
-        if max_load_s is not None and cost is not None and total + cost > max_load_s:
+        if policy == "auto" and max_load_s is not None and cost is not None and total + cost > max_load_s:
             per_chunk = cost / count
             fit = max(int((max_load_s - total) // per_chunk), 0) if per_chunk > 0 else count
             total += per_chunk * fit
@@ -364,15 +366,18 @@ class CostBook:
             return self._prefill.value
 
     def snapshot(self) -> dict[str, Any]:
-        """The estimates as plain data (stats)."""
+        """The estimates as plain data (stats): the prefill rate, each measured tier's fit by
+        tier name (this book's locations), the tiers marked unavailable now."""
         out: dict[str, Any] = {"prefill_tokens_per_s": self.prefill_tokens_per_s, "tiers": {}}
-        for tier in self.locations:
-            p = self.read_params(tier)
-            if p is not None:
-                out["tiers"][tier] = {"latency_s": p[0], "bytes_per_s": p[1]}
+        mine = {self._ident(t): t for t in self.locations}
         with self._lock:
+            fits = {ident: c.params() for ident, c in self._reads.items()}
             now = self._clock()
-            out["unavailable"] = sorted(k for k, until in self._down.items() if until > now)
+            out["unavailable"] = sorted(mine.get(k, k) for k, until in self._down.items() if until > now)
+        for ident, p in fits.items():
+            tier = mine.get(ident, ident if " " not in ident else None)
+            if tier is not None and p is not None:
+                out["tiers"][tier] = {"latency_s": p[0], "bytes_per_s": 1.0 / p[1] if p[1] > 0 else math.inf}
         return out
 
     # ---- the state file (not on vLLM's scheduler thread) ----

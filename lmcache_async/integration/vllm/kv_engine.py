@@ -88,7 +88,8 @@ class KVStore:
             except BaseException:
                 self.storage_manager.close_sync()
                 raise
-        serve_configured_metrics(self.storage_manager, config)  # when metrics_port is set
+        #: The Prometheus exporter serving this store (when ``metrics_port`` is set), else None.
+        self.metrics = serve_configured_metrics(self.storage_manager, config)
 
     @property
     def closed(self) -> bool:

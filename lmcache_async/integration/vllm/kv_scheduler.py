@@ -91,6 +91,9 @@ class _Lookup:
     deadline_s: float | None
 
 
+DECISION_REASONS = ("memory", "cheaper", "unknown", "always", "slower", "unavailable", "max_load_s", "never", "miss")
+"""Every ``reason`` of a load decision (counted as ``decision_<reason>``)."""
+
 HOOK_TIMES_KEPT = 4096
 """How many of the lookup hook's latest call times :attr:`KVSchedulerSide.hook_times` keeps."""
 
@@ -168,6 +171,7 @@ class KVSchedulerSide:
                 "loads_refused_after_failure",
                 "tokens_declined",
                 "bad_transfer_params",
+                *(f"decision_{r}" for r in DECISION_REASONS),
             ),
             0,
         )
@@ -233,7 +237,7 @@ class KVSchedulerSide:
             self.counters["bad_transfer_params"] += 1
             self._log.warning("KV connector: request %s: kv_transfer_params: %s (ignored)", req_id, bad, key="params")
         if settings.policy == "never":
-            self.counters["decision_never"] = self.counters.get("decision_never", 0) + 1
+            self.counters["decision_never"] += 1
             return 0, False
         n_chunks = min(len(r.hashes), -(-cap // self.chunk_size))
         try:
@@ -288,8 +292,7 @@ class KVSchedulerSide:
             max_load_s=settings.max_load_s,
             margin=settings.margin,
         )
-        key = f"decision_{d.reason}"
-        self.counters[key] = self.counters.get(key, 0) + 1
+        self.counters[f"decision_{d.reason}"] += 1
         end = min(hit, (first + d.chunks) * cs)
         self.counters["tokens_declined"] += hit - max(end, computed)
         logger.debug(

@@ -340,6 +340,10 @@ class KVWorkerSide:
             if ok == j - i and self.costs is not None and tiers[i]:
                 nbytes = sum(len(c[3]) for c in chunks[i:j]) * caches.num_layers * caches.block_bytes
                 self.costs.observe_read(tiers[i], nbytes, took)
+            late = deadline is not None and time.monotonic() > deadline
+            if late and i + ok < len(chunks):  # the piece in flight was waited out; stop here
+                self._abandon(run, tiers[i + ok], sum(len(c[3]) for c in chunks[i + ok :]))
+                break
             if ok < j - i:
                 self._tier_failed(tiers[i + ok])
                 break
