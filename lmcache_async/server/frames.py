@@ -119,7 +119,9 @@ class FrameProtocol(asyncio.Protocol):
 
     def _account(self) -> None:
         """Count this connection's partial-frame bytes in the server's total; stop reading when
-        the total passes the bound (a waiting connection's frame timer stops meanwhile)."""
+        the total passes the bound. A waiting connection's frame timer keeps running, so senders
+        stalled inside their frames are closed and their bytes freed; one that was only waiting
+        gets a fresh period once it reads again."""
         n = len(self._buf)
         server = self._server
         delta = n - self._counted
@@ -127,11 +129,10 @@ class FrameProtocol(asyncio.Protocol):
         server.buffered += delta
         if not n:
             self._partial_since = None
-        elif self._partial_since is None and not self._budget_paused:
+        elif self._partial_since is None:
             self._partial_since = time.monotonic()
         if n and not self._budget_paused and server.buffered > server.max_buffered:
-            self._budget_paused = True
-            self._partial_since = None
+            self._budget_paused = True  # its frame timer keeps running: stalled senders still go
             if self._transport is not None and not self._transport.is_closing():
                 self._transport.pause_reading()
             server.buffer_wait(self)

@@ -67,7 +67,7 @@ def check(obj: MemoryObj, i: int) -> bool:
 def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     sock, ns, mode = argv[0], argv[1], argv[2]
-    client = ServerClient(sock, ns, timeout_s=5.0)
+    client = ServerClient(sock, ns, timeout_s=float(os.environ.get("LMCACHE_TEST_WORKER_TIMEOUT_S", "5")))
     pool = PoolAllocator(64 << 20, name="worker", pretouch=False)
     if mode == "put":
         n = int(argv[3])
