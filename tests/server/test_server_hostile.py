@@ -560,9 +560,18 @@ def _closed_by_server(sock: socket.socket, timeout: float = 10.0) -> bool:
 def test_a_connection_stalled_inside_a_frame_is_closed_and_its_buffer_freed(make_server) -> None:  # type: ignore[no-untyped-def]
     srv = make_server(cache_server_frame_timeout_s=0.5, cache_server_max_buffered_bytes=1 << 20).start()
     socks = [_admitted(srv.socket, "frames") for _ in range(6)]
-    for s in socks:  # a 4 MiB frame announced, 900 KiB sent, then nothing
-        s.sendall(FRAME.pack(4 << 20, int(Op.CONTAINS), 1) + b"\0" * (900 << 10))
-    time.sleep(0.2)
+    frame = memoryview(FRAME.pack(4 << 20, int(Op.CONTAINS), 1) + b"\0" * (900 << 10))
+    sent = dict.fromkeys(socks, 0)
+    for s in socks:
+        s.setblocking(False)
+    end = time.monotonic() + 0.3
+    while time.monotonic() < end:  # a 4 MiB frame announced, up to 900 KiB sent, then nothing
+        for s in socks:
+            try:
+                sent[s] += s.send(frame[sent[s] :])
+            except (BlockingIOError, BrokenPipeError, ConnectionResetError):
+                pass
+        time.sleep(0.01)
     st = srv.status()
     assert st["buffered_bytes"] <= (1 << 20) + 6 * (256 << 10), st["buffered_bytes"]
     assert all(_closed_by_server(s) for s in socks)
