@@ -175,6 +175,9 @@ def _stall_run(srv: CacheServerProcess, stalls: int, ttl_s: float, seed: int) ->
             os.kill(writer.pid, signal.SIGCONT)
             writer.kill()
             writer.wait(10)
+        for pipe in (writer.stdin, writer.stdout, writer.stderr):
+            if pipe is not None:
+                pipe.close()
         for o in objs.values():
             o.ref_count_down()
         other.close()
