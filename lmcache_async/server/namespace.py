@@ -268,7 +268,7 @@ class Namespace:
         if (
             len(st.leases) >= self.max_leases
             or self._leases >= self.max_namespace_leases
-            or st.pinned + obj.size > self.max_pinned_bytes
+            or (st.pinned and st.pinned + obj.size > self.max_pinned_bytes)  # one lease always fits
         ):
             self.refused_leases += 1
             return False
@@ -330,7 +330,7 @@ class Namespace:
             return None
         if (
             len(self._holds) >= self.max_holds
-            or self._held_bytes + entry.obj.size > self.max_pinned_bytes
+            or (self._held_bytes and self._held_bytes + entry.obj.size > self.max_pinned_bytes)
             or (st is not None and st.holds >= self.max_client_holds)
         ):
             self.refused_holds += 1
