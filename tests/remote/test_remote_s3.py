@@ -71,14 +71,14 @@ class TestS3(PersistentBackendConformanceTests):
 
 
 class TestS3SmallRanges(TestS3):
-    """64 KiB parts and a first read of one part: most entries of the suite are read in
+    """64 KiB parts and ranged GETs for every object: most entries of the suite are read in
     several concurrent ranged GETs."""
 
     part_size = 64 << 10
 
     @pytest.fixture(autouse=True)
     def _small_first_read(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        monkeypatch.setattr(s3_connector, "FIRST_READ", 0)
+        monkeypatch.setattr(s3_connector, "WHOLE_GET_MAX", 0)
 
 
 class TestS3Sealed(TestS3SmallRanges):
@@ -143,7 +143,7 @@ async def test_one_object_per_entry_named_by_prefix_model_and_digest(
 async def test_entries_of_every_size_read_in_ranges_round_trip(
     seaweed: SeaweedServer, open_backend: Any, src_pool: PoolAllocator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(s3_connector, "FIRST_READ", 0)
+    monkeypatch.setattr(s3_connector, "WHOLE_GET_MAX", 0)
     be = await open_backend(seaweed, part_size=100_000)
     for i, size in enumerate([4, 99_996, 100_000, 100_004, 1 << 20, (5 << 20) + 4]):
         src = make_obj(src_pool, seed=i, shape=(size // 4,), dtype=torch.float32)
@@ -309,7 +309,7 @@ async def test_a_sealed_record_with_a_flipped_byte_is_a_miss_and_goes(
     monkeypatch: pytest.MonkeyPatch, ranged: bool,
 ) -> None:  # fmt: skip
     if ranged:  # each segment comes in a GET of its own and is opened alone
-        monkeypatch.setattr(s3_connector, "FIRST_READ", 0)
+        monkeypatch.setattr(s3_connector, "WHOLE_GET_MAX", 0)
     be = await open_backend(seaweed, part_size=16 << 10, encryption_key_file=key_file(tmp_path))
     src = await _stored(be, src_pool, 6)
     store = raw_store(seaweed)
