@@ -3,8 +3,10 @@
 ``SlowProxy(target_port, bytes_per_s=8e6, delay_s=0.005).start()`` listens on a free loopback
 port (:attr:`SlowProxy.url`, a ``redis://`` URL) and forwards every connection to the target.
 Each request the client sends is held ``delay_s`` before it is forwarded (one delay per read),
-and the bytes of each direction are paced to ``bytes_per_s`` over all connections together (a
-link, not a per-connection cap: parallel reads share it). The proxy runs its own event loop on
+and the bytes the server sends back are paced to ``bytes_per_s`` over all connections together
+(a link, not a per-connection cap: parallel reads share it); what the client sends is paced to
+``up_bytes_per_s`` the same way, or not at all when it is None (a slow tier for reads whose
+write-through does not time out and open the tier's breaker). The proxy runs its own event loop on
 a thread; :meth:`SlowProxy.stop` closes it. For tests and benchmarks of slow tiers.
 """
 
@@ -29,9 +31,20 @@ SLICE = 64 << 10
 class SlowProxy:
     """See the module docstring; ``ValueError`` for a cap <= 0 or a negative delay."""
 
-    def __init__(self, target_port: int, *, bytes_per_s: float = 8e6, delay_s: float = 0.005) -> None:
-        if not bytes_per_s > 0 or delay_s < 0:
-            raise ValueError(f"bytes_per_s must be > 0 and delay_s >= 0, got {bytes_per_s!r}, {delay_s!r}")
+    def __init__(
+        self,
+        target_port: int,
+        *,
+        bytes_per_s: float = 8e6,
+        delay_s: float = 0.005,
+        up_bytes_per_s: float | None = None,
+    ) -> None:
+        if not bytes_per_s > 0 or delay_s < 0 or (up_bytes_per_s is not None and not up_bytes_per_s > 0):
+            raise ValueError(
+                f"bytes_per_s and up_bytes_per_s must be > 0 and delay_s >= 0, got {bytes_per_s!r}, "
+                f"{up_bytes_per_s!r}, {delay_s!r}"
+            )
+        self.up_bytes_per_s = up_bytes_per_s
         self.target_port = target_port
         self.bytes_per_s = bytes_per_s
         self.delay_s = delay_s
@@ -58,9 +71,12 @@ class SlowProxy:
 
     async def _pace(self, down: bool, n: int) -> None:
         """Hold ``n`` bytes until the shared link of that direction has carried them."""
+        rate = self.bytes_per_s if down else self.up_bytes_per_s
+        if rate is None:
+            return
         now = time.monotonic()
         start = max(now, self._free_at[down])
-        self._free_at[down] = start + n / self.bytes_per_s
+        self._free_at[down] = start + n / rate
         delay = self._free_at[down] - now
         if delay > 0:
             await asyncio.sleep(delay)

@@ -10,7 +10,8 @@ text holds the image token where the picture goes), ``phases`` (each ``{"prompts
 "barrier": name or None, "hs": None | "save" | "load", "cache_salt": salt or None, "lora": adapter
 name or None}``), ``lora_modules`` (``{name: [int id, path]}``), ``llm`` (more ``LLM`` keyword
 arguments, e.g. ``enable_lora``), ``logprobs`` (record each greedy token's log-probability),
-``max_tokens``, ``hs_layers``, ``workdir``.
+``max_tokens``, ``hs_layers``, ``workdir``. A phase's ``params`` become the requests'
+``kv_transfer_params``.
 Each prompt is generated alone (so its prefill is one forward the hooks see whole) after vLLM's
 own prefix cache is reset (so a hit can only come from the connector). Before a phase with a
 barrier the child writes ``<barrier>.ready`` and waits for ``<barrier>.go`` (the parent injects
@@ -77,6 +78,17 @@ def image_offset(llm: Any, token_ids: Any) -> int | None:
     return ids.index(image_id) if image_id in ids else None
 
 
+def scheduler_stats(llm: Any) -> dict[str, Any] | None:
+    """The scheduler-side connector's stats (an engine core in this process), else None."""
+    try:
+        conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        stats: dict[str, Any] = conn.stats()
+    except Exception:
+        return None
+    stats.pop("manager", None)
+    return stats
+
+
 def main(spec_path: str, result_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     workdir = Path(spec["workdir"])
@@ -140,8 +152,15 @@ def main(spec_path: str, result_path: str) -> int:
                 before = by_source(llm)
                 g0 = time.monotonic()
                 lora = loras[phase["lora"]] if phase.get("lora") else None
+                phase_params = params
+                if phase.get("params"):
+                    phase_params = params.clone()
+                    phase_params.extra_args = {"kv_transfer_params": dict(phase["params"])}
                 out = llm.generate(
-                    [make_prompt(prompts[idx], phase.get("cache_salt"))], params, use_tqdm=False, lora_request=lora
+                    [make_prompt(prompts[idx], phase.get("cache_salt"))],
+                    phase_params,
+                    use_tqdm=False,
+                    lora_request=lora,
                 )[0]
                 gen_s = time.monotonic() - g0
                 after = by_source(llm)
@@ -185,6 +204,7 @@ def main(spec_path: str, result_path: str) -> int:
             if kv is not None:
                 llm.collective_rpc(kv_rpc.flush)
         result["connector"] = llm.collective_rpc(kv_rpc.connector_stats)[0] if kv is not None else None
+        result["scheduler"] = scheduler_stats(llm) if kv is not None else None
         result["alive"] = True
     except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"

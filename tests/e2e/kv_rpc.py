@@ -94,7 +94,8 @@ def connector_stats(obj: Any) -> dict[str, Any] | None:
     if conn is None:
         return None
     stats: dict[str, Any] = conn.stats()
-    stats.pop("manager", None)
+    manager = stats.pop("manager", None) or {}
+    stats["staging"] = manager.get("staging")
     return stats
 
 

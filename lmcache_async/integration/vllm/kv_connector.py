@@ -19,6 +19,12 @@ and the records (:mod:`.kv_worker`, :mod:`.kv_layout`). Both share one store per
 :meth:`LMCacheKVConnector.load_hidden_states` share hidden states across processes through the
 KV tiers (:mod:`.kv_hidden`).
 
+Only the part of a hit worth loading is offered: per-tier read costs and the engine's prefill
+rate are measured and kept across processes (:mod:`.kv_costs`), lower tiers are located off the
+scheduler thread (:mod:`.kv_lookup`; the hook answers None, "ask again", meanwhile), loads carry
+deadlines the worker enforces, and a request whose load failed is never offered one again
+(``load_policy``, ``max_load_s``; docs/vllm.md, "Load or recompute").
+
 A cache fault never ends the engine or a request: lookups that fail are misses, loads that fail
 are reported through ``get_block_ids_with_load_errors`` (vLLM recomputes those blocks when
 ``kv_load_failure_policy`` is ``"recompute"``; the connector warns at start-up otherwise).
@@ -75,7 +81,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["IDLE_STEP_WAIT_S", "LMCacheKVConnector", "LMCacheKVConnectorMetadata"]
+__all__ = ["IDLE_STEP_WAIT_S", "PROBE_WAIT_S", "LMCacheKVConnector", "LMCacheKVConnectorMetadata"]
+
+PROBE_WAIT_S = 10.0
+"""How long the scheduler-role connector's construction waits for the start-up probe of the
+lower tiers (each probe call is bounded by the tier's timeout; past this the probe goes on in
+the background and the first lookups wait behind it)."""
 
 IDLE_STEP_WAIT_S = 0.01
 """How long ``get_finished`` of a step with no tokens scheduled waits for an asynchronous load
@@ -203,7 +214,10 @@ class LMCacheKVConnector(KVConnectorBase_V1):
                 lookup_give_up_s=2.0 * float(config.remote_timeout_s) + 1.0,
             )
             if config.load_policy != "never" and self.store.storage_manager.has_lower_tiers:
-                self.scheduler_side.lookups.start_probe(chunk_bytes)
+                probe = self.scheduler_side.lookups.start_probe(chunk_bytes)
+                if probe is not None:  # engine start-up, not a step: the first request is priced
+                    with contextlib.suppress(Exception):
+                        probe.result(timeout=PROBE_WAIT_S)
             self._metrics = None
             if self.store.metrics is not None:
                 from lmcache_async.integration.vllm.kv_metrics import SchedulerMetrics

@@ -35,7 +35,9 @@ __all__ = ["PROBE_SMALL_BYTES", "LoadSettings", "TierLookups"]
 logger = logging.getLogger(__name__)
 
 PROBE_SMALL_BYTES = 64 << 10
-"""The small probe read (mostly latency); the large one is a chunk's record."""
+"""The small probe read (mostly latency); the large one is a chunk's record, at most
+:data:`PROBE_LARGE_MAX_BYTES` (a slow tier must not keep the first lookups waiting long)."""
+PROBE_LARGE_MAX_BYTES = 2 << 20
 PROBE_ROUNDS = 2
 
 
@@ -97,13 +99,14 @@ class TierLookups:
         return self._executor
 
     # ---- start-up calibration ----
-    def start_probe(self, chunk_bytes: int) -> None:
+    def start_probe(self, chunk_bytes: int) -> concurrent.futures.Future[None] | None:
         """Time reads of each lower tier that is not memory, on the lookup thread (bounded by
-        the manager's timeouts); later lookups wait behind it."""
+        the manager's timeouts); later lookups wait behind it. The probe's future (None when
+        the lookups are closed): the connector waits for it, bounded, before the engine serves."""
         try:
-            self._pool().submit(self._probe, chunk_bytes)
+            return self._pool().submit(self._probe, chunk_bytes)
         except RuntimeError:  # closed meanwhile
-            return
+            return None
 
     def _probe(self, chunk_bytes: int) -> None:
         try:
@@ -112,7 +115,8 @@ class TierLookups:
                 if memory:
                     continue
                 for _ in range(PROBE_ROUNDS):
-                    for nbytes in (PROBE_SMALL_BYTES, max(chunk_bytes, PROBE_SMALL_BYTES * 2)):
+                    large = min(max(chunk_bytes, PROBE_SMALL_BYTES * 2), PROBE_LARGE_MAX_BYTES)
+                    for nbytes in (PROBE_SMALL_BYTES, large):
                         took = sm.probe_read_sync(tier, nbytes)
                         self.counters["probes"] += 1
                         if took is None:
