@@ -23,9 +23,10 @@ makes the pool safe to share with the pre-touch thread); nothing here blocks or 
   evicted, until the hold is dropped (by any client of the namespace) or its TTL passes. Holds
   outlive the connection that took them (they exist for readers in other processes).
 * **Caps**, so one client cannot take every slot: per client, leases (``max_leases``), holds
-  (``max_client_holds``), uncommitted grants (``max_grants``) and the block bytes its leases pin
-  (``max_pinned_fraction`` of the pool); per namespace, leases (``max_namespace_leases``), holds
-  (``max_holds``) and the block bytes holds pin (``max_pinned_fraction`` of the pool).
+  (``max_client_holds``), uncommitted grants (``max_grants``), the block bytes its leases pin
+  (``max_pinned_fraction`` of the pool) and those its holds pin (half of that); per namespace,
+  leases (``max_namespace_leases``), holds (``max_holds``) and the bytes of the distinct blocks
+  holds pin (``max_pinned_fraction`` of the pool).
 * The index is an :class:`~lmcache_async.lru.LruIndex` sized by payload bytes; eviction takes
   the least recently used entry whose block nobody else references, and only after checking
   that evicting every such entry would make room (a put that cannot fit evicts nothing).
@@ -100,7 +101,8 @@ class Hold:
 class ClientState:
     """What one connection holds in its namespace; reclaimed by :meth:`Namespace.drop_client`.
 
-    ``pinned``: block bytes of its leases; ``holds``: holds it took that still live."""
+    ``pinned``: block bytes of its leases; ``holds``/``held``: holds it took that still live, and
+    their block bytes (a block held twice counted twice)."""
 
     ident: int
     pid: int = 0
@@ -109,6 +111,7 @@ class ClientState:
     requests: int = 0
     pinned: int = 0
     holds: int = 0
+    held: int = 0
 
 
 @dataclass(slots=True)
@@ -157,7 +160,8 @@ class Namespace:
         self.clients: dict[int, ClientState] = {}
         self._holds: dict[int, Hold] = {}
         self._hold_owners: dict[int, ClientState] = {}  # live clients that took holds, by ident
-        self._held_bytes = 0
+        self._held_bytes = 0  # bytes of the distinct blocks holds pin
+        self._held_blocks: dict[int, int] = {}  # block offset -> holds on it
         self._leases = 0  # leases of every client
         self._quarantine: list[Quarantine] = []
         #: Since when the namespace has had no client (monotonic; None while it has one).
@@ -324,14 +328,19 @@ class Namespace:
     def hold(self, key: bytes, ttl_s: float, st: ClientState | None = None) -> int | None:
         """Pin the entry of ``key`` for ``ttl_s`` seconds on behalf of ``st``: its token
         (non-zero), or None for a miss or when a hold cap is reached (``refused_holds``): the
-        namespace's count or pinned bytes, or the client's count."""
+        namespace's count, or the bytes of the distinct blocks all holds pin (``max_pinned_bytes``),
+        or the client's count, or the block bytes its holds pin (half the namespace's bytes, so
+        one client never takes every slot). A first hold always fits the byte caps."""
         entry = self._index.get(key)
         if entry is None:
             return None
+        size = entry.obj.size
+        new_block = entry.obj.offset not in self._held_blocks
         if (
             len(self._holds) >= self.max_holds
-            or (self._held_bytes and self._held_bytes + entry.obj.size > self.max_pinned_bytes)
+            or (new_block and self._held_bytes and self._held_bytes + size > self.max_pinned_bytes)
             or (st is not None and st.holds >= self.max_client_holds)
+            or (st is not None and st.held and st.held + size > self.max_pinned_bytes // 2)
         ):
             self.refused_holds += 1
             return None
@@ -344,9 +353,11 @@ class Namespace:
         if st is not None:
             owner = st.ident
             st.holds += 1
+            st.held += size
             self._hold_owners[st.ident] = st
         self._holds[token] = Hold(entry.obj, entry.meta, self._clock() + ttl_s, owner)
-        self._held_bytes += entry.obj.size
+        self._held_blocks[entry.obj.offset] = self._held_blocks.get(entry.obj.offset, 0) + 1
+        self._held_bytes += size if new_block else 0
         self.holds_taken += 1
         return token
 
@@ -359,10 +370,17 @@ class Namespace:
         return True
 
     def _end_hold(self, h: Hold) -> None:
-        self._held_bytes -= h.obj.size
+        off = h.obj.offset
+        left = self._held_blocks[off] - 1
+        if left:
+            self._held_blocks[off] = left
+        else:
+            del self._held_blocks[off]
+            self._held_bytes -= h.obj.size
         owner = self._hold_owners.get(h.owner)
         if owner is not None:
             owner.holds -= 1
+            owner.held -= h.obj.size
         h.obj.ref_count_down()
 
     def lease_held(self, st: ClientState, token: int) -> tuple[int, MemoryObj, EntryMeta] | None:

@@ -520,12 +520,12 @@ def test_a_killed_holder_pins_at_most_its_share_of_the_pool(make_server) -> None
     for i in range(16):
         assert _put(holder, pool, i, shape)
     tokens = holder.hold([_kb(i) for i in range(16)], ttl_s=3600)
-    assert tokens is not None and 0 < sum(1 for t in tokens if t) <= 8
+    assert tokens is not None and 0 < sum(1 for t in tokens if t) <= 4  # a quarter of the pool
     holder.close()  # the holder goes away; its holds stay (they are promises to others)
     writer = ServerClient(srv.socket, "pin", timeout_s=10.0)
     stored = [_put(writer, pool, 100 + i, shape) for i in range(16)]
     kept = writer.contains([_kb(100 + i) for i in range(16)])
-    assert kept is not None and sum(kept) >= 16 - 8 - 2, (stored, kept)  # holds pin half; 2 pre-granted
+    assert kept is not None and sum(kept) >= 16 - 4 - 2, (stored, kept)  # 2 blocks pre-granted
     writer.close()
 
 
