@@ -43,11 +43,13 @@ BENCH_SUITES: dict[str, str] = {
     "io_style": f"{BENCH_PACKAGE}.io_style",
 }
 #: Suites run only when named with ``--suite`` (they need another environment or take minutes):
-#: ``vllm_kv`` starts real vLLM engines with the interpreter in ``$LMCACHE_VLLM_PYTHON``;
+#: ``vllm_kv`` and ``vllm_kv_slow`` (load or recompute over a slow tier) start real vLLM engines
+#: with the interpreter in ``$LMCACHE_VLLM_PYTHON``;
 #: ``sglang`` needs SGLang: run it with the python printed by ``scripts/sglang_env.sh``;
 #: ``omni`` starts processes and measures for minutes (``scripts/omni_env.sh`` for the connector).
 OPT_IN_SUITES: dict[str, str] = {
     "vllm_kv": f"{BENCH_PACKAGE}.vllm_kv",
+    "vllm_kv_slow": f"{BENCH_PACKAGE}.vllm_kv_slow",
     "sglang": f"{BENCH_PACKAGE}.sglang",
     "omni": f"{BENCH_PACKAGE}.omni",
 }
