@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -96,11 +98,36 @@ def run_child(
     return result
 
 
+def _chunk_read_bound(model: Path, bytes_per_s: float) -> float:
+    """Three times one chunk record's read time over the slow link (at least 2 s), from the
+    model's config (fp32 K and V of every layer)."""
+    c = json.loads((model / "config.json").read_text())
+    heads = int(c["num_attention_heads"])
+    head_dim = int(c.get("head_dim") or int(c["hidden_size"]) // heads)
+    kv_heads = int(c.get("num_key_value_heads") or heads)
+    chunk_bytes = int(c["num_hidden_layers"]) * 2 * kv_heads * head_dim * 4 * CHUNK_SIZE
+    return max(2.0, 3.0 * chunk_bytes / bytes_per_s)
+
+
 def measure(
-    python: str, model: Path, runs: int, tokens: int, workdir: Path, timeout_s: float, before: Path | None = None
+    python: str,
+    model: Path,
+    runs: int,
+    tokens: int,
+    workdir: Path,
+    timeout_s: float,
+    before: Path | None = None,
+    *,
+    bytes_per_s: float = SLOW_BYTES_PER_S,
+    slow_only: bool = False,
+    fast_only: bool = False,
+    fast_rounds: int = 1,
 ) -> dict[str, Any]:
     """Every engine process of the suite; the raw results by process name. ``before``: a
-    checkout of earlier code, whose disk run 2 is measured too (after ours: the same files)."""
+    checkout of earlier code, whose disk run 2 is measured too, alternating with ours
+    ``fast_rounds`` times (the same files). ``bytes_per_s``: the slow link's read bandwidth;
+    ``slow_only``: the store and the slow pairs only; ``fast_only``: a disk-only store and the
+    disk runs 2 only."""
     from lmcache_async.testing.servers import RedisServer, find_server_binary
     from lmcache_async.testing.slow_link import SlowProxy
 
@@ -116,30 +143,44 @@ def measure(
     base = {"model": str(model), "tokens": tokens, "vocab": vocab}
     common = {"chunk_size": CHUNK_SIZE, "max_local_cpu_size": 2.0, "load_cost_file": costs}
     raw: dict[str, Any] = {}
-    with RedisServer(binary) as srv:
-        port = int(srv.port)
-        store_kv = {**common, "remote_url": srv.url, "local_disk": disk, "max_local_disk_size": 4.0}
-        raw["store"] = run_child(
-            python,
-            workdir,
-            "store",
-            {**base, "mode": "store", "kv": store_kv, "seeds": {"all": auto + always}},
-            timeout_s,
-        )
-        proxy = SlowProxy(port, bytes_per_s=SLOW_BYTES_PER_S, delay_s=SLOW_DELAY_S).start()
-        try:
-            slow_kv = {**common, "remote_url": proxy.url, "remote_timeout_s": 2.0}
-            seeds = {"auto": auto, "always": always, "uncached": uncached}
-            raw["slow_pairs"] = run_child(
-                python, workdir, "slow_pairs", {**base, "mode": "pairs", "kv": slow_kv, "seeds": seeds}, timeout_s
+    if fast_only:
+        store_kv = {**common, "local_disk": disk, "max_local_disk_size": 4.0}
+        store = {**base, "mode": "store", "kv": store_kv, "seeds": {"all": auto}}
+        raw["store"] = run_child(python, workdir, "store", store, timeout_s)
+    else:
+        with RedisServer(binary) as srv:
+            port = int(srv.port)
+            store_kv = {**common, "remote_url": srv.url, "local_disk": disk, "max_local_disk_size": 4.0}
+            raw["store"] = run_child(
+                python,
+                workdir,
+                "store",
+                {**base, "mode": "store", "kv": store_kv, "seeds": {"all": auto + always}},
+                timeout_s,
             )
-        finally:
-            proxy.stop()
+            proxy = SlowProxy(port, bytes_per_s=bytes_per_s, delay_s=SLOW_DELAY_S).start()
+            try:
+                # a timeout well above one chunk's read over the link: slow, not failing
+                slow_kv = {**common, "remote_url": proxy.url, "remote_timeout_s": _chunk_read_bound(model, bytes_per_s)}
+                seeds = {"auto": auto, "always": always, "uncached": uncached}
+                raw["slow_pairs"] = run_child(
+                    python, workdir, "slow_pairs", {**base, "mode": "pairs", "kv": slow_kv, "seeds": seeds}, timeout_s
+                )
+            finally:
+                proxy.stop()
+        raw["slow_pairs"]["bytes_per_s"] = bytes_per_s
+        if slow_only:
+            return raw
     disk_kv = {**common, "local_disk": disk, "max_local_disk_size": 4.0}
     disk_spec = {**base, "mode": "hit", "kv": disk_kv, "seeds": {"all": auto}}
-    raw["disk_hit"] = run_child(python, workdir, "disk_hit", disk_spec, timeout_s)
-    if before is not None:
-        raw["disk_hit_before"] = run_child(python, workdir, "disk_hit_before", disk_spec, timeout_s, before)
+    for r in range(max(fast_rounds, 1)):
+        tail = "" if r == 0 else f"_{r}"
+        raw[f"disk_hit{tail}"] = run_child(python, workdir, f"disk_hit{tail}", disk_spec, timeout_s)
+        if before is not None:
+            name = f"disk_hit_before{tail}"
+            raw[name] = run_child(python, workdir, name, disk_spec, timeout_s, before)
+    if fast_only:
+        return raw
     reload = [400 + i for i in range(runs)]
     raw["ours_reload"] = run_child(
         python,
@@ -168,6 +209,26 @@ def _ttfts(res: dict[str, Any], kind: str) -> list[float]:
     return [r["ttft_s"] for r in res.get("runs") or [] if r["kind"] == kind]
 
 
+def _pooled(raw: dict[str, Any], prefix: str, not_prefix: str | None = None) -> dict[str, Any]:
+    """The runs of every process named ``prefix`` or ``prefix_<n>`` (but none starting with
+    ``not_prefix``), pooled; the first such process's scheduler stats."""
+    pattern = re.compile(re.escape(prefix) + r"(_\d+)?")
+    names = [k for k in raw if pattern.fullmatch(k) and not (not_prefix and k.startswith(not_prefix))]
+    runs = [r for k in names for r in raw[k].get("runs") or []]
+    return {"runs": runs, "scheduler": raw[names[0]].get("scheduler") if names else None}
+
+
+def _paired_ratio(res: dict[str, Any], kind: str, base: str) -> float | None:
+    """Median over prompts of ``kind``'s TTFT / ``base``'s TTFT of the same prompt and process."""
+    runs = res.get("runs") or []
+    pairs = [
+        a["ttft_s"] / b["ttft_s"]
+        for a, b in itertools.pairwise(runs)
+        if a["kind"] == kind and b["kind"] == base and a["seed"] == b["seed"] and b["ttft_s"] > 0
+    ]
+    return _med(pairs)
+
+
 def _med(vals: Sequence[float]) -> float | None:
     return statistics.median(vals) if vals else None
 
@@ -182,10 +243,11 @@ def figures(raw: dict[str, Any]) -> tuple[list[Result], dict[str, Any]]:
         auto, unc, alw = _ttfts(pairs, "auto"), _ttfts(pairs, "uncached"), _ttfts(pairs, "always")
         ratios = [a / u for a, u in zip(auto, unc, strict=False)]
         first = pairs["runs"][0]
+        mbps = f"{float(pairs.get('bytes_per_s', SLOW_BYTES_PER_S)) / 1e6:g}"
         out.append(
             Result(
                 SUITE,
-                "slow tier (8 MB/s) TTFT, auto, first request of a fresh process",
+                f"slow tier ({mbps} MB/s) TTFT, auto, first request of a fresh process",
                 first["ttft_s"],
                 "s",
                 "uncached, same process (round 0)",
@@ -197,7 +259,7 @@ def figures(raw: dict[str, Any]) -> tuple[list[Result], dict[str, Any]]:
         out.append(
             Result(
                 SUITE,
-                "slow tier (8 MB/s) TTFT, auto (median of pairs)",
+                f"slow tier ({mbps} MB/s) TTFT, auto (median of pairs)",
                 _med(auto) or 0.0,
                 "s",
                 "uncached, paired",
@@ -210,7 +272,7 @@ def figures(raw: dict[str, Any]) -> tuple[list[Result], dict[str, Any]]:
         out.append(
             Result(
                 SUITE,
-                "slow tier (8 MB/s) TTFT, always (every hit loaded)",
+                f"slow tier ({mbps} MB/s) TTFT, always (every hit loaded)",
                 _med(alw) or 0.0,
                 "s",
                 "uncached, paired",
@@ -237,7 +299,7 @@ def figures(raw: dict[str, Any]) -> tuple[list[Result], dict[str, Any]]:
         facts["slow_tokens_equal"] = all(
             r["token"] == store_tokens.get(r["seed"]) for r in pairs["runs"] if r["kind"] in ("auto", "always")
         )
-    disk = raw.get("disk_hit", {})
+    disk = _pooled(raw, "disk_hit", "disk_hit_before")
     if disk.get("runs"):
         restored, hit = _ttfts(disk, "restored"), _ttfts(disk, "prefix_hit")
         out.append(
@@ -248,14 +310,15 @@ def figures(raw: dict[str, Any]) -> tuple[list[Result], dict[str, Any]]:
                 "s",
                 "vLLM prefix-cache hit, same prompt",
                 _med(hit),
-                note=f"restored {[r['cached'] for r in disk['runs'] if r['kind'] == 'restored']} tokens",
+                note=f"median of per-prompt ratios {_paired_ratio(disk, 'restored', 'prefix_hit') or 0:.3f}; "
+                f"restored {[r['cached'] for r in disk['runs'] if r['kind'] == 'restored']} tokens",
             )
         )
         facts["disk_tokens_equal"] = all(
             r["token"] == store_tokens.get(r["seed"]) for r in disk["runs"] if r["kind"] == "restored"
         )
         facts["disk_decisions"] = {k: v for k, v in (disk.get("scheduler") or {}).items() if k.startswith("decision_")}
-    old = raw.get("disk_hit_before", {})
+    old = _pooled(raw, "disk_hit_before")
     if old.get("runs"):
         out.append(
             Result(
@@ -265,6 +328,7 @@ def figures(raw: dict[str, Any]) -> tuple[list[Result], dict[str, Any]]:
                 "s",
                 "vLLM prefix-cache hit, same prompt",
                 _med(_ttfts(old, "prefix_hit")),
+                note=f"median of per-prompt ratios {_paired_ratio(old, 'restored', 'prefix_hit') or 0:.3f}",
             )
         )
     ours, native = raw.get("ours_reload", {}), raw.get("native_reload", {})
@@ -318,6 +382,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per engine process")
     p.add_argument("--json", type=Path, metavar="PATH", help="also write results, facts and raw data here")
     p.add_argument("--before", type=Path, help="a checkout of earlier code: its disk run 2 is measured too")
+    p.add_argument("--bytes-per-s", type=float, default=SLOW_BYTES_PER_S, help="the slow link's read bandwidth")
+    p.add_argument("--slow-only", action="store_true", help="only the store and the slow-tier pairs")
+    p.add_argument("--fast-only", action="store_true", help="only a disk store and the disk runs 2")
+    p.add_argument("--fast-rounds", type=int, default=1, help="disk run-2 processes, ours and --before alternating")
     args = p.parse_args(argv)
     python = _python_with_vllm(args.python)
     model = ensure_model(python, args.model)
@@ -326,7 +394,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="vllm-kv-slow-")) if own else args.workdir
     workdir.mkdir(parents=True, exist_ok=True)
     try:
-        raw = measure(python, model, max(args.runs, 5), args.tokens, workdir, args.timeout, args.before)
+        raw = measure(
+            python,
+            model,
+            max(args.runs, 5),
+            args.tokens,
+            workdir,
+            args.timeout,
+            args.before,
+            bytes_per_s=args.bytes_per_s,
+            slow_only=args.slow_only,
+            fast_only=args.fast_only,
+            fast_rounds=args.fast_rounds,
+        )
     finally:
         if own:
             shutil.rmtree(workdir, ignore_errors=True)
