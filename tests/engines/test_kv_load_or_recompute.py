@@ -359,6 +359,7 @@ def test_a_load_past_its_deadline_stops_at_a_chunk_boundary_and_writes_nothing_a
     dst = caches(seed=None)
     worker.register(dst)
     monkeypatch.setattr(kv_worker, "PIECE_BYTES", 1)  # one chunk per read
+    monkeypatch.setattr(kv_worker, "PIECE_S", 0.0)
     sm = worker.manager
     real = sm.read_into_sync
     reads: list[int] = []
@@ -407,6 +408,15 @@ def test_completed_pieces_are_measured_into_the_tiers_cost(two_stores: tuple[KVS
     assert worker.take_load_errors() == set()
     t = book.read_time("disk", 1 << 20)
     assert t is not None and 0 < t < math.inf
+
+
+def test_a_fast_tier_is_read_in_one_piece_and_a_slow_one_chunk_by_chunk(two_stores: tuple[KVStore, KVStore]) -> None:
+    book = book_with(disk=(0.0001, 2e9), remote=(0.005, 8 * MB))
+    worker = worker_for(two_stores[1], book)
+    record = 4 << 20
+    assert worker._piece_chunks("disk", record) == int(kv_worker.PIECE_S * 2e9) // record
+    assert worker._piece_chunks("remote", record) == 1
+    assert worker._piece_chunks("", 1 << 20) == kv_worker.PIECE_BYTES // (1 << 20)
 
 
 def test_the_worker_times_big_steps_as_the_prefill_rate(two_stores: tuple[KVStore, KVStore]) -> None:

@@ -22,7 +22,8 @@ Framework-free (no vLLM import). Runs on vLLM's model-runner thread.
   reported by request (:meth:`KVWorkerSide.take_failed_requests`; the scheduler makes every
   load asynchronous there).
 * **Deadlines** (load or recompute): an asynchronous run is read in pieces (split where the
-  tier changes, at most :data:`PIECE_BYTES` each), and before each piece the load thread
+  tier changes; :data:`PIECE_BYTES`, or what the tier reads in :data:`PIECE_S` when that is
+  more), and before each piece the load thread
   checks the run's ``deadline_s`` (counted from when the step handed it over). Past it, the
   load is abandoned at that chunk boundary: the piece in flight is waited out — it is bounded
   by the tier's own timeouts, and the loop-side tiers read into buffers the manager owns and
@@ -51,6 +52,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import math
 import threading
 import time
 from collections.abc import Mapping
@@ -80,7 +82,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["PIECE_BYTES", "PREFILL_SAMPLE_TOKENS", "KVWorkerSide"]
 
 PIECE_BYTES = 4 << 20
-"""Most bytes an asynchronous load reads in one call (a deadline is checked between calls)."""
+"""Least bytes of a piece of an asynchronous load (one read call; the deadline is checked
+between calls), unless a record is larger: a piece is one record at least."""
+PIECE_S = 0.1
+"""A piece may grow to what its tier is expected to read in this long (a fast tier reads a
+whole run in one call; a slow one stops within about this long of its deadline)."""
 PREFILL_SAMPLE_TOKENS = 256
 """A step computing at least this many tokens is a sample of the engine's prefill rate."""
 
@@ -317,12 +323,12 @@ class KVWorkerSide:
                 scratch.append(spare)
             sinks.append(caches.read_sink(bids, first, spare))
         tiers = run.tiers if len(run.tiers) == len(chunks) else ("",) * len(chunks)
-        per_piece = max(1, PIECE_BYTES // max(caches.record_bytes, 1))
         deadline = None if run.deadline_s is None or started is None else started + run.deadline_s
         done = loaded = 0
         i = 0
         while i < len(chunks):
             j = i + 1
+            per_piece = self._piece_chunks(tiers[i], caches.record_bytes)
             while j < len(chunks) and j - i < per_piece and tiers[j] == tiers[i]:
                 j += 1
             if deadline is not None and time.monotonic() > deadline:
@@ -352,6 +358,15 @@ class KVWorkerSide:
         if self.costs is not None:
             self.costs.save()
         return done
+
+    def _piece_chunks(self, tier: str, record_bytes: int) -> int:
+        """Chunks one read call of ``tier`` may take: :data:`PIECE_BYTES` worth, or what the
+        tier is expected to read in :data:`PIECE_S` when that is more."""
+        n = max(1, PIECE_BYTES // max(record_bytes, 1))
+        fit = self.costs.read_params(tier) if self.costs is not None and tier else None
+        if fit is not None and math.isfinite(fit[1]):
+            n = max(n, int(PIECE_S * fit[1]) // max(record_bytes, 1))
+        return n
 
     def _abandon(self, run: BlockRun, tier: str, blocks_left: int) -> None:
         """The run passed its deadline: counted, logged, its tier priced unavailable a while."""
