@@ -77,7 +77,6 @@ def main(argv: list[str]) -> int:
             res = client.put([(key_of(i), obj)])
             obj.ref_count_down()
             stored += bool(res and res[0])
-            print(f"put {int(bool(res and res[0]))}", flush=True)
         print(f"stored {stored}", flush=True)
     elif mode == "wait-get":
         n = int(argv[3])
