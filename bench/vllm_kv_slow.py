@@ -122,12 +122,16 @@ def measure(
     slow_only: bool = False,
     fast_only: bool = False,
     fast_rounds: int = 1,
+    first_rounds: int = 0,
+    pairs: bool = True,
 ) -> dict[str, Any]:
     """Every engine process of the suite; the raw results by process name. ``before``: a
     checkout of earlier code, whose disk run 2 is measured too, alternating with ours
     ``fast_rounds`` times (the same files). ``bytes_per_s``: the slow link's read bandwidth;
     ``slow_only``: the store and the slow pairs only; ``fast_only``: a disk-only store and the
-    disk runs 2 only."""
+    disk runs 2 only; ``first_rounds``: that many pairs of fresh processes over the slow link,
+    one whose first request is a stored prompt (``auto``), one whose first request was never
+    stored (uncached), alternating which starts; ``pairs``: run the slow pairs process."""
     from lmcache_async.testing.servers import RedisServer, find_server_binary
     from lmcache_async.testing.slow_link import SlowProxy
 
@@ -155,7 +159,7 @@ def measure(
                 python,
                 workdir,
                 "store",
-                {**base, "mode": "store", "kv": store_kv, "seeds": {"all": auto + always}},
+                {**base, "mode": "store", "kv": store_kv, "seeds": {"all": auto + (always if pairs else [])}},
                 timeout_s,
             )
             proxy = SlowProxy(port, bytes_per_s=bytes_per_s, delay_s=SLOW_DELAY_S).start()
@@ -163,12 +167,24 @@ def measure(
                 # a timeout well above one chunk's read over the link: slow, not failing
                 slow_kv = {**common, "remote_url": proxy.url, "remote_timeout_s": _chunk_read_bound(model, bytes_per_s)}
                 seeds = {"auto": auto, "always": always, "uncached": uncached}
-                raw["slow_pairs"] = run_child(
-                    python, workdir, "slow_pairs", {**base, "mode": "pairs", "kv": slow_kv, "seeds": seeds}, timeout_s
-                )
+                if pairs:
+                    pairs_spec = {**base, "mode": "pairs", "kv": slow_kv, "seeds": seeds}
+                    raw["slow_pairs"] = run_child(python, workdir, "slow_pairs", pairs_spec, timeout_s)
+                for r in range(first_rounds):
+                    order = [("auto", auto), ("uncached", uncached)]
+                    for kind, pool in order if r % 2 == 0 else order[::-1]:
+                        spec = {
+                            **base,
+                            "mode": "first",
+                            "kind": kind,
+                            "kv": slow_kv,
+                            "seeds": {"all": [pool[r % runs]]},
+                        }
+                        raw[f"first_{kind}_{r}"] = run_child(python, workdir, f"first_{kind}_{r}", spec, timeout_s)
             finally:
                 proxy.stop()
-        raw["slow_pairs"]["bytes_per_s"] = bytes_per_s
+        if "slow_pairs" in raw:
+            raw["slow_pairs"]["bytes_per_s"] = bytes_per_s
         if slow_only:
             return raw
     disk_kv = {**common, "local_disk": disk, "max_local_disk_size": 4.0}
@@ -299,6 +315,23 @@ def figures(raw: dict[str, Any]) -> tuple[list[Result], dict[str, Any]]:
         facts["slow_tokens_equal"] = all(
             r["token"] == store_tokens.get(r["seed"]) for r in pairs["runs"] if r["kind"] in ("auto", "always")
         )
+    firsts = {kind: _pooled(raw, f"first_{kind}") for kind in ("auto", "uncached")}
+    fa, fu = _ttfts(firsts["auto"], "auto"), _ttfts(firsts["uncached"], "uncached")
+    if fa and fu:
+        out.append(
+            Result(
+                SUITE,
+                "slow tier TTFT, first request of a fresh process (auto; median over processes)",
+                _med(fa) or 0.0,
+                "s",
+                "first request of a fresh process, never stored",
+                _med(fu),
+                target=TTFT_BOUND,
+                note=f"{len(fa)} + {len(fu)} processes, alternating; auto {[round(x, 2) for x in fa]}, "
+                f"uncached {[round(x, 2) for x in fu]}",
+            )
+        )
+        facts["first_tokens_equal"] = all(r["token"] == store_tokens.get(r["seed"]) for r in firsts["auto"]["runs"])
     disk = _pooled(raw, "disk_hit", "disk_hit_before")
     if disk.get("runs"):
         restored, hit = _ttfts(disk, "restored"), _ttfts(disk, "prefix_hit")
@@ -386,6 +419,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--slow-only", action="store_true", help="only the store and the slow-tier pairs")
     p.add_argument("--fast-only", action="store_true", help="only a disk store and the disk runs 2")
     p.add_argument("--fast-rounds", type=int, default=1, help="disk run-2 processes, ours and --before alternating")
+    p.add_argument("--first-rounds", type=int, default=0, help="pairs of fresh processes measuring a first request")
+    p.add_argument("--skip-pairs", action="store_true", help="no slow-pairs process (with --first-rounds)")
     args = p.parse_args(argv)
     python = _python_with_vllm(args.python)
     model = ensure_model(python, args.model)
@@ -406,6 +441,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             slow_only=args.slow_only,
             fast_only=args.fast_only,
             fast_rounds=args.fast_rounds,
+            first_rounds=args.first_rounds,
+            pairs=not args.skip_pairs,
         )
     finally:
         if own:

@@ -11,6 +11,8 @@ prompt ``s`` is :func:`prompt_ids` of seed ``s``), ``kv`` (our connector's extra
   stored one, the first request of this process — then prompt ``always[i]`` (stored,
   ``load_policy: always`` through ``kv_transfer_params``: every hit loaded, as before the
   decision existed);
+* ``"first"``: the prompts of ``seeds["all"]`` (one, usually), with no warm-up: the first
+  request of a fresh process (``kind`` names it in the result);
 * ``"hit"``: each prompt, then at once again: a restored prompt (run 2) beside vLLM's own
   prefix-cache hit of the same prompt in the same process;
 * ``"reload"``: each prompt, then vLLM's prefix cache is reset, then the prompt again: a hit of
@@ -129,7 +131,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             _flush()
             entry["flush_s"] = time.perf_counter() - t
 
-    if mode != "pairs":  # warm-up; the pairs process's first request is the measured one
+    if mode not in ("pairs", "first"):  # warm-up; in these modes the first request is measured
         _one(llm, prompt_ids(WARMUP_SEED, 256, vocab))
     if mode == "store":
         for s in seeds["all"]:
@@ -140,6 +142,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             for kind, s in order:
                 add(kind, s, _one(llm, prompt_ids(s, tokens, vocab)))
             add("always", b, _one(llm, prompt_ids(b, tokens, vocab), {"load_policy": "always"}))
+    elif mode == "first":  # the first request of a fresh process, and nothing else
+        for s in seeds["all"]:
+            add(spec.get("kind", "first"), s, _one(llm, prompt_ids(s, tokens, vocab)))
     elif mode == "hit":
         for s in seeds["all"]:
             ids = prompt_ids(s, tokens, vocab)
