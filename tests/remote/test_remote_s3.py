@@ -440,3 +440,16 @@ def test_two_managers_share_entries_through_one_bucket(
     assert got is not None
     with got:
         assert torch.equal(got.tensor, t)
+
+
+async def test_no_memory_for_a_read_is_a_counted_miss(
+    seaweed: SeaweedServer, open_backend: Any, src_pool: PoolAllocator
+) -> None:
+    be = await open_backend(seaweed)
+    src = await _stored(be, src_pool, 30, 4096)
+    assert await be.get(make_key(30), lambda *_a: None) is None
+    assert be.stats()["alloc_failed"] == 1
+    got = await be.get(make_key(30))
+    assert got is not None and same(got, src)
+    got.ref_count_down()
+    src.ref_count_down()
