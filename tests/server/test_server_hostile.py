@@ -184,6 +184,7 @@ def _stall_run(srv: CacheServerProcess, stalls: int, ttl_s: float, seed: int) ->
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_fifty_stalls_past_a_short_grant_ttl_leave_no_wrong_entry(make_server) -> None:  # type: ignore[no-untyped-def]
     stalls = int(os.environ.get("LMCACHE_ASYNC_STALLS", "50"))
     srv = make_server(max_local_cpu_size=1 / 128, cache_server_lease_ttl_s=0.3).start()
@@ -193,6 +194,7 @@ def test_fifty_stalls_past_a_short_grant_ttl_leave_no_wrong_entry(make_server) -
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # six stalls of 39 s, and the checks after each
 def test_six_stalls_past_the_default_grant_ttl_leave_no_wrong_entry(make_server) -> None:  # type: ignore[no-untyped-def]
     stalls = int(os.environ.get("LMCACHE_ASYNC_DEFAULT_TTL_STALLS", "6"))
     srv = make_server(max_local_cpu_size=1 / 128).start()  # cache_server_lease_ttl_s: 30 (default)
