@@ -1,9 +1,9 @@
 """The remote tier (``remote_url``): entries in a distributed store shared by many machines.
 
 Connectors are chosen by URL scheme (:mod:`.connector`): Redis/Valkey (``redis://``,
-``rediss://``, ``valkey://``, ``unix://``), Redis Cluster (``redis+cluster://h:p,h:p``) and a
-shared filesystem (``fs:///dir``); ``mooncake://master:port`` is the Mooncake Store tier
-(:mod:`.mooncake`). Every entry is one self-describing record
+``rediss://``, ``valkey://``, ``unix://``), Redis Cluster (``redis+cluster://h:p,h:p``), a
+shared filesystem (``fs:///dir``) and an S3 bucket (``s3://BUCKET/PREFIX``, :mod:`.s3`);
+``mooncake://master:port`` is the Mooncake Store tier (:mod:`.mooncake`). Every entry is one self-describing record
 (:mod:`lmcache_async.records`), verified on read; names are namespaced by
 ``remote_key_prefix`` and the model name (:mod:`.naming`), so deployments sharing a server
 never read each other's entries.

@@ -14,9 +14,11 @@ Contract (every connector):
   checksum, key equality, sizes, payload checksum) and releases the buffer on every failure
   path, including cancellation;
 * a corrupt record is a miss (counted, removed); a record holding another key is a miss
-  (counted; kept by Redis, removed by ``fs://``); a store that cannot be reached raises (the
-  manager counts it and opens its circuit breaker), and the connector reconnects by itself once
-  the store is back.
+  (counted; kept by Redis and S3, removed by ``fs://``); a record sealed under another key, or
+  sealed while the connector has no cipher, or plain while it has one, is a miss that stays
+  (``foreign_key``), and a sealed record whose tag fails is corrupt; a store that cannot be
+  reached raises (the manager counts it and opens its circuit breaker), and the connector
+  reconnects by itself once the store is back.
 
 Registry: built-in schemes map to ``"module:attr"`` factories imported on first use;
 :func:`register_connector` adds or replaces one.
