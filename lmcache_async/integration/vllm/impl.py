@@ -45,6 +45,7 @@ import logging
 from typing import Any
 
 from lmcache_async.dtypes import dtype_name
+from lmcache_async.encryption import cipher_for
 from lmcache_async.engines.encoder_cache import ECCacheEngine
 from lmcache_async.integration.vllm.ec_config import (
     CONFIG_FILE_KEY,
@@ -147,7 +148,11 @@ class LMCacheECConnectorImpl(ECSchedulerSide, ECWorkerSide):
         self._has_lower = sm.has_lower_tiers
         disk_root = getattr(self._engine.config, "local_disk", None)
         self._leases = (
-            LeaseDir(strip_file_url(disk_root), max_age_s=knobs["lease_max_age_s"])
+            LeaseDir(
+                strip_file_url(disk_root),
+                max_age_s=knobs["lease_max_age_s"],
+                cipher=cipher_for(self._engine.config),  # the disk tier's key: its records are sealed
+            )
             if disk_root and "disk" in sm.tier_names
             else None
         )

@@ -13,6 +13,11 @@ A lease that nobody removes (a worker that died, a request aborted before its lo
 by :meth:`LeaseDir.reap` after ``max_age_s``. Lease files take disk space beyond the tier's
 budget while they live, one record each.
 
+With ``encryption_key_file`` the disk tier seals its records; a lease reads them with the same
+key (:class:`LeaseDir`'s ``cipher``). A sealed record read without a key, one sealed under
+another key, or a plain one read with a key is refused with
+:class:`~lmcache_async.records.ForeignSeal` (a ``RecordError``), as the disk tier itself would.
+
 Everything here is blocking file work; the connector calls it only where vLLM allows a short
 synchronous step (the promise, the load).
 
@@ -26,7 +31,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -38,6 +43,9 @@ from lmcache_async.records import (
     payload_checksum,
     peek_header_len,
 )
+
+if TYPE_CHECKING:
+    from lmcache_async.encryption import RecordCipher
 
 LEASE_DIR_NAME = ".ec-leases"
 LEASE_SUFFIX = ".lease"
@@ -71,12 +79,20 @@ def _entry_path(root: str, key: CacheEngineKey) -> str:
 
 
 class LeaseDir:
-    """Leases under ``<root>/.ec-leases`` for the disk tier rooted at ``root``."""
+    """Leases under ``<root>/.ec-leases`` for the disk tier rooted at ``root``; ``cipher``: the
+    disk tier's key (``encryption_key_file``), None when its records are plain."""
 
-    def __init__(self, root: str | os.PathLike[str], *, max_age_s: float = DEFAULT_MAX_AGE_S) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        max_age_s: float = DEFAULT_MAX_AGE_S,
+        cipher: RecordCipher | None = None,
+    ) -> None:
         self.root = os.path.abspath(os.path.expanduser(os.fspath(root)))
         self.path = os.path.join(self.root, LEASE_DIR_NAME)
         self.max_age_s = max_age_s
+        self.cipher = cipher
 
     def take(self, key: CacheEngineKey) -> str | None:
         """Hard-link the record of ``key``; the lease's path, or None when there is no record
@@ -115,7 +131,7 @@ class LeaseDir:
 
     def read(self, lease: str, key: CacheEngineKey) -> torch.Tensor:
         """The entry of ``key`` read from the lease file (see :func:`read_record`)."""
-        return read_record(lease, key)
+        return read_record(lease, key, self.cipher)
 
     def reap(self, now: float | None = None) -> int:
         """Remove leases older than ``max_age_s``; how many were removed."""
@@ -138,12 +154,15 @@ class LeaseDir:
         return removed
 
 
-def read_record(path: str, key: CacheEngineKey) -> torch.Tensor:
+def read_record(path: str, key: CacheEngineKey, cipher: RecordCipher | None = None) -> torch.Tensor:
     """The tensor stored in the record file ``path`` for ``key``.
 
     Checks what every reader checks: magic, version, header checksum, key equality, file size
-    and payload checksum. ``RecordError`` for a damaged or foreign record, ``OSError`` when the
-    file cannot be read.
+    and payload checksum; a sealed record is opened with ``cipher`` (read into a scratch buffer
+    first, then decrypted into the tensor). ``RecordError`` for a damaged or foreign record
+    (:class:`~lmcache_async.records.ForeignSeal` when it is sealed under another key, sealed
+    while ``cipher`` is None, or plain while it is set; a tag that fails under ``cipher``: a
+    plain ``RecordError``), ``OSError`` when the file cannot be read.
     """
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -152,20 +171,24 @@ def read_record(path: str, key: CacheEngineKey) -> torch.Tensor:
         hlen = peek_header_len(head)
         if hlen > len(head):
             head = os.pread(fd, hlen, 0)
-        hdr = decode_header(head, expect_key=key.to_string())
+        hdr = decode_header(head, expect_key=key.to_string(), key_id=cipher.key_id if cipher is not None else None)
         if hdr.num_parts != 1:
             raise RecordError("multi-part records are not disk records")
         if size != hdr.total_len:
             raise RecordError("file is truncated" if size < hdr.total_len else "trailing bytes")
         out = torch.empty(hdr.shape, dtype=hdr.dtype)
         from lmcache_async.backends.disk_layout import read_exact_into
+        from lmcache_async.encryption import new_buffer
 
         view = tensor_byte_view(out) if out.numel() else memoryview(bytearray())
-        got = read_exact_into(fd, view, hdr.header_len) if len(view) else 0
+        stored = view if cipher is None else new_buffer(hdr.payload_len)
+        got = read_exact_into(fd, stored, hdr.header_len) if len(stored) else 0
         if got != hdr.payload_len:
             raise RecordError("file is truncated")
-        if payload_checksum(view) != hdr.checksum:
+        if payload_checksum(stored) != hdr.checksum:
             raise RecordError("payload checksum mismatch")
+        if cipher is not None:
+            cipher.open_into(hdr, stored, view)
         return out
     finally:
         os.close(fd)
