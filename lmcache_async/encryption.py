@@ -106,18 +106,39 @@ class RecordCipher:
         ``segment_size``: plaintext bytes per segment (0: one segment)."""
         if segment_size < 0 or reserve < 0:
             raise ValueError("segment_size and reserve must be >= 0")
+        _segments, stored_len = sealed_length(plain.nbytes, segment_size)
+        out = new_buffer(reserve + stored_len)
+        return self.seal_into(key, shape, dtype, fmt, plain, out[reserve:], segment_size), out
+
+    def seal_into(
+        self,
+        key: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        fmt: MemoryFormat,
+        plain: memoryview,
+        out: memoryview,
+        segment_size: int = 0,
+    ) -> Seal:
+        """As :meth:`seal`, into a buffer the caller gives (e.g. registered memory a transfer
+        reads): ``out`` is a writable byte view of exactly the stored length
+        (:func:`~lmcache_async.record_sections.sealed_length`, ``ValueError`` otherwise); the
+        seal for the record's header is returned."""
+        if segment_size < 0:
+            raise ValueError("segment_size must be >= 0")
         plain = plain.cast("B") if plain.format != "B" or plain.ndim != 1 else plain
         n = plain.nbytes
         segments, stored_len = sealed_length(n, segment_size)
+        if out.nbytes != stored_len:
+            raise ValueError(f"out holds {out.nbytes} bytes; the sealed payload is {stored_len}")
+        body = out.cast("B") if out.format != "B" or out.ndim != 1 else out
         seal = Seal(self.key_id, os.urandom(NONCE_LEN), segment_size if segments > 1 else 0, segments)
-        out = new_buffer(reserve + stored_len)
-        body = out[reserve:]
         for i in range(segments):
             s, e = seal.plain_bounds(i, n)
             so, eo = seal.stored_bounds(i, n)
             aad = _aad(key, shape, dtype, fmt, i, segments, n)
             self._aead.encrypt_into(seal.segment_nonce(i), plain[s:e], aad, body[so:eo])
-        return seal, out
+        return seal
 
     def open_segment(self, hdr: RecordHeader, index: int, stored: memoryview, dst: memoryview) -> None:
         """Decrypt segment ``index`` of ``hdr``'s record (``stored``: its ciphertext and tag)

@@ -17,6 +17,17 @@ with ``put_from_with_metadata`` (the same request path as ``put_from``), a batch
 arena's slots (one per worker thread), so such a put allocates nothing. No payload byte is
 copied on the way in either direction.
 
+Sealed records (``encryption_key_file``): the payload is AES-256-GCM ciphertext and tag (one
+segment: an object is always read whole; :mod:`lmcache_async.encryption`), the header carries
+the seal (key id, nonce). Then no transfer can use the caller's block as it is: a put seals into
+a staging block (header room, then the sealed payload; registered staging memory when the
+staging area has room, else a heap block registered for the call) and sends that; a get reads
+the sealed payload into such a block and opens it into the caller's buffer. A record sealed
+under another key id, or sealed while this tier has no key, or plain while it has one, is
+foreign: a miss, kept, counted as ``foreign_key``; a tag that fails under this key is damage: a
+miss, removed, counted as ``corrupt``. Readers always fetch :func:`read_room` header bytes (room
+for a sealed header), so either kind of reader recognises either kind of record.
+
 Every read is verified (magic, version, header checksum, key, sizes, payload checksum): a
 corrupt object is a miss, counted and removed; an object holding another key is a miss, counted
 and kept. Presence comes from ``batch_is_exist``; an error answer there raises (the manager
@@ -38,13 +49,15 @@ import torch
 import xxhash
 
 from lmcache_async.backend import Allocate, BackendContext, StorageBackend
+from lmcache_async.encryption import RecordCipher, cipher_for
 from lmcache_async.keys import CacheEngineKey
-from lmcache_async.memory import HeapAllocator, MemoryObj, PoolAllocator
+from lmcache_async.memory import HeapAllocator, MemoryFormat, MemoryObj, PoolAllocator
 from lmcache_async.ratelog import RateLimitedLog
-from lmcache_async.records import RecordError, decode_header
+from lmcache_async.record_sections import sealed_length
+from lmcache_async.records import RecordError, RecordHeader, decode_header
 
 from .mooncake_calls import MooncakeCalls, MooncakeTimeout
-from .mooncake_record import header_room, padded_header, write_header
+from .mooncake_record import header_room, padded_header, read_room, write_header
 from .mooncake_store import (
     ALREADY_EXISTS,
     INVALID_PARAMS,
@@ -68,6 +81,7 @@ __all__ = [
     "header_room",
     "mooncake_settings",
     "padded_header",
+    "read_room",
 ]
 
 logger = logging.getLogger(__name__)
@@ -80,22 +94,32 @@ _LOG_EVERY_S = 5.0
 
 
 class _Read:
-    """A get in progress: where its header and payload go."""
+    """A get in progress: where its header and payload go (``stored``: the staging block a
+    sealed payload lands in before it is opened into ``obj``)."""
 
-    __slots__ = ("hdr", "head", "name", "obj")
+    __slots__ = ("hdr", "head", "name", "obj", "stored")
 
     def __init__(self, name: EntryName, head: MemoryObj) -> None:
         self.name = name
         self.head = head
         self.hdr: Any = None
         self.obj: MemoryObj | None = None
+        self.stored: MemoryObj | None = None
+
+    def target(self) -> MemoryObj:
+        """The block the payload transfer writes into."""
+        dst = self.stored if self.stored is not None else self.obj
+        assert dst is not None
+        return dst
 
 
 class MooncakeBackend(StorageBackend):
     """The remote tier over a Mooncake Store; see the module docstring.
 
     ``url``, ``prefix`` and ``timeout_s`` default to ``remote_url``, ``remote_key_prefix`` and
-    ``remote_timeout_s``. Construction validates the settings and does not connect;
+    ``remote_timeout_s``. ``encryption_key_file`` in the config seals every record written and
+    opens those read (see the module docstring). Construction validates the settings (and reads
+    the key file) and does not connect;
     :meth:`start` (or the first call) sets the client up. Thread affinity: coroutines run on the
     manager's loop; Mooncake calls run on the tier's threads (``lmcache-async-<cache>-mooncake``).
     """
@@ -115,8 +139,8 @@ class MooncakeBackend(StorageBackend):
         url = url if url is not None else cfg.remote_url
         if not url:
             raise ValueError("remote_url is not set")
-        if cfg.encryption_key_file:  # its transfers move pool blocks as they are: never write plaintext
-            raise ValueError("encryption_key_file is set but the mooncake:// tier does not seal records")
+        self._cipher: RecordCipher | None = cipher_for(cfg)
+        self._key_id = self._cipher.key_id if self._cipher is not None else None
         timeout = cfg.remote_timeout_s if timeout_s is None else timeout_s
         if not timeout > 0:
             raise ValueError(f"remote_timeout_s must be > 0, got {timeout!r}")
@@ -151,6 +175,7 @@ class MooncakeBackend(StorageBackend):
         # counters
         self.corrupt = 0
         self.foreign = 0
+        self.foreign_key = 0
         self.alloc_failed = 0
         self.no_space = 0
         self.put_errors = 0
@@ -189,7 +214,61 @@ class MooncakeBackend(StorageBackend):
         obj = self._heads.allocate((room,), torch.uint8)
         return obj if obj is not None else self._heap.allocate((room,), torch.uint8)
 
+    def _staging_block(self, n: int) -> MemoryObj:
+        """``n`` bytes for a sealed record: registered staging memory when the staging area has
+        room, else a heap block (registered for the call that uses it)."""
+        obj = self._alloc((n,), torch.uint8, MemoryFormat.UNDEFINED)
+        if obj is not None and obj.nbytes == n:
+            return obj
+        if obj is not None:
+            obj.ref_count_down()
+        return self._heap.allocate((n,), torch.uint8)
+
+    def _seal(self, name: EntryName, obj: MemoryObj) -> tuple[MemoryObj, int]:
+        """A staging block holding ``obj``'s sealed record (padded header, then the sealed
+        payload) and its header room; the caller releases the block."""
+        assert self._cipher is not None
+        room = header_room(name.key, sealed=True)
+        _segments, stored_len = sealed_length(obj.nbytes, 0)
+        block = self._staging_block(room + stored_len)
+        try:
+            view = block.byte_view()
+            body = view[room:]
+            seal = self._cipher.seal_into(name.key, tuple(obj.shape), obj.dtype, obj.fmt, obj.byte_view(), body)
+            write_header(view, obj, name.key, xxhash.xxh3_64_intdigest(body), seal)
+        except BaseException:
+            block.ref_count_down()
+            raise
+        return block, room
+
+    def _put_sealed(self, client: MooncakeClient, items: list[tuple[EntryName, MemoryObj]]) -> list[bool]:
+        """Seal every entry into a staging block and publish the blocks (one call for a single
+        entry, one batch call otherwise)."""
+        blocks: list[tuple[MemoryObj, int]] = []
+        try:
+            for name, obj in items:
+                blocks.append(self._seal(name, obj))
+            bufs = [(b.data_ptr, b.nbytes) for b, _room in blocks]
+            with client.registered(bufs):
+                if len(items) == 1:
+                    ((block, room),) = blocks
+                    codes = [
+                        client.put_with_header(
+                            items[0][0].record, block.data_ptr, room, block.data_ptr + room, block.nbytes - room
+                        )
+                    ]
+                else:
+                    codes = client.put_parts([n.record for n, _o in items], [[p] for p, _ in bufs],
+                                             [[s] for _, s in bufs])  # fmt: skip
+        finally:
+            for block, _room in blocks:
+                block.ref_count_down()
+        sizes = [size for _p, size in bufs]
+        return [self._put_done(name, code, size) for code, (name, _o), size in zip(codes, items, sizes, strict=True)]
+
     def _put_job(self, client: MooncakeClient, items: list[tuple[EntryName, MemoryObj]]) -> list[bool]:
+        if self._cipher is not None:
+            return self._put_sealed(client, items)
         if len(items) == 1 and items[0][1].nbytes:
             return [self._put_one(client, *items[0])]
         heads: list[MemoryObj] = []
@@ -278,7 +357,7 @@ class MooncakeBackend(StorageBackend):
         try:
             for name, code in zip(names, codes, strict=True):
                 if code == 0:
-                    reads.append(_Read(name, self._head_block(header_room(name.key))))
+                    reads.append(_Read(name, self._head_block(read_room(name.key))))
                 elif code != NOT_FOUND:
                     self._read_failed(name, code)
             if reads:
@@ -286,14 +365,16 @@ class MooncakeBackend(StorageBackend):
                 reads = [r for r in reads if r.hdr is not None]
             for r in reads:
                 obj = alloc(r.hdr.shape, r.hdr.dtype, r.hdr.fmt)
-                if obj is None or obj.nbytes != r.hdr.payload_len:
+                if obj is None or obj.nbytes != r.hdr.plain_len:
                     if obj is not None:
                         obj.ref_count_down()
                     self.alloc_failed += 1
                     r.hdr = None
                     continue
                 r.obj = obj
-            payload_reads = [r for r in reads if r.obj is not None and r.obj.nbytes]
+                if r.hdr.seal is not None:
+                    r.stored = self._staging_block(r.hdr.payload_len)
+            payload_reads = [r for r in reads if r.obj is not None and r.target().nbytes]
             if payload_reads:
                 self._read_payloads(client, payload_reads)
             found: dict[str, MemoryObj] = {}
@@ -310,6 +391,8 @@ class MooncakeBackend(StorageBackend):
         finally:
             for r in reads:
                 r.head.ref_count_down()
+                if r.stored is not None:
+                    r.stored.ref_count_down()
             if open_keys:
                 client.session_end(open_keys)
 
@@ -325,28 +408,52 @@ class MooncakeBackend(StorageBackend):
                 [r.name.record for r in reads], [[p] for p, _ in heads], [[n] for _, n in heads], [[0]] * len(reads)
             )
         for r, n in zip(reads, got, strict=True):
-            if n == r.head.nbytes:
-                try:
-                    hdr = decode_header(r.head.byte_view())
-                    if hdr.num_parts != 1:
-                        raise RecordError("a Mooncake record is never split into parts")
-                except RecordError as exc:
-                    self._corrupt(client, r.name, str(exc))
-                    continue
-                if hdr.key != r.name.key:
-                    self.foreign += 1
-                    self._log("mooncake object %s holds another key; treated as a miss", r.name.record)
-                    continue
-                r.hdr = hdr
-            elif n == INVALID_PARAMS and 0 <= client.size(r.name.record) < r.head.nbytes:
-                self._corrupt(client, r.name, "object is shorter than its header")
-            elif n != NOT_FOUND:
-                self._read_failed(r.name, n)
+            if n == INVALID_PARAMS:
+                n = self._read_short(client, r.name, r.head)
+            if n < 0:
+                if n != NOT_FOUND:
+                    self._read_failed(r.name, n)
+                continue
+            try:
+                hdr = decode_header(r.head.byte_view()[:n])
+                if hdr.num_parts != 1:
+                    raise RecordError("a Mooncake record is never split into parts")
+            except RecordError as exc:
+                self._corrupt(client, r.name, str(exc))
+                continue
+            if hdr.key != r.name.key:
+                self.foreign += 1
+                self._log("mooncake object %s holds another key; treated as a miss", r.name.record)
+                continue
+            if not self._ours(r.name, hdr):
+                continue
+            r.hdr = hdr
+
+    def _read_short(self, client: MooncakeClient, name: EntryName, head: MemoryObj) -> int:
+        """Read the whole object into ``head`` when it is shorter than the header range asked
+        for (a plain record of a small entry); its size, or a status (``INVALID_PARAMS`` when
+        the object is not shorter: the range was refused for another reason)."""
+        size = client.size(name.record)
+        if not 0 <= size < head.nbytes:
+            return size if size < 0 else INVALID_PARAMS
+        if size == 0:
+            return 0
+        with client.registered([(head.data_ptr, head.nbytes)]):
+            return client.read_ranges([name.record], [[head.data_ptr]], [[size]], [[0]])[0]
+
+    def _ours(self, name: EntryName, hdr: RecordHeader) -> bool:
+        """True when this tier can open ``hdr``'s record; a foreign one (sealed under another
+        key id, sealed without a key here, plain with one) is counted and kept."""
+        seal = hdr.seal
+        if (seal.key_id if seal is not None else None) == self._key_id:
+            return True
+        self.foreign_key += 1
+        why = "sealed under another key" if seal is not None else "not sealed"
+        self._log("mooncake object %s is %s; treated as a miss and kept", name.record, why)
+        return False
 
     def _read_payloads(self, client: MooncakeClient, reads: list[_Read]) -> None:
-        objs = [r.obj for r in reads]
-        assert all(o is not None for o in objs)
-        bufs = [(o.data_ptr, o.nbytes) for o in objs if o is not None]
+        bufs = [(o.data_ptr, o.nbytes) for o in (r.target() for r in reads)]
         with client.registered(bufs):
             got = client.read_ranges(
                 [r.name.record for r in reads],
@@ -355,15 +462,18 @@ class MooncakeBackend(StorageBackend):
                 [[r.hdr.header_len] for r in reads],
             )
         for r, n in zip(reads, got, strict=True):
-            obj = r.obj
+            obj, dst = r.obj, r.target()
             assert obj is not None
             why = None
-            if n == obj.nbytes:
-                if xxhash.xxh3_64_intdigest(obj.byte_view()) == r.hdr.checksum:
-                    self.bytes_read += r.hdr.header_len + n
-                    continue
-                why = "payload checksum mismatch"
-            elif n == INVALID_PARAMS and 0 <= client.size(r.name.record) < r.hdr.header_len + obj.nbytes:
+            if n == dst.nbytes:
+                if xxhash.xxh3_64_intdigest(dst.byte_view()) == r.hdr.checksum:
+                    why = self._open(r.hdr, r.stored, obj)
+                    if why is None:
+                        self.bytes_read += r.hdr.header_len + n
+                        continue
+                else:
+                    why = "payload checksum mismatch"
+            elif n == INVALID_PARAMS and 0 <= client.size(r.name.record) < r.hdr.header_len + dst.nbytes:
                 why = "object is shorter than its header says"
             r.obj = None
             obj.ref_count_down()
@@ -371,6 +481,18 @@ class MooncakeBackend(StorageBackend):
                 self._corrupt(client, r.name, why)
             elif n != NOT_FOUND:
                 self._read_failed(r.name, n)
+
+    def _open(self, hdr: RecordHeader, stored: MemoryObj | None, obj: MemoryObj) -> str | None:
+        """Decrypt a sealed payload (``stored``) into ``obj``; None when done (or nothing to
+        open), else why it failed (a tag that fails: damage)."""
+        if stored is None:
+            return None
+        assert self._cipher is not None  # _ours let a sealed record through only with our key
+        try:
+            self._cipher.open_into(hdr, stored.byte_view(), obj.byte_view())
+        except RecordError as exc:
+            return str(exc)
+        return None
 
     def _corrupt(self, client: MooncakeClient, name: EntryName, why: str) -> None:
         self.corrupt += 1
@@ -382,14 +504,16 @@ class MooncakeBackend(StorageBackend):
         if code == NOT_FOUND:
             return False
         check("remove", code)
-        room = header_room(name.key)
+        room = read_room(name.key)
         head = self._head_block(room)
         try:
             with client.registered([(head.data_ptr, room)]):
                 n = client.read_ranges([name.record], [[head.data_ptr]], [[room]], [[0]])[0]
-            if n == room:
+            if n == INVALID_PARAMS:
+                n = self._read_short(client, name, head)
+            if n >= 0:
                 try:
-                    if decode_header(head.byte_view()).key != name.key:
+                    if decode_header(head.byte_view()[:n]).key != name.key:
                         return False  # another key's entry (a digest collision): not ours to delete
                 except RecordError:
                     pass  # damaged: remove it
@@ -477,6 +601,8 @@ class MooncakeBackend(StorageBackend):
             "prefix": self._prefix,
             "corrupt": self.corrupt,
             "foreign": self.foreign,
+            "foreign_key": self.foreign_key,
+            "sealed": self._cipher is not None,
             "alloc_failed": self.alloc_failed,
             "no_space": self.no_space,
             "put_errors": self.put_errors,

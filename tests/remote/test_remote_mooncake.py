@@ -81,10 +81,12 @@ def same(a: MemoryObj, b: MemoryObj) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bytes(a.byte_view()) == bytes(b.byte_view())
 
 
-def mooncake_backend(ctx: BackendContext, store: MooncakeServers, prefix: str, timeout_s: float = 30.0) -> Any:
+def mooncake_backend(
+    ctx: BackendContext, store: MooncakeServers, prefix: str, timeout_s: float = 30.0, key_file: str | None = None
+) -> Any:
     from lmcache_async.backends.remote.mooncake import MooncakeBackend
 
-    ctx.config = LMCacheEngineConfig.from_defaults(**store.config())
+    ctx.config = LMCacheEngineConfig.from_defaults(**store.config(), encryption_key_file=key_file)
     return MooncakeBackend(ctx, prefix=prefix, timeout_s=timeout_s)
 
 
@@ -652,3 +654,122 @@ def test_a_header_is_written_in_place_and_leaves_the_rest_of_the_buffer(src_pool
     with pytest.raises(ValueError, match="needs"):
         write_header(memoryview(bytearray(64)), obj, key, 99)
     obj.ref_count_down()
+
+
+# ---- encryption at rest ------------------------------------------------------------------------------
+def _key_file(tmp_path: Path, name: str) -> str:
+    from lmcache_async.encryption import write_key_file
+
+    path = str(tmp_path / name)
+    write_key_file(path)
+    return path
+
+
+def _object(store: MooncakeServers, record: str) -> bytes:
+    """The whole object as the store holds it."""
+    client = raw_client(store)
+    try:
+        size = client.size(record)
+    finally:
+        client.close()
+    assert size > 0
+    return _read_object(store, record, size)
+
+
+def _plain_absent(src: MemoryObj, blob: bytes) -> None:
+    plain = bytes(src.byte_view())
+    for off in range(0, len(plain) - 32, 4096):
+        assert plain[off : off + 32] not in blob
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["single", "batch"])
+async def test_sealed_entries_round_trip_and_the_store_holds_no_plaintext(
+    mooncake_store: MooncakeServers, open_backend: Any, src_pool: PoolAllocator, tmp_path: Path, batched: bool
+) -> None:
+    from lmcache_async.backends.remote.mooncake import header_room
+
+    be = await open_backend(mooncake_store, key_file=_key_file(tmp_path, "a"))
+    srcs = [make_obj(src_pool, (256, 256), torch.float32, seed=40), make_obj(src_pool, (0,), torch.float16, seed=41)]
+    keys = [make_key(40), make_key(41)]
+    if batched:
+        assert await be.batched_put(list(zip(keys, srcs, strict=True))) == [True, True]
+    else:
+        assert [await be.put(k, o) for k, o in zip(keys, srcs, strict=True)] == [True, True]
+    name = be.entry_name(keys[0])
+    blob = _object(mooncake_store, name.record)
+    hdr = decode_header(blob)
+    assert hdr.seal is not None and hdr.seal.segments == 1 and hdr.header_len == header_room(name.key, sealed=True)
+    assert len(blob) == hdr.header_len + srcs[0].nbytes + 16
+    _plain_absent(srcs[0], blob)
+    got = await be.batched_get(keys)
+    for g, src in zip(got, srcs, strict=True):
+        assert g is not None and same(g, src)
+        g.ref_count_down()
+    assert be.stats()["sealed"] and be.stats()["corrupt"] == 0
+    for src in srcs:
+        src.ref_count_down()
+
+
+@pytest.mark.parametrize("shape", [(256, 256), (1,)], ids=["large", "shorter-than-a-sealed-header"])
+async def test_records_of_another_key_no_key_or_plain_are_foreign_misses_and_kept(
+    mooncake_store: MooncakeServers, open_backend: Any, src_pool: PoolAllocator, tmp_path: Path, prefix: str,
+    shape: tuple[int, ...],
+) -> None:  # fmt: skip
+    a, b = _key_file(tmp_path, "a"), _key_file(tmp_path, "b")
+    sealed = await open_backend(mooncake_store, key_file=a)
+    other = await open_backend(mooncake_store, key_file=b)
+    plain = await open_backend(mooncake_store, prefix=prefix + "-plain")
+    plain_reader = await open_backend(mooncake_store, prefix=prefix + "-plain", key_file=a)
+    src = make_obj(src_pool, shape, torch.float32, seed=42)
+    assert await sealed.put(make_key(42), src)
+    assert await plain.put(make_key(42), src)
+    for reader in (other, await open_backend(mooncake_store), plain_reader):
+        assert await reader.get(make_key(42)) is None
+        assert reader.stats()["foreign_key"] == 1 and reader.stats()["corrupt"] == 0
+    assert _exists(mooncake_store, sealed.entry_name(make_key(42)).record)
+    assert _exists(mooncake_store, plain.entry_name(make_key(42)).record)
+    for owner in (sealed, plain):
+        got = await owner.get(make_key(42))
+        assert got is not None and same(got, src)
+        got.ref_count_down()
+    src.ref_count_down()
+
+
+@pytest.mark.parametrize("checksum", ["stale", "recomputed"])
+async def test_a_flipped_byte_of_a_sealed_record_is_a_miss_and_removed(
+    mooncake_store: MooncakeServers, open_backend: Any, src_pool: PoolAllocator, tmp_path: Path, checksum: str
+) -> None:
+    """With the payload checksum fixed up, the flip is caught by the tag alone."""
+    from lmcache_async.backends.remote.mooncake_record import write_header
+    from lmcache_async.records import payload_checksum
+
+    be = await open_backend(mooncake_store, key_file=_key_file(tmp_path, "a"))
+    src = make_obj(src_pool, (64, 64), torch.float32, seed=43)
+    key = make_key(43)
+    assert await be.put(key, src)
+    record = be.entry_name(key).record
+    data = bytearray(_object(mooncake_store, record))
+    hdr = decode_header(data)
+    data[hdr.header_len + 100] ^= 0x01
+    if checksum == "recomputed":
+        write_header(memoryview(data), src, hdr.key, payload_checksum(data[hdr.header_len :]), hdr.seal)
+    _replace_object(mooncake_store, record, bytes(data))
+    assert await be.get(key) is None
+    assert be.stats()["corrupt"] == 1 and be.stats()["foreign_key"] == 0
+    assert not _exists(mooncake_store, record)
+    src.ref_count_down()
+
+
+async def test_sealed_puts_from_heap_buffers_and_reads_larger_than_the_staging_area_round_trip(
+    mooncake_store: MooncakeServers, open_backend: Any, tmp_path: Path
+) -> None:
+    """A sealed record that does not fit the staging area goes through a heap block."""
+    be = await open_backend(mooncake_store, key_file=_key_file(tmp_path, "a"))
+    heap = HeapAllocator("mooncake-sealed-heap")
+    src = heap.allocate((72 << 20,), torch.uint8)  # larger than the 64 MiB staging area
+    src.tensor.random_(0, 256, generator=torch.Generator().manual_seed(44))
+    assert await be.put(make_key(44), src)
+    got = await be.get(make_key(44), lambda s, d, f: heap.allocate(s, d, f))
+    assert got is not None and torch.equal(got.tensor, src.tensor)
+    got.ref_count_down()
+    src.ref_count_down()
