@@ -25,6 +25,14 @@ Contract (beyond :class:`~lmcache_async.backend.StorageBackend`):
 * Every record is verified on read (magic, version, header checksum, key, shape, dtype,
   format, sizes, xxh3-64 of the payload). A bad record is a miss, is removed and is counted;
   a NIXL failure is a miss/False plus a counter and a rate-limited log line.
+* Encryption at rest (``encryption_key_file``, file plugins): every record is sealed with
+  AES-256-GCM in segments of ``nixl_chunk_bytes`` (one per piece moved), staged through the
+  registered bounce area of the worker's scratch slot (:mod:`.nixl_transfer`). A record under
+  another key id (or sealed while the tier has no key, or plain while it has one) found by the
+  index rebuild is foreign: not indexed (a miss), its file kept, ``foreign_key`` counted; in
+  the slot layout its slot counts as free and the next write reuses it. A tag that fails is a
+  bad record (removed, ``corrupt``). The ``OBJ`` plugin does not seal: with a key it refuses to
+  start (``ValueError`` naming ``encryption_key_file``).
 * Capacity: ``nixl_max_size`` GiB of records (header + payload), LRU (or FIFO per
   ``cache_policy``), entries being read are never evicted; bytes are accounted on every
   removal path (eviction, ``remove``, ``clear``, corrupt record).
@@ -82,11 +90,13 @@ from lmcache_async.backends.nixl_work import (
     read_bytes,
     slot_bytes,
 )
+from lmcache_async.encryption import RecordCipher, cipher_for
 from lmcache_async.errors import BackendUnavailableError
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj, PoolAllocator
 from lmcache_async.ratelog import RateLimitedLog
-from lmcache_async.records import MAX_KEY_LEN, MAX_RANK, RecordError, header_length
+from lmcache_async.record_sections import SEAL_SECTION_LEN, TAG_LEN, sealed_length
+from lmcache_async.records import MAX_KEY_LEN, MAX_RANK, ForeignSeal, RecordError, header_length
 
 logger = logging.getLogger(__name__)
 
@@ -114,14 +124,25 @@ class NixlBackend(StorageBackend):
     the object-name prefix for ``OBJ``. Construction creates the agent and registers memory
     (it raises :class:`BackendUnavailableError` when NIXL or the plugin is unavailable and
     :class:`DirectoryInUseError` when the directory is locked). :meth:`start` rebuilds the
-    index from storage; operations issued before it finishes wait for it.
+    index from storage; operations issued before it finishes wait for it. ``cipher``: seal
+    every record written and open those read (file plugins only; ``ValueError`` for ``OBJ``).
     """
 
     name = "nixl"
 
-    def __init__(self, ctx: BackendContext, settings: NixlSettings, root: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        ctx: BackendContext,
+        settings: NixlSettings,
+        root: str | Path | None = None,
+        cipher: RecordCipher | None = None,
+    ) -> None:
+        if cipher is not None and settings.is_object_store:
+            raise ValueError("encryption_key_file is set but the nixl tier seals records only with file plugins")
         self._ctx = ctx
         self.settings = settings
+        self._cipher = cipher
+        self._key_id = cipher.key_id if cipher is not None else None
         self._lru = settings.policy == "LRU"
         self._closed = False
         self._torn_down = False
@@ -150,7 +171,9 @@ class NixlBackend(StorageBackend):
             )
             for p in self._registered:
                 self._regions.append(self._agent.register_dram(p.base_ptr, p.capacity))
-            self._scratch = Scratch(self._agent, settings.workers, settings.chunk_bytes)
+            # A sealed piece is its chunk plus the tag, all in the bounce area.
+            bounce = settings.chunk_bytes + (TAG_LEN if cipher is not None else 0)
+            self._scratch = Scratch(self._agent, settings.workers, bounce)
             if settings.is_object_store:
                 self._layout = ObjectLayout(self._agent, target)
             elif settings.pool_size:
@@ -162,7 +185,13 @@ class NixlBackend(StorageBackend):
             staging = ctx.staging_pool
             registered_staging = staging if any(staging is p for p in self._registered) else None
             work = NixlWork(
-                self._agent, self._layout, self._scratch, settings.chunk_bytes, self._registered, registered_staging
+                self._agent,
+                self._layout,
+                self._scratch,
+                settings.chunk_bytes,
+                self._registered,
+                registered_staging,
+                cipher,
             )
             self._work = work
             self._runner = JobRunner(
@@ -256,6 +285,11 @@ class NixlBackend(StorageBackend):
         except (ValueError, TypeError):
             self.counters.reaped += 1
             return self._discard_storage(s.location)
+        if s.key_id != self._key_id:  # another key's record (or plain/sealed against ours): kept
+            self.counters.foreign_key += 1
+            why = "sealed under another key" if s.key_id is not None else "not sealed"
+            self._log.warning("nixl: record %s of %s is %s; not indexed, kept", s.location, s.meta.key, why)
+            return None
         old = self._index.add(key, Entry(s.meta, s.location))
         removal = None
         if old is not None:  # two records of one key: keep the newer
@@ -503,11 +537,17 @@ class NixlBackend(StorageBackend):
     def _plan_write(self, key: CacheEngineKey, obj: MemoryObj, loop: asyncio.AbstractEventLoop) -> WritePlan | None:
         kstr = key.to_string()
         klen = len(kstr.encode("utf-8"))
-        hlen = header_length(klen, len(obj.shape))
+        sealed = self._cipher is not None
+        hlen = header_length(klen, len(obj.shape), SEAL_SECTION_LEN if sealed else 0)
         if klen > MAX_KEY_LEN or len(obj.shape) > MAX_RANK or hlen > HEADER_SCRATCH_BYTES:
             self.counters.too_large += 1
             return None
-        meta = EntryMeta(kstr, tuple(obj.shape), obj.dtype, obj.fmt, hlen, obj.nbytes)
+        if sealed:  # one segment per piece moved
+            seg = self.settings.chunk_bytes
+            segments, stored = sealed_length(obj.nbytes, seg)
+            meta = EntryMeta(kstr, tuple(obj.shape), obj.dtype, obj.fmt, hlen, stored, True, seg if segments > 1 else 0)
+        else:
+            meta = EntryMeta(kstr, tuple(obj.shape), obj.dtype, obj.fmt, hlen, obj.nbytes)
         if meta.total_len > self.settings.max_bytes:
             self.counters.too_large += 1
             return None
@@ -527,7 +567,7 @@ class NixlBackend(StorageBackend):
         else:
             location = layout.new_location(kstr)
         registered = self._work.registered(obj)
-        if not registered:
+        if not registered and not sealed:  # a sealed record always goes through the bounce area
             if layout.piecewise:
                 self.counters.bounced += 1
             else:
@@ -624,7 +664,11 @@ class NixlBackend(StorageBackend):
                 self._failed("read", job.key, failure)
                 continue
             job.dst.ref_count_down()
-            if isinstance(failure, (RecordError, FileNotFoundError)):
+            if isinstance(failure, ForeignSeal):  # replaced by another key's record: not ours to delete
+                self.counters.foreign_key += 1
+                self._log.warning("nixl: record of %s is %s; not indexed any more, kept", job.key, failure)
+                self._index.discard(job.key, job.entry)
+            elif isinstance(failure, (RecordError, FileNotFoundError)):
                 self.counters.corrupt += 1
                 self._log.warning("nixl: dropping bad record of %s: %s", job.key, failure)
                 discard = self._drop(job.key, job.entry)
@@ -668,6 +712,7 @@ class NixlBackend(StorageBackend):
             "jobs": self._runner.jobs if self._runner is not None else 0,
             **self.counters.as_dict(),
             "plugin": self.settings.plugin,
+            "sealed": self._cipher is not None,
             "layout": self.layout_name if self._layout is not None else "closed",
             "free_slots": len(self._index.free_slots) if isinstance(self._layout, SlotFileLayout) else None,
         }
@@ -686,12 +731,13 @@ def create(ctx: BackendContext) -> NixlBackend | None:
     """
     if not ctx.config.nixl_path:
         return None
-    if ctx.config.encryption_key_file:  # NIXL moves pool blocks as they are: never write plaintext
-        raise ValueError("encryption_key_file is set but the nixl tier does not seal records")
     settings = NixlSettings.from_config(ctx.config)
+    cipher = cipher_for(ctx.config)
+    if cipher is not None and settings.is_object_store:
+        raise ValueError("encryption_key_file is set but the nixl tier seals records only with file plugins")
     load_nixl()
     try:
-        return NixlBackend(ctx, settings, storage_root(ctx, settings))
+        return NixlBackend(ctx, settings, storage_root(ctx, settings), cipher)
     except DirectoryInUseError as exc:
         logger.warning("the nixl tier is disabled in this process: %s", exc)
         return None

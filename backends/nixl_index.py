@@ -42,6 +42,7 @@ class NixlCounters:
     reads: int = 0
     read_failures: int = 0
     corrupt: int = 0
+    foreign_key: int = 0
     io_errors: int = 0
     evictions: int = 0
     too_large: int = 0

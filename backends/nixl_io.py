@@ -74,6 +74,8 @@ class Scanned:
     location: str | int
     meta: EntryMeta
     mtime: float
+    key_id: bytes | None = None
+    """The id of the key the record is sealed under, None for a plain record."""
 
 
 class DirectoryInUseError(BackendUnavailableError):
@@ -411,7 +413,7 @@ class KeyFileLayout:
                 removed += _unlink(entry.path)
                 continue
             stem = name[: -len(RECORD_SUFFIX)]
-            found.append(Scanned(stem, EntryMeta.from_header(header), st.st_mtime))
+            found.append(Scanned(stem, EntryMeta.from_header(header), st.st_mtime, _key_id(header)))
         found.sort(key=lambda s: s.mtime)
         return found, removed
 
@@ -522,7 +524,7 @@ class SlotFileLayout:
                     os.pwrite(fd, EMPTY_MAGIC, 0)
                 removed += 1
                 continue
-            found.append(Scanned(i, EntryMeta.from_header(header), st.st_mtime))
+            found.append(Scanned(i, EntryMeta.from_header(header), st.st_mtime, _key_id(header)))
         found.sort(key=lambda s: s.mtime)
         return found, removed
 
@@ -607,6 +609,10 @@ def _release_target(agent: NixlAgent, fd: int, handle: object | None, stuck: boo
     if handle is not None:
         agent.deregister(handle)
     os.close(fd)
+
+
+def _key_id(header: RecordHeader) -> bytes | None:
+    return header.seal.key_id if header.seal is not None else None
 
 
 def _unlink(path: str) -> int:

@@ -9,6 +9,14 @@ in pieces of ``chunk_bytes``; each piece is checksummed (xxh3-64) right before i
 right after it was read, while it is still in the CPU cache. The header rides in the same request
 as the last piece written (its checksum is known only then) and the first piece read (so a wrong
 record is rejected early). Where records live is the layouts' job (:mod:`.nixl_io`).
+
+Sealed records (``encryption_key_file``): the payload is cut into segments of ``chunk_bytes``
+(the pieces), each stored as AES-256-GCM ciphertext and tag (:mod:`lmcache_async.encryption`).
+A piece is never moved from the caller's block as it is then: a write encrypts it into the
+slot's registered bounce area (``chunk_bytes`` + 16 bytes) and sends that; a read lands the
+stored segment there and decrypts it into the destination. The header (with the seal) rides as
+above; a record sealed under another key is :class:`~lmcache_async.records.ForeignSeal`, a tag
+that fails a :class:`~lmcache_async.records.RecordError`.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import queue
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import xxhash
@@ -30,7 +39,11 @@ from lmcache_async.backends.nixl_agent import (
     park,
 )
 from lmcache_async.memory import MemoryFormat, MemoryObj, address_view, populate_pages
+from lmcache_async.record_sections import TAG_LEN
 from lmcache_async.records import RecordError, RecordHeader, decode_header, encode_header
+
+if TYPE_CHECKING:
+    from lmcache_async.encryption import RecordCipher
 
 logger = logging.getLogger(__name__)
 
@@ -159,7 +172,10 @@ class Loc:
 
 @dataclass(frozen=True)
 class EntryMeta:
-    """What the index knows of a record (enough to read it without a probe)."""
+    """What the index knows of a record (enough to read it without a probe).
+
+    ``payload_len`` is the payload as stored (ciphertext and tags when ``sealed``);
+    ``segment_size``: plaintext bytes per sealed segment (0: one segment, or plain)."""
 
     key: str
     shape: tuple[int, ...]
@@ -167,6 +183,8 @@ class EntryMeta:
     fmt: MemoryFormat
     header_len: int
     payload_len: int
+    sealed: bool = False
+    segment_size: int = 0
 
     @property
     def total_len(self) -> int:
@@ -174,7 +192,9 @@ class EntryMeta:
 
     @classmethod
     def from_header(cls, h: RecordHeader) -> EntryMeta:
-        return cls(h.key, h.shape, h.dtype, h.fmt, h.header_len, h.payload_len)
+        seal = h.seal
+        return cls(h.key, h.shape, h.dtype, h.fmt, h.header_len, h.payload_len, seal is not None,
+                   seal.segment_size if seal is not None else 0)  # fmt: skip
 
 
 def _pieces(n: int, chunk: int) -> list[tuple[int, int]]:
@@ -197,9 +217,16 @@ def write_record(
     src_registered: bool,
     chunk: int,
     piecewise: bool = True,
+    cipher: RecordCipher | None = None,
 ) -> None:
     """Write ``src``'s bytes as a record at ``loc`` (blocking). ``piecewise=False`` writes the
-    payload in one request (object stores), which needs ``src_registered``."""
+    payload in one request (object stores), which needs ``src_registered``. A ``meta.sealed``
+    record is sealed with ``cipher`` through the bounce area (piecewise only)."""
+    if meta.sealed:
+        if cipher is None or not piecewise:
+            raise ValueError("a sealed record needs a cipher and a piecewise layout")
+        _write_sealed(agent, slot, loc, meta, src, cipher)
+        return
     n = meta.payload_len
     pieces = _pieces(n, chunk) if piecewise else ([(0, n)] if n else [])
     if not src_registered and not piecewise:
@@ -244,12 +271,21 @@ def read_record(
     dst: MemoryObj,
     dst_registered: bool,
     chunk: int,
+    cipher: RecordCipher | None = None,
 ) -> None:
-    """Read the record at ``loc`` into ``dst`` and verify it (blocking).
+    """Read the record at ``loc`` into ``dst`` and verify it (blocking); a ``meta.sealed``
+    record is opened with ``cipher`` through the bounce area.
 
     Raises :class:`RecordError` when the header does not match ``meta`` (another key, another
-    shape) or the payload checksum differs; :class:`NixlTransferError` when NIXL fails.
+    shape), the payload checksum differs or a sealed segment's tag fails
+    (:class:`~lmcache_async.records.ForeignSeal` when it is sealed under another key than
+    ``cipher``'s); :class:`NixlTransferError` when NIXL fails.
     """
+    if meta.sealed:
+        if cipher is None:
+            raise RecordError("record is sealed and this tier has no key")
+        _read_sealed(agent, slot, loc, meta, dst, cipher)
+        return
     n = meta.payload_len
     if meta.header_len > HEADER_SCRATCH_BYTES:
         raise RecordError("header larger than the scratch area")
@@ -279,6 +315,77 @@ def read_record(
             hasher.update(address_view(ptr, ln))
             if flat is not None:
                 flat[off : off + ln].copy_(slot.bounce[:ln])
+    assert header is not None
+    if hasher.intdigest() != header.checksum:
+        raise RecordError("payload checksum mismatch")
+
+
+def _layout(meta: EntryMeta, slot: ScratchSlot) -> tuple[int, list[tuple[int, int, int, int]]]:
+    """A sealed record's plaintext length and its segments' ``(start, end)`` in the plaintext
+    and ``(start, end)`` in the stored payload (checking that a segment fits the bounce area)."""
+    seg = meta.segment_size
+    count = 1 if seg == 0 else -(-meta.payload_len // (seg + TAG_LEN))
+    n = meta.payload_len - count * TAG_LEN
+    out = []
+    for i in range(count):
+        s, e = (0, n) if seg == 0 else (i * seg, min(n, (i + 1) * seg))
+        out.append((s, e, s + i * TAG_LEN, e + (i + 1) * TAG_LEN))
+    if n < 0 or max(eo - so for _s, _e, so, eo in out) > slot.bounce.numel():
+        raise NixlTransferError("a sealed segment does not fit the bounce area (chunk_bytes changed?)")
+    return n, out
+
+
+def _write_sealed(agent: NixlAgent, slot: ScratchSlot, loc: Loc, meta: EntryMeta, src: MemoryObj,
+                  cipher: RecordCipher) -> None:  # fmt: skip
+    n, segments = _layout(meta, slot)
+    if n != src.nbytes:
+        raise RecordError("sealed payload length differs from the planned one")
+    seal = cipher.new_seal(n, meta.segment_size)
+    if seal.segments != len(segments):
+        raise RecordError("sealed segments differ from the planned ones")
+    plain = src.byte_view() if n else memoryview(b"")
+    hasher = xxhash.xxh3_64()
+    for i, (s, e, so, eo) in enumerate(segments):
+        out = address_view(slot.bounce_ptr, eo - so)
+        cipher.seal_segment(seal, meta.key, meta.shape, meta.dtype, meta.fmt, n, i, plain[s:e], out)
+        hasher.update(out)
+        local = [(slot.bounce_ptr, eo - so)]
+        remote = [(loc.payload_off + so, eo - so, loc.payload_dev)]
+        if i == len(segments) - 1:  # the header rides with the last segment (its checksum is known now)
+            header = encode_header(meta.key, meta.shape, meta.dtype, meta.fmt, hasher.intdigest(), seal=seal)
+            if len(header) != meta.header_len or len(header) > HEADER_SCRATCH_BYTES:
+                raise RecordError("header length differs from the planned one")
+            address_view(slot.header_ptr, len(header))[:] = header
+            local.append((slot.header_ptr, len(header)))
+            remote.append((loc.header_off, len(header), loc.header_dev))
+        agent.transfer("WRITE", local, remote)
+
+
+def _read_sealed(agent: NixlAgent, slot: ScratchSlot, loc: Loc, meta: EntryMeta, dst: MemoryObj,
+                 cipher: RecordCipher) -> None:  # fmt: skip
+    if meta.header_len > HEADER_SCRATCH_BYTES:
+        raise RecordError("header larger than the scratch area")
+    n, segments = _layout(meta, slot)
+    if n != dst.nbytes:
+        raise RecordError("destination does not hold the record's plaintext")
+    plain = dst.byte_view() if n else memoryview(bytearray())
+    hasher = xxhash.xxh3_64()
+    header: RecordHeader | None = None
+    for i, (s, e, so, eo) in enumerate(segments):
+        local = [(slot.bounce_ptr, eo - so)]
+        remote = [(loc.payload_off + so, eo - so, loc.payload_dev)]
+        if header is None:  # the header rides with the first segment (a wrong record stops here)
+            local.insert(0, (slot.header_ptr, meta.header_len))
+            remote.insert(0, (loc.header_off, meta.header_len, loc.header_dev))
+        agent.transfer("READ", local, remote)
+        if header is None:
+            hview = address_view(slot.header_ptr, meta.header_len)
+            header = decode_header(hview, expect_key=meta.key, key_id=cipher.key_id)
+            if EntryMeta.from_header(header) != meta:  # so its segments are the ones planned
+                raise RecordError("record header does not match the index")
+        stored = address_view(slot.bounce_ptr, eo - so)
+        hasher.update(stored)
+        cipher.open_segment(header, i, stored, plain[s:e])
     assert header is not None
     if hasher.intdigest() != header.checksum:
         raise RecordError("payload checksum mismatch")

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmcache_async.backend import Allocate
 from lmcache_async.backends.nixl_agent import NixlAgent, NixlStuckError, NixlTransferError, park
@@ -35,6 +35,9 @@ from lmcache_async.backends.nixl_io import (
 from lmcache_async.backends.nixl_jobs import Outcomes, each_with_slot
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj, PoolAllocator
+
+if TYPE_CHECKING:
+    from lmcache_async.encryption import RecordCipher
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +100,9 @@ class NixlWork:
 
     ``registered`` are the pools registered with the agent; ``staging`` is the registered staging
     pool (reads that cannot land in registered memory, and copies of unregistered sources for
-    one-piece object-store writes); None when there is none. The jobs run on worker threads.
+    one-piece object-store writes); None when there is none. ``cipher`` seals the records
+    planned as sealed and opens them (through the scratch bounce area). The jobs run on worker
+    threads.
     """
 
     def __init__(
@@ -108,6 +113,7 @@ class NixlWork:
         chunk_bytes: int,
         registered: tuple[PoolAllocator, ...],
         staging: PoolAllocator | None,
+        cipher: RecordCipher | None = None,
     ) -> None:
         self.agent = agent
         self.layout = layout
@@ -115,6 +121,7 @@ class NixlWork:
         self.chunk_bytes = chunk_bytes
         self._pools = registered
         self.staging = staging
+        self.cipher = cipher
 
     def registered(self, obj: MemoryObj) -> bool:
         """``obj`` lies in memory registered with the agent (any thread)."""
@@ -147,17 +154,17 @@ class NixlWork:
 
     def write(self, plans: list[WritePlan]) -> Outcomes:
         """Write every planned record; one outcome per plan."""
-        layout, agent, chunk = self.layout, self.agent, self.chunk_bytes
+        layout, agent, chunk, cipher = self.layout, self.agent, self.chunk_bytes, self.cipher
 
         def write(slot: ScratchSlot, plan: WritePlan) -> None:
             src, registered = plan.obj, plan.registered
             staged: MemoryObj | None = None
             try:
-                if not registered and not layout.piecewise:
+                if not registered and not layout.piecewise and not plan.meta.sealed:
                     staged = self._stage_copy(src)
                     src, registered = staged, True
                 with layout.open_write(plan.location, plan.meta, plan.recycle) as loc:
-                    write_record(agent, slot, loc, plan.meta, src, registered, chunk, layout.piecewise)
+                    write_record(agent, slot, loc, plan.meta, src, registered, chunk, layout.piecewise, cipher=cipher)
             finally:
                 # A stuck write only reads its source: the block may go back.
                 if staged is not None:
@@ -187,11 +194,11 @@ class NixlWork:
 
     def read(self, jobs: list[ReadJob]) -> Outcomes:
         """Read and verify every record; one outcome per job."""
-        layout, agent, chunk = self.layout, self.agent, self.chunk_bytes
+        layout, agent, chunk, cipher = self.layout, self.agent, self.chunk_bytes, self.cipher
 
         def read(slot: ScratchSlot, job: ReadJob) -> None:
             with layout.open_read(job.entry.location, job.entry.meta) as loc:
-                read_record(agent, slot, loc, job.entry.meta, job.dst, job.registered, chunk)
+                read_record(agent, slot, loc, job.entry.meta, job.dst, job.registered, chunk, cipher=cipher)
 
         return each_with_slot(self.scratch, jobs, read)
 

@@ -124,21 +124,46 @@ class RecordCipher:
         reads): ``out`` is a writable byte view of exactly the stored length
         (:func:`~lmcache_async.record_sections.sealed_length`, ``ValueError`` otherwise); the
         seal for the record's header is returned."""
-        if segment_size < 0:
-            raise ValueError("segment_size must be >= 0")
         plain = plain.cast("B") if plain.format != "B" or plain.ndim != 1 else plain
         n = plain.nbytes
-        segments, stored_len = sealed_length(n, segment_size)
+        seal = self.new_seal(n, segment_size)
+        _segments, stored_len = sealed_length(n, segment_size)
         if out.nbytes != stored_len:
             raise ValueError(f"out holds {out.nbytes} bytes; the sealed payload is {stored_len}")
         body = out.cast("B") if out.format != "B" or out.ndim != 1 else out
-        seal = Seal(self.key_id, os.urandom(NONCE_LEN), segment_size if segments > 1 else 0, segments)
-        for i in range(segments):
+        for i in range(seal.segments):
             s, e = seal.plain_bounds(i, n)
             so, eo = seal.stored_bounds(i, n)
-            aad = _aad(key, shape, dtype, fmt, i, segments, n)
-            self._aead.encrypt_into(seal.segment_nonce(i), plain[s:e], aad, body[so:eo])
+            self.seal_segment(seal, key, shape, dtype, fmt, n, i, plain[s:e], body[so:eo])
         return seal
+
+    def new_seal(self, plain_len: int, segment_size: int = 0) -> Seal:
+        """The seal of a new record of ``plain_len`` bytes (a fresh random nonce), for sealing
+        its segments one at a time with :meth:`seal_segment` (e.g. as each goes out)."""
+        if segment_size < 0:
+            raise ValueError("segment_size must be >= 0")
+        segments, _stored = sealed_length(plain_len, segment_size)
+        return Seal(self.key_id, os.urandom(NONCE_LEN), segment_size if segments > 1 else 0, segments)
+
+    def seal_segment(
+        self,
+        seal: Seal,
+        key: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        fmt: MemoryFormat,
+        plain_len: int,
+        index: int,
+        plain: memoryview,
+        out: memoryview,
+    ) -> None:
+        """Encrypt segment ``index`` of a record sealed by ``seal`` (``plain``: its plaintext,
+        ``seal.plain_bounds(index, plain_len)`` of the entry) into ``out`` (its ciphertext and
+        tag: exactly ``len(plain) + 16`` writable bytes). Each segment must be sealed once."""
+        if seal.key_id != self.key_id:
+            raise ValueError("seal is not of this key")
+        aad = _aad(key, shape, dtype, fmt, index, seal.segments, plain_len)
+        self._aead.encrypt_into(seal.segment_nonce(index), plain, aad, out)
 
     def open_segment(self, hdr: RecordHeader, index: int, stored: memoryview, dst: memoryview) -> None:
         """Decrypt segment ``index`` of ``hdr``'s record (``stored``: its ciphertext and tag)

@@ -341,7 +341,7 @@ async def test_write_failing_inside_a_reused_evicted_file_deletes_it(
     a_inode = a_file.stat().st_ino
     written_into: list[tuple[int, bool]] = []
 
-    def half_write(agent, slot, loc, meta, src, registered, chunk, piecewise=True) -> None:
+    def half_write(agent, slot, loc, meta, src, registered, chunk, piecewise=True, cipher=None) -> None:
         # The payload lands (over `a`'s bytes, in place), then the request for the header fails.
         written_into.append((os.fstat(loc.payload_dev).st_ino, a_file.exists()))
         n = meta.payload_len
