@@ -36,6 +36,7 @@ BENCH_SUITES: dict[str, str] = {
     "disk": f"{BENCH_PACKAGE}.disk",
     "remote": f"{BENCH_PACKAGE}.remote",
     "s3": f"{BENCH_PACKAGE}.s3",
+    "sealed": f"{BENCH_PACKAGE}.sealed",
     "nixl": f"{BENCH_PACKAGE}.nixl",
     "scaling": f"{BENCH_PACKAGE}.scaling",
     "sweep": f"{BENCH_PACKAGE}.sweep",
