@@ -277,7 +277,8 @@ class LMCacheEngineConfig(BaseModel):
     encryption_key_file: str | None = Field(
         None,
         description="AES-256-GCM key file (mode 0600; 'lmcache-async keygen FILE'): seals every record written "
-        "outside process memory (disk, fs://, Redis, S3); records under another key are misses, kept.",
+        "outside process memory (disk, fs://, Redis, S3, Mooncake, NIXL files); records under another key are misses, "
+        "kept.",
     )
     # --- node cache server (lmcache-async serve; client tier "server") ---------------------------
     cache_server_socket: str | None = Field(
