@@ -17,13 +17,22 @@ from lmcache_async.backends.nixl_io import RECORD_SUFFIX
 from lmcache_async.encryption import RecordCipher, load_cipher, write_key_file
 from lmcache_async.memory import HeapAllocator, MemoryFormat, MemoryObj
 from lmcache_async.records import decode_header, encode_header, payload_checksum
-from lmcache_async.testing import make_key
+from lmcache_async.testing import PersistentBackendConformanceTests, make_key
 
 pytestmark = pytest.mark.nixl
 
 MiB = 1 << 20
 LAYOUTS = [pytest.param(0, id="files"), pytest.param(8, id="slots")]
 CHUNK = 1 * MiB
+
+
+class TestSealedNixlConformance(PersistentBackendConformanceTests):
+    """The whole backend contract with every record sealed (files layout; the key file sits
+    beside the storage directory, so a reopened backend has the same key)."""
+
+    async def make_backend(self, ctx: BackendContext, location: Path) -> NixlBackend:
+        settings = NixlSettings(plugin="POSIX", path=str(location), max_bytes=256 << 20, chunk_bytes=64 << 10)
+        return NixlBackend(ctx, settings, cipher=_cipher(location.parent, "conformance.key"))
 
 
 def _cipher(tmp_path: Path, name: str) -> RecordCipher:

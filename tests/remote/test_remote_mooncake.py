@@ -111,6 +111,22 @@ class TestMooncakeConformance(PersistentBackendConformanceTests):
         return mooncake_backend(ctx, self.store, self.prefix)
 
 
+class TestSealedMooncakeConformance(PersistentBackendConformanceTests):
+    """The same contract with every record sealed (``encryption_key_file``; the key file sits
+    beside the location, so a reopened backend has the same key)."""
+
+    @pytest.fixture(autouse=True)
+    def _store(self, mooncake_store: MooncakeServers) -> None:
+        self.store = mooncake_store
+        self.prefix = f"s{uuid.uuid4().hex[:12]}"
+
+    async def make_backend(self, ctx: BackendContext, location: Path) -> Any:
+        key_file = location.parent / "conformance.key"
+        if not key_file.exists():
+            _key_file(location.parent, "conformance.key")
+        return mooncake_backend(ctx, self.store, self.prefix, key_file=str(key_file))
+
+
 # ---- fixtures of the specific tests -------------------------------------------------------------------
 @pytest.fixture
 def prefix() -> str:
