@@ -91,6 +91,14 @@ def scheduler_stats(llm: Any) -> dict[str, Any] | None:
 
 def main(spec_path: str, result_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
+    if spec.get("debug_log"):  # the connector's decisions and warnings, timestamped, in the log
+        import logging
+
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s.%(msecs)03d %(threadName)s %(message)s", "%H:%M:%S"))
+        kv_log = logging.getLogger("lmcache_async")
+        kv_log.addHandler(handler)
+        kv_log.setLevel(logging.DEBUG)
     workdir = Path(spec["workdir"])
     result: dict[str, Any] = {"runs": [], "error": None, "alive": False}
     t0 = time.monotonic()
@@ -151,6 +159,10 @@ def main(spec_path: str, result_path: str) -> int:
                     llm.collective_rpc(kv_rpc.reset_hs)
                 before = by_source(llm)
                 g0 = time.monotonic()
+                if spec.get("debug_log"):
+                    print(
+                        f"{time.strftime('%H:%M:%S')}.{int(time.time() * 1000) % 1000:03d} generate {idx}", flush=True
+                    )
                 lora = loras[phase["lora"]] if phase.get("lora") else None
                 phase_params = params
                 if phase.get("params"):

@@ -12,11 +12,12 @@ Three engines, each in its own process:
    (``remote_timeout_s`` above a chunk's read time: slow, not failing). Prompt 0 under
    ``load_policy: auto`` (the process's first request), then prompt 2 (never stored: the
    uncached TTFT in this process, printed): prompt 0 must finish with the baseline's tokens
-   within 1.1 x the no-connector process's first request of it (the connector probed the tier at
-   start-up and priced the load against the prefill rate the store run measured). Then prompt 1
-   with ``load_policy: always`` and ``max_load_s`` (``kv_transfer_params``): Redis is stopped
-   (SIGSTOP) mid-load; the load is abandoned at its deadline, the request recomputed with the
-   baseline's tokens, the engine stays alive, and the abandon is counted.
+   within 1.1 x the slower uncached run of it (the no-connector process's first request, this
+   process's own) (the connector probed the tier at start-up and priced the load against the
+   prefill rate the store run measured). Then prompt 1 with ``load_policy: always`` and
+   ``max_load_s`` (``kv_transfer_params``): Redis is stopped (SIGSTOP) mid-load; the load is
+   abandoned at its deadline, the request recomputed with the baseline's tokens, the engine
+   stays alive, and the abandon is counted.
 
 The disk tier's restore under the same decision is in ``test_kv_connector.py``.
 """
@@ -98,6 +99,7 @@ def runs(kv_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, lr_redis:
             "slow",
             {
                 **base,
+                "debug_log": True,
                 "kv": slow_kv,
                 "phases": [
                     {"prompts": [0]},  # the first request of this process
@@ -146,10 +148,11 @@ def test_a_slow_tier_costs_no_more_than_recomputing(runs: dict[str, Any]) -> Non
     assert sched["probes"] >= 2 and "remote" in sched["costs"]["tiers"]  # calibrated at start-up
     decided = {k: v for k, v in sched.items() if k.startswith("decision_")}
     assert sum(decided.values()) >= 2, decided
-    # Paired with the no-connector process's first request of the same prompt (a fresh process's
-    # first 3,000-token forward is slower than later ones in vLLM itself), 0.25 s of slack for
-    # this shared host; the same-process uncached run is printed beside it.
-    assert first["ttft_s"] <= 1.1 * ref[0]["ttft_s"] + 0.25
+    # Uncached TTFTs of this shared host swing by 2-6x under other work, so the bound takes the
+    # slower of the two uncached runs of this prompt length: the no-connector process's first
+    # request of the same prompt (a fresh process's first forward is slower in vLLM itself) and
+    # this process's own uncached run; 0.25 s of slack. The bench gives the paired medians.
+    assert first["ttft_s"] <= 1.1 * max(ref[0]["ttft_s"], uncached["ttft_s"]) + 0.25
 
 
 def test_a_stall_mid_load_is_abandoned_at_its_deadline_and_recomputed(runs: dict[str, Any]) -> None:
@@ -169,6 +172,9 @@ def test_a_stall_mid_load_is_abandoned_at_its_deadline_and_recomputed(runs: dict
     )
     assert worker["abandoned_loads"] >= 1
     assert sched["loads_failed"] >= 1  # learnt from vLLM's output: never offered again
-    assert r["ttft_s"] <= MAX_LOAD_S + ref[1]["ttft_s"] + 1.0 + 0.25
+    uncached = max(ref[1]["ttft_s"], _ok(runs["slow"])[1]["ttft_s"])  # see the slow-tier test
+    # The abandon comes at the deadline plus at most the read in flight (waited out: one tier
+    # timeout); 0.25 s of slack for this shared host.
+    assert r["ttft_s"] <= MAX_LOAD_S + REMOTE_TIMEOUT_S + uncached + 1.0 + 0.25
     assert worker["loads_in_flight"] == 0
     assert worker["staging"] is None or worker["staging"]["objects"] == 0  # no read buffer left behind

@@ -141,6 +141,7 @@ def test_a_slow_tier_is_recomputed_and_a_fast_one_loaded() -> None:
     rate = 1000.0  # tokens/s: 2.56 s to prefill the ten chunks; the remote needs ~2.7 s
     slow = decide(["remote"] * 10, book, rate)
     assert slow.chunks == 0 and slow.reason == "slower"
+    assert slow.declined is not None and slow.declined[0] == "remote" and slow.declined[1] > slow.declined[2]
     fast = decide(["disk"] * 10, book, rate)
     assert fast.chunks == 10 and fast.reason == "cheaper"
     assert fast.load_s is not None and fast.recompute_s is not None and fast.load_s < fast.recompute_s

@@ -171,6 +171,9 @@ class LoadDecision:
     recompute_s: float | None
     reason: str
     tiers: tuple[str, ...] = ()
+    declined: tuple[str, float, float] | None = None
+    """The run that ended the prefix, when one did on its costs: ``(tier, expected read
+    seconds, prefill seconds of its tokens)`` (for the debug log and tests)."""
 
 
 def decide_load(
@@ -213,6 +216,7 @@ def decide_load(
     lower = False  # some chunk comes from a tier that is not memory
     n = 0
     stop: str | None = None
+    declined: tuple[str, float, float] | None = None
     per_piece = max(1, piece_bytes // max(chunk_bytes, 1))
     while n < held and stop is None:
         tier = tiers[n]
@@ -240,6 +244,7 @@ def decide_load(
             and cost * (1.0 + margin) > sum(tokens[n:end]) / rate
         ):
             stop = "slower"
+            declined = (tier, cost, sum(tokens[n:end]) / rate)
             break
         if policy == "auto" and max_load_s is not None and cost is not None and total + cost > max_load_s:
             per_chunk = cost / count
@@ -260,7 +265,8 @@ def decide_load(
     else:
         reason = "cheaper" if known and rate is not None else "unknown"
     recompute = sum(tokens[:n]) / rate if rate is not None else None
-    return LoadDecision(n, total if known else None, recompute, reason, tuple(t for t in tiers[:n] if t is not None))
+    kept = tuple(t for t in tiers[:n] if t is not None)
+    return LoadDecision(n, total if known else None, recompute, reason, kept, declined)
 
 
 def load_deadline(

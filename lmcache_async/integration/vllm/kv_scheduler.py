@@ -297,7 +297,7 @@ class KVSchedulerSide:
         self.counters["tokens_declined"] += hit - max(end, computed)
         logger.debug(
             "KV connector: request %s: %d of %d stored tokens loaded (%s): tiers %s, load %s s, recompute %s s, "
-            "prefill %s tokens/s",
+            "prefill %s tokens/s; declined (tier, load s, recompute s): %s",
             req_id,
             max(end - computed, 0),
             hit - computed,
@@ -306,6 +306,7 @@ class KVSchedulerSide:
             None if d.load_s is None else round(d.load_s, 4),
             None if d.recompute_s is None else round(d.recompute_s, 4),
             None if rate is None else round(rate),
+            None if d.declined is None else (d.declined[0], round(d.declined[1], 4), round(d.declined[2], 4)),
         )
         if end <= computed:
             return 0, False
