@@ -124,6 +124,7 @@ def measure(
     fast_rounds: int = 1,
     first_rounds: int = 0,
     pairs: bool = True,
+    server: bool = False,
 ) -> dict[str, Any]:
     """Every engine process of the suite; the raw results by process name. ``before``: a
     checkout of earlier code, whose disk run 2 is measured too, alternating with ours
@@ -131,7 +132,9 @@ def measure(
     ``slow_only``: the store and the slow pairs only; ``fast_only``: a disk-only store and the
     disk runs 2 only; ``first_rounds``: that many pairs of fresh processes over the slow link,
     one whose first request is a stored prompt (``auto``), one whose first request was never
-    stored (uncached), alternating which starts; ``pairs``: run the slow pairs process."""
+    stored (uncached), alternating which starts; ``pairs``: run the slow pairs process;
+    ``server``: also run 2 through a node cache server (``tier_order: [cpu, server]``), ours and
+    ``before``'s, after a store through it."""
     from lmcache_async.testing.servers import RedisServer, find_server_binary
     from lmcache_async.testing.slow_link import SlowProxy
 
@@ -195,6 +198,22 @@ def measure(
         if before is not None:
             name = f"disk_hit_before{tail}"
             raw[name] = run_child(python, workdir, name, disk_spec, timeout_s, before)
+    if server:
+        from .vllm_kv import _cache_server
+
+        with _cache_server(workdir / "server") as socket:
+            served = {
+                **common,
+                "tier_order": ["cpu", "server"],
+                "cache_server_socket": socket,
+                "cache_server_namespace": "vllm-kv-slow",
+            }
+            store = {**base, "mode": "store", "kv": served, "seeds": {"all": auto}}
+            raw["server_store"] = run_child(python, workdir, "server_store", store, timeout_s)
+            hit = {**base, "mode": "hit", "kv": served, "seeds": {"all": auto}}
+            raw["server_hit"] = run_child(python, workdir, "server_hit", hit, timeout_s)
+            if before is not None:
+                raw["server_hit_before"] = run_child(python, workdir, "server_hit_before", hit, timeout_s, before)
     if fast_only:
         return raw
     reload = [400 + i for i in range(runs)]
@@ -364,6 +383,24 @@ def figures(raw: dict[str, Any]) -> tuple[list[Result], dict[str, Any]]:
                 note=f"median of per-prompt ratios {_paired_ratio(old, 'restored', 'prefix_hit') or 0:.3f}",
             )
         )
+    for key, label in (
+        ("server_hit", "node server run-2 TTFT (auto)"),
+        ("server_hit_before", "node server run-2 TTFT, the code before"),
+    ):
+        res = raw.get(key, {})
+        if res.get("runs"):
+            out.append(
+                Result(
+                    SUITE,
+                    label,
+                    _med(_ttfts(res, "restored")) or 0.0,
+                    "s",
+                    "vLLM prefix-cache hit, same prompt",
+                    _med(_ttfts(res, "prefix_hit")),
+                    note=f"median of per-prompt ratios {_paired_ratio(res, 'restored', 'prefix_hit') or 0:.3f}; "
+                    f"restored {[r['cached'] for r in res['runs'] if r['kind'] == 'restored']} tokens",
+                )
+            )
     ours, native = raw.get("ours_reload", {}), raw.get("native_reload", {})
     if ours.get("runs"):
         out.append(
@@ -421,6 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--fast-rounds", type=int, default=1, help="disk run-2 processes, ours and --before alternating")
     p.add_argument("--first-rounds", type=int, default=0, help="pairs of fresh processes measuring a first request")
     p.add_argument("--skip-pairs", action="store_true", help="no slow-pairs process (with --first-rounds)")
+    p.add_argument("--server", action="store_true", help="also run 2 through a node cache server")
     args = p.parse_args(argv)
     python = _python_with_vllm(args.python)
     model = ensure_model(python, args.model)
@@ -443,6 +481,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             fast_rounds=args.fast_rounds,
             first_rounds=args.first_rounds,
             pairs=not args.skip_pairs,
+            server=args.server,
         )
     finally:
         if own:
