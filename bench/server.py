@@ -161,6 +161,50 @@ def _per_op(fn: Callable[[], object], inner: int) -> Callable[[], float]:
     return one
 
 
+def _first_touch(opts: BenchOptions, sock: str) -> list[Result]:
+    """What a fresh namespace costs its first client: the first call (connect, handshake, the
+    namespace created, the pool mapped) beside a ping on the open connection, and the first put
+    of 8 x 1 MiB (pages never touched, the pool's first step maybe still being committed) beside
+    the same put into blocks touched before (the keys removed, then put again)."""
+    pool = PoolAllocator(16 * MiB, name="bench-first", pretouch=False)
+    srcs = [pool.allocate((256, 1024), torch.float32, MemoryFormat.EC_TD) for _ in range(8)]
+    items = [(_kb(900 + i), o) for i, o in enumerate(srcs) if o is not None]
+    for _, o in items:
+        o.tensor.normal_()
+    fresh = ServerClient(sock, "bench-first", timeout_s=30.0)
+    try:
+        t0 = time.perf_counter()
+        assert fresh.ping()
+        t_map = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        assert fresh.ping()
+        t_ping = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        assert fresh.put(items) == [True] * len(items)
+        t_first = time.perf_counter() - t0
+        warm = []
+        for _ in range(max(opts.reps, 3)):
+            assert fresh.remove([k for k, _ in items]) is not None
+            t0 = time.perf_counter()
+            assert fresh.put(items) == [True] * len(items)
+            warm.append(time.perf_counter() - t0)
+    finally:
+        fresh.close()
+        for _, o in items:
+            o.ref_count_down()
+    return [
+        Result(
+            SUITE, "first call of a fresh namespace (connect + map)", t_map * 1e3, "ms",
+            "ping on the open connection", t_ping * 1e3, note="first-map cost, once per client and namespace",
+        ),
+        Result(
+            SUITE, "first put 8 x 1 MiB (fresh pages)", t_first * 1e3, "ms",
+            "the same put into touched blocks (median)", statistics.median(warm) * 1e3,
+            note="first-touch cost: pages faulted in on first use (the pool grows lazily)",
+        ),
+    ]  # fmt: skip
+
+
 def _local_figures(opts: BenchOptions, client: ServerClient, asking: ServerClient, echo_path: str) -> list[Result]:
     reps = opts.reps
     inner = 50 if opts.quick else 400
@@ -481,6 +525,8 @@ def _run(opts: BenchOptions) -> list[Result]:
                     if time.monotonic() > deadline or server.poll() is not None:
                         raise RuntimeError("the cache server did not start") from None
                     time.sleep(0.1)
+            opts.say("server: the first call and put of a fresh namespace")
+            first = _first_touch(opts, sock)
             opts.say("server: measuring contains and 1 MiB get")
             client = ServerClient(sock, "bench", timeout_s=30.0)
             asking = ServerClient(sock, "bench", timeout_s=30.0, remember_locations=False)
@@ -490,7 +536,7 @@ def _run(opts: BenchOptions) -> list[Result]:
                 asking.close()
             opts.say("server: put/get vs the Redis tier")
             results += with_redis(opts, "server vs redis", lambda url: _redis_figures(opts, client, url))
-            return results
+            return first + results
         finally:
             if client is not None:
                 client.close()

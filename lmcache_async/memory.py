@@ -406,7 +406,13 @@ class PoolAllocator(_AllocatorBase):
         pin: bool | None = None,
         pretouch: bool = True,
         reserve_bytes: int | None = None,
+        buffer: torch.Tensor | None = None,
+        committed_bytes: int | None = None,
     ) -> None:
+        """``buffer``: a uint8 CPU tensor of at least ``size_bytes`` bytes the caller provides
+        (and whose memory it has checked): no fit check, no pinning, no pre-touch here.
+        ``committed_bytes``: only the first that many bytes are allocatable (default: all);
+        :meth:`commit_more` hands out more as the caller makes them usable."""
         super().__init__(name)
         if not isinstance(size_bytes, int) or size_bytes < 0:
             raise ValueError(f"size_bytes must be a non-negative int, got {size_bytes!r}")
@@ -414,13 +420,23 @@ class PoolAllocator(_AllocatorBase):
             raise ValueError(f"align must be a power of two, got {align}")
         self.align = align
         size_bytes -= size_bytes % align
-        if reserve_bytes is None:
-            reserve_bytes = min(2 * GiB, max(GiB // 2, (memory_available_bytes() or 0) // 20))
-        check_pool_fits(name, size_bytes, reserve_bytes)
         self.capacity = size_bytes
-        self.pinned = cuda_pinning_available() if pin is None else pin
-        self.buffer = torch.empty(max(size_bytes, align), dtype=torch.uint8, pin_memory=self.pinned)
+        if buffer is None:
+            if reserve_bytes is None:
+                reserve_bytes = min(2 * GiB, max(GiB // 2, (memory_available_bytes() or 0) // 20))
+            check_pool_fits(name, size_bytes, reserve_bytes)
+            self.pinned = cuda_pinning_available() if pin is None else pin
+            self.buffer = torch.empty(max(size_bytes, align), dtype=torch.uint8, pin_memory=self.pinned)
+        else:
+            if buffer.dtype != torch.uint8 or buffer.device.type != "cpu" or buffer.numel() < size_bytes:
+                raise ValueError(f"buffer must be a uint8 CPU tensor of at least {size_bytes} bytes")
+            self.pinned = False
+            self.buffer = buffer
+            pretouch = False
         self.base_ptr = self.buffer.data_ptr()
+        #: Bytes at the start of the buffer the allocator may hand out (see :meth:`commit_more`).
+        committed = size_bytes if committed_bytes is None else committed_bytes - committed_bytes % align
+        self.committed = min(size_bytes, max(committed, 0))
         self._mv: memoryview | None = None
         self._typed: dict[torch.dtype, torch.Tensor] = {}
         self._view_cache: dict[tuple[int, tuple[int, ...], torch.dtype], tuple[torch.Tensor, tuple[int, ...]]] = {}
@@ -435,8 +451,8 @@ class PoolAllocator(_AllocatorBase):
         self._mask = 0
         self.used_bytes = 0
         self.num_objects = 0
-        if units:
-            self._insert_free(0, units)
+        if self.committed:
+            self._insert_free(0, self.committed // align)
         self._touched = threading.Event()
         if pretouch and size_bytes and not self.pinned:
             # A daemon thread still inside madvise when the interpreter finalizes aborts the
@@ -456,6 +472,23 @@ class PoolAllocator(_AllocatorBase):
             logger.debug("pre-touch of %s failed", self.name, exc_info=True)
         finally:
             self._touched.set()
+
+    def commit_more(self, nbytes: int) -> int:
+        """Make ``nbytes`` more (rounded down to the alignment, at most up to the capacity) of
+        the buffer allocatable, after the bytes committed so far; the caller has made that
+        memory usable. Returns the bytes committed now. Thread-safe."""
+        with self.lock:
+            new = min(self.capacity, self.committed + max(nbytes, 0) // self.align * self.align)
+            if new > self.committed:
+                start, length = self.committed // self.align, (new - self.committed) // self.align
+                prev = self._free_end.get(start)
+                if prev is not None:  # merge with the free block that ends where the new bytes start
+                    plen = self._free_start[prev]
+                    self._remove_free(prev, plen)
+                    start, length = prev, length + plen
+                self._insert_free(start, length)
+                self.committed = new
+            return self.committed
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait until the background pre-touch finished (True) or ``timeout`` passed (False)."""
@@ -534,7 +567,7 @@ class PoolAllocator(_AllocatorBase):
         n = numel * dtype.itemsize
         align = self.align
         units = -(-n // align) or 1
-        if units * align > self.capacity - self.used_bytes:
+        if units * align > self.committed - self.used_bytes:
             # Fewer free bytes than the block needs, read without the lock (an int read is
             # atomic): no block fits at this moment. Callers that evict and retry (the CPU tier
             # under churn) fail here at once instead of searching the free lists.

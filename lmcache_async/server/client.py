@@ -35,7 +35,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -55,6 +55,7 @@ from lmcache_async.server.protocol import (
     FRAME,
     MAX_BATCH,
     MAX_KEY_BYTES,
+    MAX_LIST_PAGE,
     EntryMeta,
     Mode,
     Op,
@@ -68,7 +69,7 @@ from lmcache_async.server.protocol import encode_meta as _encode_meta
 from lmcache_async.server.shm import OPTIMISTIC_READS, PoolMapping, version_sum
 from lmcache_async.server.views import EntryView
 
-__all__ = ["EntryView", "ServerClient", "ServerUnavailable", "query_status"]
+__all__ = ["EntryView", "ListedEntry", "ServerClient", "ServerUnavailable", "query_status"]
 
 T = TypeVar("T")
 
@@ -138,7 +139,7 @@ class ServerClient:
             raise ValueError(f"server_uid must be a uid (an int >= 0), got {server_uid!r}")
         self.path = path
         self.namespace = namespace
-        #: The uid the server must run as (``SO_PEERCRED``, checked before anything is sent).
+        #: The uid the server may run as besides ours (``SO_PEERCRED``, checked before anything is sent).
         self.server_uid = os.getuid() if server_uid is None else server_uid
         self.token = token
         self.timeout_s = float(timeout_s)
@@ -802,6 +803,37 @@ class ServerClient:
             self._log.warning("cache server %s: CLEAR could not clear tier(s) %s", self.path, got, key="clear")
         return not got
 
+    def list_page(
+        self, after: bytes = b"", prefix: bytes = b"", limit: int = 256
+    ) -> tuple[list[ListedEntry], bool] | None:
+        """One page of this namespace's entries in key order (``LIST``): those whose keys start
+        with ``prefix`` and sort after ``after`` (the last key of the previous page), at most
+        ``limit``; and whether more follow. None when the server could not be asked. Recency and
+        hit counts are not touched. ``ValueError`` for a ``limit`` outside 1..MAX_LIST_PAGE or a
+        key argument longer than MAX_KEY_BYTES."""
+        if not isinstance(limit, int) or not 0 < limit <= MAX_LIST_PAGE:
+            raise ValueError(f"limit must be an int in 1..{MAX_LIST_PAGE}, got {limit!r}")
+        for name, v in (("after", after), ("prefix", prefix)):
+            if not isinstance(v, bytes) or len(v) > MAX_KEY_BYTES:
+                raise ValueError(f"{name} must be bytes of at most {MAX_KEY_BYTES}, got {type(v).__name__}")
+        body = Writer().blob(after).blob(prefix).u16(limit).body()
+        return self._call(Op.LIST, body, _list_of)
+
+    def entries(self, prefix: bytes = b"", page: int = 256) -> Iterator[ListedEntry]:
+        """Every entry whose key starts with ``prefix``, in key order, page by page
+        (:meth:`list_page`); ``ConnectionError`` when a page cannot be had. Entries put or
+        removed meanwhile may or may not be seen."""
+        after = b""
+        while True:
+            got = self.list_page(after, prefix, page)
+            if got is None:
+                raise ConnectionError(f"cache server {self.path} did not answer LIST")
+            items, more = got
+            yield from items
+            if not more or not items:
+                return
+            after = items[-1].key
+
     def ping(self) -> bool:
         """True when the server answers."""
         return self._call(Op.PING, b"", lambda c, r: True) is True
@@ -992,6 +1024,21 @@ def _grants(r: Reader, n: int, pool_bytes: int) -> list[tuple[int, int] | None]:
     return out
 
 
+class ListedEntry(NamedTuple):
+    """One entry of a LIST page: key, metadata, pool block size, and whether a lease or hold
+    pins it."""
+
+    key: bytes
+    meta: EntryMeta
+    block_bytes: int
+    pinned: bool
+
+
+def _list_of(conn: _Connection, r: Reader) -> tuple[list[ListedEntry], bool]:
+    out = [ListedEntry(r.blob(), r.meta(), r.u64(), bool(r.u8())) for _ in range(r.u16())]
+    return out, bool(r.u8())
+
+
 def _json(r: Reader) -> dict[str, Any]:
     try:
         out = json.loads(r.rest())
@@ -1008,8 +1055,8 @@ def query_status(
     """The figures of the server on ``path`` (a status connection: no namespace, no pool): the
     namespaces this process may join only.
 
-    Raises ``OSError``/``ConnectionError`` when it cannot be reached, refuses us, or does not run
-    as ``server_uid`` (default: our uid).
+    Raises ``OSError``/``ConnectionError`` when it cannot be reached, refuses us, or runs as
+    neither our uid nor ``server_uid``.
     """
     deadline = time.monotonic() + timeout_s
     conn = _connect(path, "", token, Mode.STATUS, deadline, server_uid=server_uid)

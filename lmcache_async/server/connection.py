@@ -34,6 +34,7 @@ from lmcache_async.server.protocol import (
     HELLO,
     MAGIC,
     MAX_BODY,
+    REFUSALS,
     VERSION,
     WELCOME,
     EntryMeta,
@@ -141,7 +142,7 @@ def connect(
 ) -> Connection:
     """Handshake on ``path`` and map the namespace pool (mode CLIENT) before ``deadline``.
 
-    The server's uid must be ``server_uid`` (default: ours); a socket served by anyone else (a
+    The server's uid must be ours or ``server_uid``; a socket served by anyone else (a
     user who created the socket's directory first) gets no token and no payload:
     ``ServerUnavailable``. ``io_timeout_s`` bounds each later blocking wait on the connection
     (default: the time left until ``deadline``); callers pass their per-call timeout.
@@ -150,10 +151,11 @@ def connect(
     try:
         sock.settimeout(max(deadline - time.monotonic(), 0.001))
         sock.connect(path)
-        want = os.getuid() if server_uid is None else server_uid
+        mine = os.getuid()
         got = server_uid_of(sock)
-        if got != want:
-            raise ServerUnavailable(f"{path} is served by uid {got}, not by uid {want} (nothing sent)")
+        if got != mine and got != server_uid:
+            also = "" if server_uid is None or server_uid == mine else f" or {server_uid}"
+            raise ServerUnavailable(f"{path} is served by uid {got}, not by uid {mine}{also} (nothing sent)")
         ns = namespace.encode("utf-8")
         tok = (token or "").encode("utf-8")
         sock.sendall(HELLO.pack(MAGIC, VERSION, int(mode), len(ns), len(tok)) + ns + tok)
@@ -172,7 +174,8 @@ def connect(
             _magic, _version, status, gen, pool_bytes, data_off, align, _ml, _mg, ttl_ms = WELCOME.unpack(msg)
             if status != Status.OK:
                 names = {int(v): v.name for v in Status}
-                raise ServerUnavailable(f"admission refused: {names.get(status, status)}")
+                why = REFUSALS.get(Status(status)) if status in names else None
+                raise ServerUnavailable(f"admission refused: {names.get(status, status)}" + (f": {why}" if why else ""))
             mapping = None
             if mode == Mode.CLIENT:
                 if len(fds) != 1:

@@ -236,7 +236,7 @@ class FrameProtocol(asyncio.Protocol):
                     raise ProtocolError(f"op {op_code.name} on a status connection")
                 if conn.state is not None:
                     conn.state.requests += 1
-                if server.needs_task(op_code):
+                if server.needs_task(op_code, conn):
                     self._busy = True
                     transport.pause_reading()
                     self._task = task = asyncio.ensure_future(server.dispatch(conn, op_code, Reader(body)))

@@ -1,7 +1,7 @@
 """One namespace of the node cache server: its shared pool, index, grants and leases.
 
 Thread affinity: every method runs on the server's event-loop thread (the allocator's own lock
-makes the pool safe to share with the pre-touch thread); nothing here blocks or awaits.
+makes the pool safe to share with the thread that grows it); nothing here blocks or awaits.
 
 * A **grant** is a pool block handed to one client for writing. It is not in the index: no
   reader can see it until the client commits it under a key. A granted block goes back to the
@@ -140,11 +140,19 @@ class Namespace:
         max_pinned_fraction: float = 0.5,
         reserve_bytes: int | None = None,
         pretouch: bool = True,
+        committed_bytes: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``committed_bytes``: the pool's memory committed at once (None: all of it; see
+        :class:`SharedPool`; the server passes 0 and grows it with its ``PoolGrowth``)."""
         self.name = name
         self.pool = SharedPool(
-            pool_bytes, name=f"ns-{name}", generation=new_generation(), reserve_bytes=reserve_bytes, pretouch=pretouch
+            pool_bytes,
+            name=f"ns-{name}",
+            generation=new_generation(),
+            reserve_bytes=reserve_bytes,
+            pretouch=pretouch,
+            committed_bytes=committed_bytes,
         )
         self.lease_ttl_s = lease_ttl_s
         self.max_leases = max_leases
@@ -395,15 +403,17 @@ class Namespace:
         return self._add_lease(st, h.obj), h.obj, h.meta
 
     # ---- writes --------------------------------------------------------------------------------
-    def grant(self, st: ClientState, nbytes: int) -> tuple[int, MemoryObj] | None:
-        """A block of at least ``nbytes`` for ``st`` to write (evicting unheld entries), or None
-        when the pool cannot make room or the client holds its cap of grants."""
+    def grant(self, st: ClientState, nbytes: int, *, count_refusal: bool = True) -> tuple[int, MemoryObj] | None:
+        """A block of at least ``nbytes`` for ``st`` to write (evicting unheld entries once the
+        pool cannot grow), or None when the pool cannot make room or the client holds its cap of
+        grants (counted in ``refused_grants`` unless ``count_refusal`` is False: the caller
+        waits for the pool to grow and asks again)."""
         if len(st.grants) >= self.max_grants or not self.pool.can_ever_fit(nbytes):
             self.refused_grants += 1
             return None
         obj = self._allocate(nbytes)
         if obj is None:
-            self.refused_grants += 1
+            self.refused_grants += count_refusal
             return None
         gid = next(self._ids)
         st.grants[gid] = Grant(obj, self._clock() + self.lease_ttl_s)
@@ -411,10 +421,11 @@ class Namespace:
 
     def _allocate(self, nbytes: int) -> MemoryObj | None:
         """A block of at least ``nbytes``; LRU entries nobody else references are evicted for it
-        only when evicting all of them would make room."""
+        only when the pool cannot grow (all of it committed, or a step refused for lack of
+        memory) and evicting all of them would make room."""
         pool = self.pool
         obj = pool.allocate((max(nbytes, 1),), torch.uint8)
-        if obj is None and self._could_fit(nbytes):
+        if obj is None and not pool.can_grow and self._could_fit(nbytes):
             while (victim := self._index.pop_oldest(_held)) is not None:
                 self.evictions += 1
                 self._retire(victim[1])
@@ -445,7 +456,7 @@ class Namespace:
         ``refused_evictions`` when not."""
         align = self.pool.align
         need = max(1, -(-nbytes // align)) * align
-        capacity = self.pool.capacity
+        capacity = self.pool.committed
         pinned = self._pinned_blocks()
         if need * (len(pinned) + 1) <= capacity - sum(pinned.values()):
             return True  # pinned blocks cut the pool into at most len+1 runs: the longest is long enough
@@ -527,6 +538,23 @@ class Namespace:
         for k in keys:
             self.hits += idx.touch(k)
 
+    def list_page(
+        self, after: bytes, prefix: bytes, limit: int
+    ) -> tuple[list[tuple[bytes, int, EntryMeta, bool]], bool]:
+        """Up to ``limit`` entries whose keys start with ``prefix`` and sort after ``after``, in
+        key order: (key, block size, metadata, pinned by a lease or hold), and whether more
+        follow. One pass over the index (no recency change, nothing counted)."""
+        import heapq
+
+        keys = (k for k in self._index if k > after and k.startswith(prefix))
+        page = heapq.nsmallest(limit + 1, keys)
+        out = []
+        for k in page[:limit]:
+            e = self._index.lookup(k, touch=False)
+            if e is not None:
+                out.append((k, e.obj.size, e.meta, e.obj.get_ref_count() != 1))
+        return out, len(page) > limit
+
     def clear(self) -> None:
         for key in list(self._index):
             self.remove(key)
@@ -580,6 +608,8 @@ class Namespace:
             "entries": len(self._index),
             "bytes": self.payload_bytes,
             "pool_capacity_bytes": self.pool.capacity,
+            "pool_committed_bytes": self.pool.committed,
+            "pool_grow_refused": self.pool.grow_refused,
             "pool_used_bytes": self.pool.used_bytes,
             "committed_block_bytes": self.committed_block_bytes(),
             "clients": len(self.clients),

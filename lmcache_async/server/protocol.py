@@ -45,13 +45,16 @@ from lmcache_async.memory import MemoryFormat
 __all__ = [
     "FRAME",
     "HELLO",
+    "LIST_PAGE_BYTES",
     "MAGIC",
     "MAX_BATCH",
     "MAX_BODY",
     "MAX_HOLD_TTL_S",
     "MAX_KEY_BYTES",
+    "MAX_LIST_PAGE",
     "MAX_NDIM",
     "NO_OFFSET",
+    "REFUSALS",
     "VERSION",
     "WELCOME",
     "EntryMeta",
@@ -106,6 +109,22 @@ class Status(enum.IntEnum):
     BAD_TOKEN = 2
     BAD_NAMESPACE = 3
     FULL = 4
+    """The server holds its cap of connections (``cache_server_max_connections``)."""
+    NO_POOL = 5
+    """The namespace's pool could not be created (the server's log says why)."""
+    TOO_MANY_NAMESPACES = 6
+    """The server holds its cap of namespaces in use (``cache_server_max_namespaces``)."""
+
+
+#: What a refused client is told, by status.
+REFUSALS = {
+    Status.BAD_VERSION: "the server speaks another protocol version",
+    Status.BAD_TOKEN: "wrong or missing token (cache_server_token, or the namespace's own token)",
+    Status.BAD_NAMESPACE: "bad namespace name",
+    Status.FULL: "the server holds its cap of connections (cache_server_max_connections)",
+    Status.NO_POOL: "the server could not create this namespace's pool (its log says why)",
+    Status.TOO_MANY_NAMESPACES: "the server holds its cap of namespaces in use (cache_server_max_namespaces)",
+}
 
 
 class Op(enum.IntEnum):
@@ -131,10 +150,18 @@ class Op(enum.IntEnum):
     TOUCH = 15
     """Keys a reader copied from locations it already knew (never answered): each present one
     becomes the youngest entry and counts as a hit."""
+    LIST = 16
+    """A page of the namespace's entries in key order (an operator's tool; recency untouched):
+    request ``after`` (blob: the last key of the previous page, empty for the first), ``prefix``
+    (blob: only keys starting with it), ``limit`` u16; answer a u16 count, per entry its key
+    (blob), metadata, block size u64 and pinned flag u8 (leased or held), then ``more`` u8."""
 
 
 #: Ops the server answers with a frame of the same op and seq.
 ANSWERED = frozenset(op for op in Op if op not in (Op.RELEASE, Op.UNGRANT, Op.UNHOLD, Op.TOUCH))
+#: Most entries in one LIST page, and the body bytes after which a page ends early.
+MAX_LIST_PAGE = 1000
+LIST_PAGE_BYTES = 1 << 20
 #: Longest TTL a hold may ask for; longer requests are cut to it.
 MAX_HOLD_TTL_S = 3600.0
 #: Commit outcomes.

@@ -51,16 +51,20 @@ import torch
 from lmcache_async.memory import MemoryObj
 from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.server.frames import MAY_WAIT, Conn, FrameProtocol
+from lmcache_async.server.growth import WAIT_S, PoolGrowth, check_pool_size
 from lmcache_async.server.keycheck import checked_key
 from lmcache_async.server.lower import LowerStore, wants_lower_tiers
 from lmcache_async.server.namespace import ClientState, Namespace
 from lmcache_async.server.protocol import (
     COMMIT_STORED,
     HELLO,
+    LIST_PAGE_BYTES,
     MAGIC,
     MAX_HOLD_TTL_S,
+    MAX_LIST_PAGE,
     MAX_NAMESPACE_BYTES,
     MAX_TOKEN_BYTES,
+    REFUSALS,
     VERSION,
     WELCOME,
     EntryMeta,
@@ -80,7 +84,7 @@ if TYPE_CHECKING:
 _U16 = struct.Struct("<H")
 _HIT = struct.Struct("<BQQ")  # an answer's hit: flag (1 GET, 2 READ), lease id or version, offset (then metadata)
 
-__all__ = ["CacheServer", "NamespacePolicy", "parse_namespace_policies", "prepare_socket_dir"]
+__all__ = ["CacheServer", "NamespacePolicy", "default_socket_path", "parse_namespace_policies", "prepare_socket_dir"]
 
 logger = logging.getLogger(__name__)
 
@@ -129,14 +133,31 @@ def parse_namespace_policies(raw: object) -> dict[str, NamespacePolicy]:
     return out
 
 
+def default_socket_path() -> Path:
+    """Where ``serve`` and ``status`` put the socket when no path is given:
+    ``$XDG_RUNTIME_DIR/lmcache-async/cache.sock`` when that variable names a directory of ours,
+    else ``<system temp dir>/lmcache-async-<uid>/cache.sock``. Clients never default: they name
+    the socket (``cache_server_socket``)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        with contextlib.suppress(OSError):
+            st = os.stat(runtime)
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+                return Path(runtime) / "lmcache-async" / "cache.sock"
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / f"lmcache-async-{os.getuid()}" / "cache.sock"
+
+
 def prepare_socket_dir(path: str | os.PathLike[str], *, shared: bool = False) -> Path:
     """Check (or create, 0700; 0711 when ``shared``) the socket's directory and remove a stale
     socket file.
 
     ``shared``: other users must reach the socket (namespaces bound to them), so the directory
-    may be searchable by them, never writable. Raises ``ValueError`` when the path is longer
-    than a Unix socket path may be, when the directory is not ours or is open to others beyond
-    that, when ``path`` exists and is not a socket, or when a server already answers on it.
+    may be searchable by them, never writable. Raises ``ValueError`` (one line that says what to
+    do) when the path is longer than a Unix socket path may be, when ``path`` exists and is not a
+    socket, when the directory is not ours or is open to others beyond that, when it cannot be
+    created or read (an I/O error, a read-only filesystem), or when a server already answers on it.
     """
     sock_path = Path(path)
     if len(os.fsencode(sock_path)) > MAX_SOCKET_PATH:
@@ -144,34 +165,52 @@ def prepare_socket_dir(path: str | os.PathLike[str], *, shared: bool = False) ->
             f"socket path {sock_path} is {len(os.fsencode(sock_path))} bytes; a Unix socket path "
             f"may have at most {MAX_SOCKET_PATH} (choose a shorter --socket)"
         )
+    hint = f"or leave --socket out to use the default, {default_socket_path()}"
+    try:
+        mode_now = os.lstat(sock_path).st_mode
+    except FileNotFoundError:
+        mode_now = None
+    except OSError as exc:
+        raise ValueError(f"cannot look at {sock_path}: {exc.strerror or exc}") from None
+    if mode_now is not None and not stat.S_ISSOCK(mode_now):
+        what = "a directory" if stat.S_ISDIR(mode_now) else "a regular file" if stat.S_ISREG(mode_now) else "a file"
+        raise ValueError(f"{sock_path} is {what}, not a socket: give a socket path ({hint})")
     parent = sock_path.parent
     mode = 0o711 if shared else 0o700
-    if not parent.exists():
-        parent.mkdir(mode=mode, parents=True)
-        os.chmod(parent, mode)
-    st = os.stat(parent)
+    try:
+        if not parent.exists():
+            parent.mkdir(mode=mode, parents=True)
+            os.chmod(parent, mode)
+        st = os.stat(parent)
+    except OSError as exc:
+        raise ValueError(f"cannot create the socket directory {parent}: {exc.strerror or exc} ({hint})") from None
     if st.st_uid != os.getuid():
-        raise ValueError(f"socket directory {parent} is owned by uid {st.st_uid}, not by this user")
+        raise ValueError(f"socket directory {parent} is owned by uid {st.st_uid}, not by this user ({hint})")
     if shared and stat.S_IMODE(st.st_mode) & 0o022:
         raise ValueError(
             f"socket directory {parent} has mode {stat.S_IMODE(st.st_mode):o}; others must not write to it "
             f"(chmod 711 {parent})"
         )
-    if shared and stat.S_IMODE(st.st_mode) & 0o011 != 0o011:
-        os.chmod(parent, stat.S_IMODE(st.st_mode) | 0o111)  # ours, not writable by others: let them reach the socket
+    try:
+        if shared and stat.S_IMODE(st.st_mode) & 0o011 != 0o011:
+            os.chmod(parent, stat.S_IMODE(st.st_mode) | 0o111)  # ours, not writable by others: let them reach it
+    except OSError as exc:
+        raise ValueError(f"cannot open the socket directory {parent} to other users: {exc.strerror or exc}") from None
     if not shared and stat.S_IMODE(st.st_mode) & 0o077:
         raise ValueError(
-            f"socket directory {parent} has mode {stat.S_IMODE(st.st_mode):o}; it must be 0700 (chmod 700 {parent})"
+            f"socket directory {parent} has mode {stat.S_IMODE(st.st_mode):o}; it must be 0700, only its user may "
+            f"enter it (chmod 700 {parent}, {hint})"
         )
-    if sock_path.exists() or sock_path.is_symlink():
-        if not stat.S_ISSOCK(os.lstat(sock_path).st_mode):
-            raise ValueError(f"{sock_path} exists and is not a socket")
+    if mode_now is not None:
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.settimeout(1.0)
         try:
             probe.connect(str(sock_path))
         except OSError:
-            sock_path.unlink()  # nobody listens: left over from a server that died
+            try:
+                sock_path.unlink()  # nobody listens: left over from a server that died
+            except OSError as exc:
+                raise ValueError(f"cannot remove the stale socket {sock_path}: {exc.strerror or exc}") from None
         else:
             raise ValueError(f"a server is already listening on {sock_path}")
         finally:
@@ -195,6 +234,8 @@ class CacheServer:
         self.pool_bytes = gib_to_bytes(config.max_local_cpu_size)
         if self.pool_bytes <= 0:
             raise ValueError("max_local_cpu_size must be > 0 GiB for the cache server's pools")
+        reserve = None if config.memory_reserve_size is None else gib_to_bytes(config.memory_reserve_size)
+        check_pool_size(self.pool_bytes, reserve)  # one that can never fit is refused at start
         self.token = config.cache_server_token
         self.lease_ttl_s = float(config.cache_server_lease_ttl_s)
         self.max_leases = int(config.cache_server_max_leases)
@@ -217,6 +258,8 @@ class CacheServer:
         #: Whether a namespace admits users other than ours (the socket is then open to all).
         self.shared_socket = any((p.uids - {self._uid}) or p.gids for p in self.policies.values())
         self._reserve = None if config.memory_reserve_size is None else gib_to_bytes(config.memory_reserve_size)
+        #: Commits the namespace pools step by step as they fill (see growth.py).
+        self.growth = PoolGrowth(self._reserve)
         self.namespaces: dict[str, Namespace] = {}
         self.lower: LowerStore | None = LowerStore(config) if wants_lower_tiers(config) else None
         self._conns: dict[int, Conn] = {}
@@ -242,10 +285,13 @@ class CacheServer:
         old = os.umask(0o177)
         try:
             sock.bind(str(path))
+            # Other users bound to a namespace must be able to connect; SO_PEERCRED decides.
+            os.chmod(path, 0o666 if self.shared_socket else 0o600)
+        except OSError as exc:
+            sock.close()
+            raise ValueError(f"cannot create the socket {path}: {exc.strerror or exc}") from None
         finally:
             os.umask(old)
-        # Other users bound to a namespace must be able to connect; SO_PEERCRED decides.
-        os.chmod(path, 0o666 if self.shared_socket else 0o600)
         sock.listen(256)
         sock.setblocking(False)
         self._listener = sock
@@ -290,6 +336,7 @@ class CacheServer:
                 await self.lower.close()
             except Exception as exc:
                 logger.warning("cache server: closing the lower tiers failed: %s: %s", type(exc).__name__, exc)
+        self.growth.close()
         for ns in self.namespaces.values():
             ns.close()
         self.namespaces.clear()
@@ -449,14 +496,18 @@ class CacheServer:
             else:
                 ns = self.namespaces.get(ns_name)
                 if ns is None:
-                    ns = self._new_namespace(ns_name)
-                    if ns is None:
-                        status = Status.FULL
+                    ns, status = self._new_namespace(ns_name)
         if status is not Status.OK:
             self.rejected += 1
+            logger.info(
+                "cache server: refused pid %d (uid %d, namespace %r): %s",
+                pid, uid, ns_name_b.decode("utf-8", "replace"), REFUSALS.get(status, status.name),
+            )  # fmt: skip
             self._send_welcome(sock, status, None)
             return None
         ident = next(self._ids)
+        if ns is not None:
+            logger.info("cache server: admitted pid %d (uid %d) to namespace %r", pid, uid, ns.name)
         state = ns.add_client(ident, pid) if ns is not None else None
         try:
             self._send_welcome(sock, status, ns)
@@ -466,13 +517,14 @@ class CacheServer:
             raise
         return Conn(ident, ns, state, uid, pid, gid, token)
 
-    def _new_namespace(self, name: str) -> Namespace | None:
-        """A new namespace (its pool created), or None when the server holds its cap of them
-        and none can be released (an unused one holding no entry is released for it)."""
+    def _new_namespace(self, name: str) -> tuple[Namespace | None, Status]:
+        """A new namespace (its pool created) and OK; or None and why not: the server holds its
+        cap of them and none can be released (an unused one holding no entry is released for
+        it), or its pool could not be created (logged)."""
         if len(self.namespaces) >= self.max_namespaces:
             victims = [n for n, ns in self.namespaces.items() if not len(ns) and ns.reclaimable(0.0)]
             if not victims:
-                return None
+                return None, Status.TOO_MANY_NAMESPACES
             self._release_namespace(victims[0])
         try:
             ns = Namespace(
@@ -487,15 +539,17 @@ class CacheServer:
                 max_pinned_fraction=self.max_pinned_fraction,
                 reserve_bytes=self._reserve,
                 pretouch=bool(self.config.cache_server_pretouch),
+                committed_bytes=0,
             )
         except (OSError, ValueError) as exc:
             self._log.warning("cache server: cannot create the pool of namespace %r: %s", name, exc, key="ns")
-            return None
+            return None, Status.NO_POOL
         self.namespaces[name] = ns
+        self.growth.maybe_grow(ns.pool)  # the first step, in the background
         logger.info(
             "cache server: namespace %r created (%d bytes, generation %x)", name, ns.pool.capacity, ns.generation
         )
-        return ns
+        return ns, Status.OK
 
     @staticmethod
     def _peer(sock: socket.socket) -> tuple[int, int, int]:
@@ -567,9 +621,14 @@ class CacheServer:
 
         return {int(Op.CONTAINS): contains, int(Op.READ): read, int(Op.GET): get, int(Op.RELEASE): release}
 
-    def needs_task(self, op: Op) -> bool:
-        """True when a request of ``op`` may wait (on the lower tiers) and so runs as a task."""
-        return self.lower is not None and op in MAY_WAIT
+    def needs_task(self, op: Op, conn: Conn | None = None) -> bool:
+        """True when a request of ``op`` on ``conn`` may wait and so runs as a task: on the lower
+        tiers, or a GRANT while its namespace's pool is short of committed room (it may wait for
+        the pool to grow)."""
+        if self.lower is not None and op in MAY_WAIT:
+            return True
+        ns = conn.ns if conn is not None else None
+        return op is Op.GRANT and ns is not None and self.growth.short(ns.pool)
 
     # ---- operations ---------------------------------------------------------------------------------
     async def dispatch(self, conn: Conn, op: Op, r: Reader) -> bytes | None:
@@ -615,7 +674,11 @@ class CacheServer:
         elif op is Op.GRANT:
             sizes = [r.u64() for _ in range(r.count())]
             r.done()
-            self._grants(ns, st, sizes, w)
+            if self.growth.short(ns.pool):
+                await self._grants_growing(ns, st, sizes, w)
+            else:
+                self._grants(ns, st, sizes, w)
+            self.growth.maybe_grow(ns.pool)
         elif op is Op.COMMIT:
             n = r.count()
             commits = []
@@ -633,6 +696,7 @@ class CacheServer:
                 if res == COMMIT_STORED and self.lower is not None:
                     await self._write_through(ns, key)
             self._grants(ns, st, sizes, w)
+            self.growth.maybe_grow(ns.pool)
         elif op is Op.UNGRANT:
             for _ in range(r.count()):
                 ns.ungrant(st, r.u64())
@@ -669,6 +733,25 @@ class CacheServer:
                 ns.unhold(r.u64())
             r.done()
             return None
+        elif op is Op.LIST:
+            after, prefix = r.blob(), r.blob()
+            limit = min(r.u16(), MAX_LIST_PAGE)
+            r.done()
+            page, more = ns.list_page(after, prefix, limit)
+            parts = [b""]
+            size = 0
+            n = 0
+            for key, block, meta, pinned in page:
+                if size > LIST_PAGE_BYTES:
+                    more = True
+                    break
+                item = Writer().blob(key).meta(meta).u64(block).u8(pinned).body()
+                parts.append(item)
+                size += len(item)
+                n += 1
+            parts[0] = _U16.pack(n)
+            parts.append(bytes([more]))
+            return b"".join(parts)
         elif op is Op.GET_HELD:
             tokens = [r.u64() for _ in range(r.count())]
             r.done()
@@ -697,6 +780,10 @@ class CacheServer:
             if ns.entry_view(key) is None:  # nobody committed it while we read
                 meta = EntryMeta.of(obj.shape, obj.dtype, obj.fmt)
                 block = ns.allocate_block(meta.nbytes)
+                if block is None and ns.pool.can_grow:
+                    await self.growth.wait_room(ns.pool, asyncio.get_running_loop().time() + WAIT_S)
+                    block = ns.allocate_block(meta.nbytes)
+                self.growth.maybe_grow(ns.pool)
                 if block is None:
                     ns.misses += 1
                     return False
@@ -708,6 +795,25 @@ class CacheServer:
         finally:
             obj.ref_count_down()
         return True
+
+    async def _grants_growing(self, ns: Namespace, st: ClientState, sizes: list[int], w: Writer) -> None:
+        """:meth:`_grants` for a pool short of committed room: a size that finds no block waits
+        for the pool's next step (at most :data:`~lmcache_async.server.growth.WAIT_S` for the
+        whole request) and is asked again; refused when the pool cannot grow."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WAIT_S
+        w.u16(len(sizes))
+        for size in sizes:
+            ok = 0 < size <= ns.pool.capacity and len(st.grants) < ns.max_grants
+            got = ns.grant(st, size, count_refusal=False) if ok else None
+            while ok and got is None and ns.pool.can_grow and await self.growth.wait_room(ns.pool, deadline):
+                got = ns.grant(st, size, count_refusal=False)
+            if got is None:
+                ns.refused_grants += 1
+                w.u64(0).u64(0).u64(0)
+            else:
+                gid, obj = got
+                w.u64(gid).u64(obj.offset).u64(obj.size)
 
     @staticmethod
     def _grants(ns: Namespace, st: ClientState, sizes: list[int], w: Writer) -> None:
@@ -732,7 +838,9 @@ class CacheServer:
             "tiers": ["shm", *(self.lower.tier_names if self.lower is not None else [])],
             "lower": self.lower.stats() if self.lower is not None else None,
             "pool_bytes_per_namespace": self.pool_bytes,
-            "clients": len(self._conns),
+            "pool_growth_steps": self.growth.steps,
+            "pool_growth_refused": self.growth.refused,
+            "clients": sum(c.ns is not None for c in self._conns.values()),  # status connections not counted
             "connections_total": self.connections_total,
             "rejected": self.rejected,
             "refused_connections": self.refused_connections,
@@ -759,14 +867,14 @@ def run_server(config: LMCacheEngineConfig, socket_path: str | os.PathLike[str])
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, server.stop)
-        logger.warning(
-            "cache server listening on %s (pid %d, %d bytes per namespace)",
+        logger.info(
+            "cache server listening on %s (pid %d, pools of up to %.2f GiB per namespace, committed as they fill)",
             server.socket_path,
             os.getpid(),
-            server.pool_bytes,
+            server.pool_bytes / (1 << 30),
         )
         await server.serve()
-        logger.warning("cache server stopped")
+        logger.info("cache server stopped")
 
     factory = event_loop_factory(os.environ.get(LOOP_ENV, "auto"))
     with asyncio.Runner(loop_factory=factory) as runner:

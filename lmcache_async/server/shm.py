@@ -16,6 +16,10 @@ counters only grow). The same check lets a client reuse a location it was told e
 orders the server's increment before any later writer's bytes for every other CPU (total store
 order); on other architectures clients read under a lease instead (:data:`OPTIMISTIC_READS`).
 
+The file is created **sparse** at its full size and the server commits its entry region in
+steps as it fills (:class:`SharedPool`), so a pool costs memory for what it holds, not for its
+capacity; clients map the whole file and fault in only the pages they touch.
+
 The file is **sealed** (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``) before it is handed out:
 no client can truncate it under the server (which would make the server's next access a
 ``SIGBUS``) or grow it; clients map the size the handshake announces and refuse an unsealed file.
@@ -30,13 +34,14 @@ import os
 import platform
 import secrets
 import struct
-import threading
 
 import torch
 
-from lmcache_async.memory import PoolAllocator, populate_pages
+from lmcache_async.memory import DEFAULT_ALIGN, MiB, PoolAllocator, populate_pages
 
 __all__ = [
+    "GROW_STEP_MAX",
+    "GROW_STEP_MIN",
     "HEADER_BYTES",
     "OPTIMISTIC_READS",
     "REGION_BYTES",
@@ -54,6 +59,9 @@ HEADER_BYTES = 4096
 REGION_SHIFT = 20
 REGION_BYTES = 1 << REGION_SHIFT
 _PAGE = 4096
+#: Smallest and largest step by which a pool's committed memory grows.
+GROW_STEP_MIN = 64 * MiB
+GROW_STEP_MAX = 1024 * MiB
 _HEADER = struct.Struct("<8sQQQI")  # magic, generation, data bytes, version table offset, region shift
 _POOL_MAGIC = b"LMCSPOOL"
 #: Whether this machine's memory order lets a client trust a lease-free copy checked by the
@@ -100,9 +108,17 @@ def new_generation() -> int:
 class SharedPool(PoolAllocator):
     """A :class:`PoolAllocator` whose buffer is a memfd the server can hand to clients.
 
+    The file has the pool's full size from the start but is **sparse**: no entry byte takes
+    memory until it is committed. Only the first :attr:`committed` entry bytes are allocatable;
+    the server grows that prefix in steps (:meth:`next_step`, then :meth:`prepare` on a worker
+    thread, then :meth:`commit_more` on the loop; see :mod:`lmcache_async.server.growth`), so
+    creating a pool costs no memory and no time in the way of the first answers.
+
     ``fd`` stays open for the pool's life (it is sent to each admitted client); :meth:`close`
-    closes it and unmaps when the last view is gone. The pool is pre-touched in the background.
-    Thread-safety is the allocator's. ``pretouch=False`` leaves pages to fault on first use.
+    closes it and unmaps when the last view is gone. Thread-safety is the allocator's.
+    ``pretouch``: :meth:`prepare` also faults a committed step into the server's mapping.
+    ``committed_bytes``: bytes committed at once, blocking (None: the whole pool, for tests and
+    tools; the server passes 0 and grows the pool in the background).
     """
 
     def __init__(
@@ -113,33 +129,58 @@ class SharedPool(PoolAllocator):
         generation: int,
         reserve_bytes: int | None = None,
         pretouch: bool = True,
+        committed_bytes: int | None = None,
     ) -> None:
-        # The base class reserves an untouched anonymous buffer of the same size (address space
-        # only); it is replaced by the shared mapping before any block is handed out.
-        super().__init__(size_bytes, name=name, pin=False, pretouch=False, reserve_bytes=reserve_bytes)
+        capacity = size_bytes - size_bytes % DEFAULT_ALIGN
         self.generation = generation
+        self.pretouch = pretouch
+        #: Memory kept free beside the pools when a step is checked (None: the allocator's rule).
+        self.reserve_bytes = reserve_bytes
+        #: True after a step was refused for lack of memory (the pool then evicts within what it
+        #: has; the server tries again later).
+        self.grow_refused = False
         self.fd = os.memfd_create(f"lmcache-async-{name}"[:200], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        table_off, self.file_bytes = _table_layout(self.capacity, self.align)
+        table_off, self.file_bytes = _table_layout(capacity, DEFAULT_ALIGN)
         try:
-            os.ftruncate(self.fd, self.file_bytes)
+            os.ftruncate(self.fd, self.file_bytes)  # sparse: no page is allocated yet
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)  # no client can shrink or grow it
             self._mm = mmap.mmap(self.fd, self.file_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(self.fd)
             raise
-        _HEADER.pack_into(self._mm, 0, _POOL_MAGIC, generation, self.capacity, table_off, REGION_SHIFT)
+        _HEADER.pack_into(self._mm, 0, _POOL_MAGIC, generation, capacity, table_off, REGION_SHIFT)
+        buffer = torch.frombuffer(self._mm, dtype=torch.uint8, offset=HEADER_BYTES, count=table_off - HEADER_BYTES)
+        super().__init__(capacity, name=name, pin=False, pretouch=False, buffer=buffer, committed_bytes=0)
         #: The version table (native u64 counters; see the module docstring).
         self.versions = memoryview(self._mm)[table_off : table_off + 8 * _regions(self.capacity)].cast("Q")
-        self.buffer = torch.frombuffer(self._mm, dtype=torch.uint8, offset=HEADER_BYTES, count=table_off - HEADER_BYTES)
-        self.base_ptr = self.buffer.data_ptr()
-        if self.capacity and pretouch:
-            threading.Thread(target=self._populate, name=f"lmcache-async-pretouch-{name}"[:60], daemon=True).start()
+        first = capacity if committed_bytes is None else min(max(committed_bytes, 0), capacity)
+        if first:
+            self.prepare(os.dup(self.fd), 0, first)
+            self.commit_more(first)
 
-    def _populate(self) -> None:
+    @property
+    def can_grow(self) -> bool:
+        """Whether more of the pool may still be committed (not all of it is, and the last
+        step was not refused for lack of memory)."""
+        return self.committed < self.capacity and not self.grow_refused
+
+    def next_step(self) -> int:
+        """Bytes the next growth step commits: as much as is committed already (so a pool
+        doubles while it is small), at least :data:`GROW_STEP_MIN` and at most
+        :data:`GROW_STEP_MAX` bytes, never past the capacity (0: nothing left)."""
+        return min(self.capacity - self.committed, max(GROW_STEP_MIN, min(self.committed, GROW_STEP_MAX)))
+
+    def prepare(self, fd: int, offset: int, nbytes: int) -> None:
+        """Allocate the file's pages of ``nbytes`` entry bytes at ``offset`` (and fault them into
+        the server's mapping when :attr:`pretouch`); blocking, for a worker thread. ``fd`` is a
+        duplicate of :attr:`fd` the caller made for this call and that this call closes (the pool
+        may be closed meanwhile). ``OSError`` when the memory cannot be had."""
         try:
-            populate_pages(self.base_ptr, self.capacity)
-        except Exception:  # pragma: no cover - best effort
-            logger.debug("pre-touch of shared pool %s failed", self.name, exc_info=True)
+            os.posix_fallocate(fd, HEADER_BYTES + offset, nbytes)
+        finally:
+            os.close(fd)
+        if self.pretouch:
+            populate_pages(self.base_ptr + offset, nbytes)
 
     def retire(self, offset: int, nbytes: int) -> None:
         """Move the version counters under ``nbytes`` entry bytes at ``offset``: called (on the
@@ -164,8 +205,9 @@ class PoolMapping:
     """A client's mapping of a namespace pool received as a descriptor.
 
     Maps exactly the size the handshake announced (``pool_bytes`` and ``align`` give the file's
-    layout; ``fstat`` is not trusted) with ``MAP_POPULATE`` (first touch of a fresh mapping costs
-    about 350 µs/MiB here, about 40 µs with it), checks the file's seals (a file another client
+    layout; ``fstat`` is not trusted), without ``MAP_POPULATE``: the file is sparse and grows as
+    the server commits it, so a client faults in only the pages it touches (the first touch of a
+    page costs more than later ones; see docs/server.md), checks the file's seals (a file another client
     could shrink would ``SIGBUS`` every reader), the header's magic, generation and size, and
     closes the descriptor. ``data`` is a uint8 tensor over the entry region; views of it stay
     valid (as memory) after the mapping object is dropped, for as long as they are referenced.
@@ -187,8 +229,7 @@ class PoolMapping:
             size = pool_file_bytes(pool_bytes, align)
             if os.fstat(fd).st_size != size:
                 raise ValueError(f"pool file of {os.fstat(fd).st_size} bytes, announced {size}")
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            mm = mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         magic, gen, data_bytes, table_off, shift = _HEADER.unpack_from(mm, 0)

@@ -5,6 +5,8 @@ Modes (argv: socket namespace mode ...):
 * ``put N`` — store entries 0..N-1 and print ``stored <count>``.
 * ``wait-get N`` — print ``ready``, wait for a line on stdin, then get entries 0..N-1 and print
   ``got <hits> wrong <wrong>``.
+* ``first-put N`` — one put of the 1 MiB entries BIG..BIG+N-1; print ``stored <count> ms <latency>``.
+* ``get-big N`` — one get of the 1 MiB entries BIG..BIG+N-1; print ``got <hits> wrong <wrong>``.
 * ``load SECONDS SEED`` — mixed put/get/remove/contains over a shared key space for SECONDS;
   print one JSON line with ``ops``, ``errors``, ``wrong`` and the client's stats.
 * ``stall-put I [partial]`` — put entry ``I``, stopping itself (``SIGSTOP``) right before the copy
@@ -89,6 +91,23 @@ def main(argv: list[str]) -> int:
                 hits += 1
                 wrong += not check(obj, i)
                 obj.ref_count_down()
+        print(f"got {hits} wrong {wrong}", flush=True)
+    elif mode == "first-put":
+        objs = [fill(pool, BIG + i) for i in range(int(argv[3]))]
+        t0 = time.perf_counter()
+        res = client.put([(key_of(BIG + i), o) for i, o in enumerate(objs)]) or []
+        ms = (time.perf_counter() - t0) * 1e3
+        for o in objs:
+            o.ref_count_down()
+        print(f"stored {sum(map(bool, res))} ms {ms:.1f}", flush=True)
+    elif mode == "get-big":
+        n = int(argv[3])
+        got_big = client.get([key_of(BIG + i) for i in range(n)], pool.allocate) or []
+        hits = sum(o is not None for o in got_big)
+        wrong = sum(not check(o, BIG + i) for i, o in enumerate(got_big) if o is not None)
+        for o in got_big:
+            if o is not None:
+                o.ref_count_down()
         print(f"got {hits} wrong {wrong}", flush=True)
     elif mode in ("stall-put", "stall-loop"):
         first = int(argv[3])

@@ -623,6 +623,8 @@ def test_connections_past_the_cap_are_answered_full(make_server) -> None:  # typ
 def test_clear_clears_the_servers_disk_tier_too(make_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     disk = private_dir(tmp_path / "disk")
     srv = make_server(local_disk=str(disk), max_local_disk_size=0.05).start()
+    # Until its start-up scan ends, the disk tier cannot vouch for being clear (it says so).
+    assert _wait(lambda: srv.status()["lower"]["tiers"]["disk"]["rebuild_done"] is True, 30)
     pool = PoolAllocator(4 << 20, name="t-clear", pretouch=False)
     client = ServerClient(srv.socket, "clr", timeout_s=10.0)
     other = ServerClient(srv.socket, "keep", timeout_s=10.0)
