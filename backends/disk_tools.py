@@ -67,7 +67,7 @@ def _model_of(key: str) -> str:
         return key.split("@", 1)[0]
 
 
-def _check_file(path: str, digest: bytes, verify: bool, buf: bytearray) -> tuple[Any, int, str | None]:
+def check_entry_file(path: str, digest: bytes, verify: bool, buf: bytearray) -> tuple[Any, int, str | None]:
     """``(header or None, payload bytes read, problem or None)`` for one entry file."""
     import xxhash
 
@@ -141,7 +141,7 @@ def inspect_dir(
             fpath = f"{sdir}/{e.name}"
             size, mtime_ns = e.size, e.mtime_ns
             try:
-                hdr, nread, problem = _check_file(fpath, e.digest, verify, buf)
+                hdr, nread, problem = check_entry_file(fpath, e.digest, verify, buf)
             except FileNotFoundError:  # deleted meanwhile by a running process
                 done += 1
                 continue

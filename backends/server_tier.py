@@ -289,5 +289,6 @@ def create(ctx: BackendContext) -> ServerTier | None:
         timeout_s=cfg.remote_timeout_s,
         max_backoff_s=cfg.remote_breaker_max_backoff_s,
         remember_locations=cfg.cache_server_remember_locations,
+        server_uid=cfg.cache_server_uid,
     )
     return ServerTier(client, ctx)

@@ -1,4 +1,4 @@
-"""The ``lmcache-async`` command: ``demo``, ``config``, ``bench``, ``inspect``.
+"""The ``lmcache-async`` command: ``demo``, ``config``, ``bench``, ``inspect``, ``keys``, ``serve``, ``status``.
 
 Exit status: 0 success; 1 a check failed (the demo's, corrupt entries found by ``inspect``,
 nothing measured by ``bench``) or an unexpected error; 2 a usage or configuration error.
@@ -455,22 +455,41 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     from lmcache_async.config import load_engine_config
     from lmcache_async.server import run_server
+    from lmcache_async.server.server import default_socket_path
 
     logging.getLogger().setLevel(getattr(logging, args.log_level))
     config = load_engine_config(args.config)
     try:
-        return run_server(config, args.socket)
+        return run_server(config, args.socket or default_socket_path())
     except ValueError as exc:  # socket directory not private, a server already there, bad sizes
         raise UsageError(str(exc), f"{PROG} serve") from None
 
 
+def _human_bytes(n: object) -> str:
+    """``n`` bytes in binary units (``1.5 GiB``); ``?`` for a value that is not a number."""
+    if not isinstance(n, int | float):
+        return "?"
+    v = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(v) < 1024 or unit == "GiB":
+            return f"{int(v)} B" if unit == "B" else f"{v:.1f} {unit}"
+        v /= 1024
+    return f"{v:.1f} TiB"  # pragma: no cover
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     from lmcache_async.server import query_status
+    from lmcache_async.server.server import default_socket_path
 
+    args.socket = args.socket or str(default_socket_path())
     try:
         st = query_status(args.socket, token=args.token, timeout_s=args.timeout)
     except (OSError, ValueError) as exc:
-        print(f"{PROG} status: no cache server answers on {args.socket}: {one_line(exc)}", file=sys.stderr)
+        msg = one_line(exc)
+        if msg.startswith("admission refused"):  # it answered, and said no
+            print(f"{PROG} status: the cache server on {args.socket} refused this query: {msg}", file=sys.stderr)
+        else:
+            print(f"{PROG} status: no cache server answers on {args.socket}: {msg}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(st, indent=2, sort_keys=True))
@@ -486,8 +505,10 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print("namespaces  none yet")
     for name, ns in sorted(namespaces.items()):
         used, cap = ns.get("pool_used_bytes", 0), ns.get("pool_capacity_bytes", 0)
+        committed = ns.get("pool_committed_bytes", cap)
         print(
-            f"namespace {name!r}: {ns.get('entries')} entries, {ns.get('bytes')} bytes, pool {used}/{cap} bytes, "
+            f"namespace {name!r}: {ns.get('entries')} entries, {_human_bytes(ns.get('bytes'))}, pool "
+            f"{_human_bytes(used)} used of {_human_bytes(committed)} committed (up to {_human_bytes(cap)}), "
             f"{ns.get('clients')} clients, {ns.get('leases')} leases, {ns.get('grants')} grants, "
             f"hit rate {ns.get('hit_rate', 0.0):.1%} ({ns.get('hits')} hits, {ns.get('misses')} misses), "
             f"{ns.get('evictions')} evictions, generation {ns.get('generation', 0):x}"
@@ -580,7 +601,11 @@ def build_parser() -> argparse.ArgumentParser:
         "machine over a Unix socket (clients use tier 'server' with cache_server_socket). Runs in the "
         "foreground and logs to stderr; SIGTERM stops accepting, closes clients and exits 0.",
     )
-    sv.add_argument("--socket", required=True, help="Unix socket path (its directory must be 0700; created if absent)")
+    sv.add_argument(
+        "--socket",
+        help="Unix socket path (its directory must be 0700; created if absent). Default: "
+        "$XDG_RUNTIME_DIR/lmcache-async/cache.sock, else <temp dir>/lmcache-async-<uid>/cache.sock",
+    )
     sv.add_argument("--config", help="YAML file (default: $LMCACHE_CONFIG_FILE); max_local_cpu_size sizes each pool")
     sv.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sv.set_defaults(func=_cmd_serve)
@@ -591,7 +616,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Ask the cache server on --socket for its figures: tiers, clients, namespaces with "
         "entries, bytes, hit rates, leases and grants. Exit status 1 when no server answers.",
     )
-    st.add_argument("--socket", required=True, help="the server's Unix socket")
+    st.add_argument("--socket", help="the server's Unix socket (default: the one serve uses by default)")
     st.add_argument("--token", help="token, when the server requires one (cache_server_token)")
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default 5)")
     st.add_argument("--json", action="store_true", help="print JSON")
@@ -608,6 +633,9 @@ def build_parser() -> argparse.ArgumentParser:
     kg.set_defaults(func=_cmd_keygen)
 
     _add_inspect(sub)
+    from lmcache_async.keys_tool import add_keys_parser
+
+    add_keys_parser(sub)
     return p
 
 

@@ -301,7 +301,9 @@ class LMCacheEngineConfig(BaseModel):
     )
     cache_server_max_namespaces: int = Field(8, gt=0, description="Cache server: most namespaces (one pool each).")
     cache_server_pretouch: bool = Field(
-        True, description="Cache server: fault in each namespace pool in the background when it is created."
+        True,
+        description="Cache server: also fault each committed step of a namespace pool (pools grow as they "
+        "fill) into the server's mapping, in the background.",
     )
     cache_server_namespaces: dict[str, dict[str, Any]] | None = Field(
         None,
@@ -337,6 +339,12 @@ class LMCacheEngineConfig(BaseModel):
         True,
         description="Cache-server client: copy entries read before from where they lie, with no round trip, "
         "while the pool's version table shows them unchanged.",
+    )
+    cache_server_uid: int | None = Field(
+        None,
+        ge=0,
+        description="Cache-server client: the uid the server may run as besides the client's own (checked with "
+        "SO_PEERCRED before anything is sent; e.g. a server run by a service user).",
     )
 
     _sources: dict[str, str] = PrivateAttr(default_factory=dict)
