@@ -459,7 +459,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--first-rounds", type=int, default=0, help="pairs of fresh processes measuring a first request")
     p.add_argument("--skip-pairs", action="store_true", help="no slow-pairs process (with --first-rounds)")
     p.add_argument("--server", action="store_true", help="also run 2 through a node cache server")
-    p.add_argument("--server", action="store_true", help="also run 2 through a node cache server")
     args = p.parse_args(argv)
     python = _python_with_vllm(args.python)
     model = ensure_model(python, args.model)
