@@ -175,7 +175,7 @@ def prepare_socket_dir(path: str | os.PathLike[str], *, shared: bool = False) ->
     if mode_now is not None and not stat.S_ISSOCK(mode_now):
         what = "a directory" if stat.S_ISDIR(mode_now) else "a regular file" if stat.S_ISREG(mode_now) else "a file"
         raise ValueError(f"{sock_path} is {what}, not a socket: give a socket path ({hint})")
-    parent = sock_path.parent
+    parent = sock_path.absolute().parent  # a message names the directory, never "."
     mode = 0o711 if shared else 0o700
     try:
         if not parent.exists():

@@ -119,7 +119,7 @@ def test_every_subcommand_has_a_description_and_a_help_line() -> None:
     assert parser.description
     (sub,) = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
     helps = {a.dest: a.help for a in sub._choices_actions}
-    assert set(sub.choices) == {"demo", "config", "bench", "inspect", "serve", "status", "keygen"}
+    assert set(sub.choices) == {"demo", "config", "bench", "inspect", "serve", "status", "keygen", "keys"}
     for name, p in sub.choices.items():
         assert p.description and len(p.description) > 40, name
         assert helps[name], name
