@@ -119,8 +119,14 @@ class SlowProxy:
             for w in list(self._writers):  # the pipes end on their own once both ends are closed
                 w.close()
             await asyncio.sleep(0.05)
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in rest:
+                t.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
 
         with contextlib.suppress(Exception):
             asyncio.run_coroutine_threadsafe(close(), self.loop).result(5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(5)
+        if not self._thread.is_alive():
+            self.loop.close()  # its self-pipe sockets with it
