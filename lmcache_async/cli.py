@@ -633,7 +633,7 @@ def build_parser() -> argparse.ArgumentParser:
     kg.set_defaults(func=_cmd_keygen)
 
     _add_inspect(sub)
-    from lmcache_async.keys_tool import add_keys_parser
+    from lmcache_async.backends.keys_tool import add_keys_parser
 
     add_keys_parser(sub)
     return p
