@@ -91,7 +91,7 @@ def run(opts: BenchOptions) -> list[Result]:
             def lookup(extras: dict[str, Any] = extras, sched: KVSchedulerSide = sched) -> None:
                 req = _request(f"r{next(ids)}", tokens, **extras)
                 n, _ = sched.num_new_matched_tokens(req, 0)
-                assert n > 0
+                assert n is not None and n > 0
                 sched.finished(req.request_id)
 
             derive_s = median_time(derive, reps=reps, warmup=3)

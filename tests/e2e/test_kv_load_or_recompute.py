@@ -24,6 +24,7 @@ The disk tier's restore under the same decision is in ``test_kv_connector.py``.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
@@ -74,6 +75,7 @@ def runs(kv_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, lr_redis:
     out["store"] = run_kv_engine(work, "store", {**base, "kv": store_kv, "phases": [{"prompts": [0, 1]}]})
     proxy = SlowProxy(lr_redis.port, bytes_per_s=8e6, delay_s=0.005).start()
     stall: dict[str, float] = {}
+    threads: list[threading.Thread] = []
 
     def stall_redis() -> None:
         """Stop Redis once the load has visibly started (bytes crossing the proxy), resume it later."""
@@ -86,11 +88,14 @@ def runs(kv_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, lr_redis:
             while proxy.bytes_down < start + STALL_AFTER_BYTES and time.monotonic() < deadline:
                 time.sleep(0.002)
             stall["stopped"] = time.monotonic()
-            os.kill(pid, signal.SIGSTOP)
-            time.sleep(STALL_FOR_S)
-            os.kill(pid, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):  # Redis may be gone already (the module's end)
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(STALL_FOR_S)
+                os.kill(pid, signal.SIGCONT)
 
-        threading.Thread(target=run, daemon=True).start()
+        thread = threading.Thread(target=run, daemon=True)
+        threads.append(thread)
+        thread.start()
 
     slow_kv = {**CONNECTOR, "remote_url": proxy.url, "load_cost_file": costs, "remote_timeout_s": REMOTE_TIMEOUT_S}
     try:
@@ -114,6 +119,8 @@ def runs(kv_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, lr_redis:
             barriers={"stall": stall_redis},
         )
     finally:
+        for t in threads:  # the stall ends (Redis resumed) before anything else stops
+            t.join(STALL_FOR_S + 65)
         proxy.stop()
     out["proxy_bytes_down"] = proxy.bytes_down
     return out
