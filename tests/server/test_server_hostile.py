@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.server_entries import expected, key_bytes, put_entry, wait_until
 
 from lmcache_async.memory import MemoryFormat, PoolAllocator
 from lmcache_async.server.client import ServerClient, ServerUnavailable, _connect, _exchange
@@ -30,7 +31,7 @@ from lmcache_async.server.namespace import Namespace
 from lmcache_async.server.protocol import FRAME, HELLO, MAGIC, VERSION, WELCOME, EntryMeta, Mode, Op, Reader, Status
 from lmcache_async.server.shm import PoolMapping, pool_file_bytes
 from lmcache_async.testing.cache_server import CacheServerProcess, private_dir
-from lmcache_async.testing.conformance import make_key, make_obj
+from lmcache_async.testing.conformance import make_obj
 
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "client_worker.py")
@@ -40,33 +41,6 @@ import client_worker as cw  # noqa: E402
 #: Uids with no account here; root can run processes as them (setuid in a forked child).
 OTHER_UID, THIRD_UID = 54321, 54322
 needs_root = pytest.mark.skipif(os.getuid() != 0, reason="running a process as another uid needs root")
-
-
-def _kb(i: int) -> bytes:
-    return make_key(i).to_string().encode()
-
-
-def _put(client: ServerClient, pool: PoolAllocator, i: int, shape: tuple[int, ...] = (64, 64)) -> bool:
-    obj = make_obj(pool, shape, torch.float32, MemoryFormat.KV_2LTD, seed=i)
-    try:
-        res = client.put([(_kb(i), obj)])
-        return bool(res and res[0])
-    finally:
-        obj.ref_count_down()
-
-
-def _expected(i: int, shape: tuple[int, ...] = (64, 64)) -> torch.Tensor:
-    g = torch.Generator().manual_seed(i)
-    return torch.randn(shape, generator=g)
-
-
-def _wait(pred, timeout: float = 30.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return bool(pred())
 
 
 def _stopped(pid: int) -> bool:
@@ -110,7 +84,7 @@ def test_a_writer_stopped_past_its_grant_ttl_never_lands_in_another_entry(make_s
     args = ["stall-put", str(cw.BIG)] + (["partial"] if server_closes else [])
     stalled = _worker(srv, "stall", *args)  # one put, stopped inside
     try:
-        assert _wait(lambda: _stopped(stalled.pid)), stalled.stderr.read() if stalled.stderr else ""
+        assert wait_until(lambda: _stopped(stalled.pid)), stalled.stderr.read() if stalled.stderr else ""
         time.sleep(1.5)  # past the grant's TTL (and the frame timeout)
         st = srv.status()["namespaces"]["stall"]
         other = ServerClient(srv.socket, "stall", timeout_s=10.0)
@@ -126,7 +100,7 @@ def test_a_writer_stopped_past_its_grant_ttl_never_lands_in_another_entry(make_s
         out, err = stalled.communicate(timeout=60)
         assert out.strip().splitlines()[-1] in ("stored 0", "stored 1"), err
         if server_closes:  # its process exited: the quarantined block is back in the pool
-            assert _wait(lambda: srv.status()["namespaces"]["stall"].get("quarantined_blocks", 0) == 0)
+            assert wait_until(lambda: srv.status()["namespaces"]["stall"].get("quarantined_blocks", 0) == 0)
         reader = ServerClient(srv.socket, "stall", timeout_s=10.0)
         present, wrong = _wrong_big(reader, pool, range(cw.BIG, cw.BIG + 17))
         assert present > 0 and wrong == 0, (present, wrong)
@@ -156,7 +130,7 @@ def _stall_run(srv: CacheServerProcess, stalls: int, ttl_s: float, seed: int) ->
     wrong = checked = 0
     try:
         for n in range(stalls):
-            assert _wait(lambda: _stopped(writer.pid) or writer.poll() is not None, 120), n
+            assert wait_until(lambda: _stopped(writer.pid) or writer.poll() is not None, 120), n
             time.sleep(ttl_s * 1.3 + 0.1)  # past the grant TTL and the server's next sweep
             for i in rng.sample(mine, 8):  # fresh commits: freed blocks are granted again
                 other.remove([cw.key_of(i)])
@@ -207,8 +181,8 @@ def test_a_lease_copy_outliving_its_lease_is_a_miss_not_another_entrys_bytes(mak
     srv = make_server(max_local_cpu_size=1 / 128, cache_server_lease_ttl_s=0.3).start()
     pool = PoolAllocator(16 << 20, name="t-lease-stall", pretouch=False)
     client = ServerClient(srv.socket, "lease-stall", timeout_s=10.0)
-    assert _put(client, pool, 1)
-    tokens = client.hold([_kb(1)], ttl_s=60)
+    assert put_entry(client, pool, 1)
+    tokens = client.hold([key_bytes(1)], ttl_s=60)
     assert tokens and tokens[0]
     from lmcache_async.server import client as client_module
 
@@ -225,7 +199,7 @@ def test_a_lease_copy_outliving_its_lease_is_a_miss_not_another_entrys_bytes(mak
     finally:
         client_module._copy_hits = copy  # type: ignore[assignment]
     got = client.get_held(tokens, pool.allocate)
-    assert got is not None and got[0] is not None and torch.equal(got[0].tensor, _expected(1))
+    assert got is not None and got[0] is not None and torch.equal(got[0].tensor, expected(1))
     got[0].ref_count_down()
     client.close()
 
@@ -247,7 +221,7 @@ def _raw_handshake(path: str, ns: str, token: str = "") -> tuple[socket.socket, 
 def test_a_client_cannot_shrink_or_grow_the_pool_file(shared_server) -> None:  # type: ignore[no-untyped-def]
     pool = PoolAllocator(4 << 20, name="t-seal", pretouch=False)
     bystander = ServerClient(shared_server.socket, "sealed", timeout_s=10.0)
-    assert _put(bystander, pool, 3)
+    assert put_entry(bystander, pool, 3)
     sock, fd, fields = _raw_handshake(shared_server.socket, "sealed")
     try:
         size = os.fstat(fd).st_size
@@ -260,8 +234,8 @@ def test_a_client_cannot_shrink_or_grow_the_pool_file(shared_server) -> None:  #
     finally:
         os.close(fd)
         sock.close()
-    got = bystander.get([_kb(3)], pool.allocate)  # the server and the bystander live on
-    assert got is not None and got[0] is not None and torch.equal(got[0].tensor, _expected(3))
+    got = bystander.get([key_bytes(3)], pool.allocate)  # the server and the bystander live on
+    assert got is not None and got[0] is not None and torch.equal(got[0].tensor, expected(3))
     got[0].ref_count_down()
     assert bystander.stats()["errors"] == 0
     bystander.close()
@@ -290,15 +264,15 @@ def test_a_namespace_with_its_own_token_admits_only_that_token(make_server) -> N
     pool = PoolAllocator(4 << 20, name="t-ns-tok", pretouch=False)
     a = ServerClient(srv.socket, "a", token="tok-a", timeout_s=5.0)
     b = ServerClient(srv.socket, "b", token="tok-b", timeout_s=5.0)
-    assert _put(a, pool, 1) and _put(b, pool, 2)
+    assert put_entry(a, pool, 1) and put_entry(b, pool, 2)
     crossing = ServerClient(srv.socket, "b", token="tok-a", timeout_s=5.0)  # a's token, b's name
-    assert crossing.get([_kb(2)], pool.allocate) is None and crossing.put([]) == []
-    assert crossing.remove([_kb(2)]) is None and crossing.clear() is False
+    assert crossing.get([key_bytes(2)], pool.allocate) is None and crossing.put([]) == []
+    assert crossing.remove([key_bytes(2)]) is None and crossing.clear() is False
     no_token = ServerClient(srv.socket, "b", timeout_s=5.0)
-    assert no_token.contains([_kb(2)]) is None
+    assert no_token.contains([key_bytes(2)]) is None
     stats = a.server_stats()
     assert stats is not None and set(stats["namespaces"]) == {"a"}  # a sees only its own namespace
-    assert a.clear() is True and b.contains([_kb(2)]) == [True]  # CLEAR stays in a's namespace
+    assert a.clear() is True and b.contains([key_bytes(2)]) == [True]  # CLEAR stays in a's namespace
     for c in (a, b, crossing, no_token):
         c.close()
 
@@ -346,14 +320,14 @@ def test_namespaces_bound_to_uids_keep_tenants_apart() -> None:
         assert os.stat(srv.socket).st_mode & 0o777 == 0o666  # other users reach it; SO_PEERCRED decides
         pool = PoolAllocator(4 << 20, name="t-uid", pretouch=False)
         root_in_t2 = ServerClient(srv.socket, "t2", timeout_s=5.0)  # root may join any namespace
-        assert _put(root_in_t2, pool, 1)
+        assert put_entry(root_in_t2, pool, 1)
 
         def tenant(own: str, other: str) -> dict[str, object]:
             mine = ServerClient(srv.socket, own, timeout_s=5.0, server_uid=0)
             obj = make_obj(pool, (64, 64), torch.float32, MemoryFormat.KV_2LTD, seed=7)
-            out: dict[str, object] = {"put_own": mine.put([(_kb(7), obj)])}
+            out: dict[str, object] = {"put_own": mine.put([(key_bytes(7), obj)])}
             cross = ServerClient(srv.socket, other, timeout_s=5.0, server_uid=0)
-            out["contains_other"] = cross.contains([_kb(1)])
+            out["contains_other"] = cross.contains([key_bytes(1)])
             out["clear_other"] = cross.clear()
             st = mine.server_stats()
             out["sees"] = sorted(st["namespaces"]) if st else None
@@ -361,7 +335,7 @@ def test_namespaces_bound_to_uids_keep_tenants_apart() -> None:
 
         out = _as_uid(OTHER_UID, lambda: tenant("t1", "t2"))
         assert out == {"put_own": [True], "contains_other": None, "clear_other": False, "sees": ["t1"]}, out
-        assert root_in_t2.contains([_kb(1)]) == [True]
+        assert root_in_t2.contains([key_bytes(1)]) == [True]
         stranger = _as_uid(THIRD_UID + 1, lambda: tenant("t1", "default"))  # bound nowhere
         assert stranger == {"put_own": None, "contains_other": None, "clear_other": False, "sees": None}
         root_in_t2.close()
@@ -404,8 +378,8 @@ def test_a_client_sends_nothing_to_a_server_of_another_uid() -> None:
         client = ServerClient(path, "victim", token="secret-token", timeout_s=2.0)
         pool = PoolAllocator(4 << 20, name="t-fake", pretouch=False)
         obj = make_obj(pool, (8, 8), torch.float32, MemoryFormat.KV_2LTD, seed=1)
-        results.append(client.put([(_kb(1), obj)]))
-        results.append(client.get([_kb(1)], pool.allocate))
+        results.append(client.put([(key_bytes(1), obj)]))
+        results.append(client.get([key_bytes(1)], pool.allocate))
         obj.ref_count_down()
         try:
             _connect(path, "victim", "secret-token", Mode.CLIENT, time.monotonic() + 2)
@@ -462,11 +436,11 @@ def test_an_oversized_put_beside_a_leased_entry_keeps_the_namespace(make_server)
     pool = PoolAllocator(64 << 20, name="t-oversized", pretouch=False)
     client = ServerClient(srv.socket, "oversized", timeout_s=10.0)
     for i in range(150):
-        assert _put(client, pool, i, (256, 100))  # 100 KiB each
-    with client.get_view(_kb(75)) as view:  # a lease in the middle of the pool
+        assert put_entry(client, pool, i, (256, 100))  # 100 KiB each
+    with client.get_view(key_bytes(75)) as view:  # a lease in the middle of the pool
         assert view is not None
         big = make_obj(pool, (13 << 18,), torch.float32, MemoryFormat.KV_2LTD, seed=1)  # 13 MiB
-        assert client.put([(_kb(999), big)]) == [False]
+        assert client.put([(key_bytes(999), big)]) == [False]
         big.ref_count_down()
     st = srv.status()["namespaces"]["oversized"]
     assert st["evictions"] == 0 and st["entries"] == 150, st
@@ -488,14 +462,14 @@ def test_a_namespace_with_no_client_is_released_after_its_idle_time(make_server)
     srv = make_server(cache_server_namespace_idle_s=0.5).start()
     pool = PoolAllocator(4 << 20, name="t-idle-ns", pretouch=False)
     c = ServerClient(srv.socket, "idle", timeout_s=5.0)
-    assert _put(c, pool, 1)
+    assert put_entry(c, pool, 1)
     assert "idle" in srv.status()["namespaces"]
     time.sleep(1.0)
     assert "idle" in srv.status()["namespaces"]  # a client is still connected
     c.close()
-    assert _wait(lambda: "idle" not in srv.status()["namespaces"], 10)
+    assert wait_until(lambda: "idle" not in srv.status()["namespaces"], 10)
     again = ServerClient(srv.socket, "idle", timeout_s=5.0)
-    assert again.contains([_kb(1)]) == [False]  # a fresh pool
+    assert again.contains([key_bytes(1)]) == [False]  # a fresh pool
     again.close()
 
 
@@ -505,10 +479,10 @@ def test_one_client_cannot_take_every_hold(make_server) -> None:  # type: ignore
     pool = PoolAllocator(4 << 20, name="t-holds", pretouch=False)
     greedy = ServerClient(srv.socket, "holds", timeout_s=10.0)
     polite = ServerClient(srv.socket, "holds", timeout_s=10.0)
-    assert _put(greedy, pool, 1)
-    tokens = greedy.hold([_kb(1)] * 4096, ttl_s=3600)
+    assert put_entry(greedy, pool, 1)
+    tokens = greedy.hold([key_bytes(1)] * 4096, ttl_s=3600)
     assert tokens is not None and sum(1 for t in tokens if t) == 100
-    mine = polite.hold([_kb(1)], ttl_s=60)
+    mine = polite.hold([key_bytes(1)], ttl_s=60)
     assert mine is not None and mine[0] != 0
     greedy.close()
     polite.close()
@@ -520,13 +494,13 @@ def test_a_killed_holder_pins_at_most_its_share_of_the_pool(make_server) -> None
     holder = ServerClient(srv.socket, "pin", timeout_s=10.0)
     shape = (512, 512)
     for i in range(16):
-        assert _put(holder, pool, i, shape)
-    tokens = holder.hold([_kb(i) for i in range(16)], ttl_s=3600)
+        assert put_entry(holder, pool, i, shape)
+    tokens = holder.hold([key_bytes(i) for i in range(16)], ttl_s=3600)
     assert tokens is not None and 0 < sum(1 for t in tokens if t) <= 4  # a quarter of the pool
     holder.close()  # the holder goes away; its holds stay (they are promises to others)
     writer = ServerClient(srv.socket, "pin", timeout_s=10.0)
-    stored = [_put(writer, pool, 100 + i, shape) for i in range(16)]
-    kept = writer.contains([_kb(100 + i) for i in range(16)])
+    stored = [put_entry(writer, pool, 100 + i, shape) for i in range(16)]
+    kept = writer.contains([key_bytes(100 + i) for i in range(16)])
     assert kept is not None and sum(kept) >= 16 - 4 - 2, (stored, kept)  # 2 blocks pre-granted
     writer.close()
 
@@ -584,7 +558,7 @@ def test_a_connection_stalled_inside_a_frame_is_closed_and_its_buffer_freed(make
     assert st["timed_out_connections"] >= 1 and st["buffered_bytes"] == 0
     pool = PoolAllocator(4 << 20, name="t-frames", pretouch=False)
     good = ServerClient(srv.socket, "frames", timeout_s=5.0)
-    assert _put(good, pool, 1)
+    assert put_entry(good, pool, 1)
     good.close()
     for s in socks:
         s.close()
@@ -613,7 +587,7 @@ def test_connections_past_the_cap_are_answered_full(make_server) -> None:  # typ
     sock.close()
     held.pop().close()
     client = ServerClient(srv.socket, "cap", timeout_s=5.0)
-    assert _wait(lambda: client.ping(), 10)
+    assert wait_until(lambda: client.ping(), 10)
     client.close()
     for s in held:
         s.close()
@@ -624,17 +598,17 @@ def test_clear_clears_the_servers_disk_tier_too(make_server, tmp_path: Path) -> 
     disk = private_dir(tmp_path / "disk")
     srv = make_server(local_disk=str(disk), max_local_disk_size=0.05).start()
     # Until its start-up scan ends, the disk tier cannot vouch for being clear (it says so).
-    assert _wait(lambda: srv.status()["lower"]["tiers"]["disk"]["rebuild_done"] is True, 30)
+    assert wait_until(lambda: srv.status()["lower"]["tiers"]["disk"]["rebuild_done"] is True, 30)
     pool = PoolAllocator(4 << 20, name="t-clear", pretouch=False)
     client = ServerClient(srv.socket, "clr", timeout_s=10.0)
     other = ServerClient(srv.socket, "keep", timeout_s=10.0)
     for i in range(5):
-        assert _put(client, pool, i)
-    assert _put(other, pool, 50)
+        assert put_entry(client, pool, i)
+    assert put_entry(other, pool, 50)
     assert client.clear() is True and client.uncleared == []
-    assert client.contains([_kb(i) for i in range(5)]) == [False] * 5
-    assert client.get([_kb(i) for i in range(5)], pool.allocate) == [None] * 5
-    assert other.contains([_kb(50)]) == [True]
+    assert client.contains([key_bytes(i) for i in range(5)]) == [False] * 5
+    assert client.get([key_bytes(i) for i in range(5)], pool.allocate) == [None] * 5
+    assert other.contains([key_bytes(50)]) == [True]
     client.close()
     other.close()
     srv.stop()
