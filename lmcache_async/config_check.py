@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from lmcache_async.config import LMCacheEngineConfig
+from lmcache_async.memory import memory_total_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -92,20 +93,9 @@ def _unlisted_tiers(config: LMCacheEngineConfig) -> list[Finding]:
     return out
 
 
-def _mem_total() -> int | None:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def _sizes(config: LMCacheEngineConfig) -> list[Finding]:
     out = []
-    total = _mem_total()
+    total = memory_total_bytes()
     if total is not None:
         pools = [("max_local_cpu_size", config.max_local_cpu_size if config.local_cpu else 0.0)]
         if config.enable_hidden_state_cache:

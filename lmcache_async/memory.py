@@ -68,16 +68,26 @@ def cuda_pinning_available() -> bool:
         return False
 
 
-def memory_available_bytes() -> int | None:
-    """``MemAvailable`` from ``/proc/meminfo`` (None where it cannot be read)."""
+def _meminfo_bytes(field: str) -> int | None:
+    """``field`` (e.g. ``MemTotal``) from ``/proc/meminfo`` in bytes (None where it cannot be read)."""
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def memory_available_bytes() -> int | None:
+    """``MemAvailable`` from ``/proc/meminfo`` (None where it cannot be read)."""
+    return _meminfo_bytes("MemAvailable")
+
+
+def memory_total_bytes() -> int | None:
+    """``MemTotal`` from ``/proc/meminfo`` (None where it cannot be read)."""
+    return _meminfo_bytes("MemTotal")
 
 
 def check_pool_fits(name: str, size_bytes: int, reserve_bytes: int) -> None:

@@ -21,7 +21,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from lmcache_async.memory import GiB, memory_available_bytes
+from lmcache_async.memory import GiB, memory_available_bytes, memory_total_bytes
 from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.server.shm import SharedPool
 
@@ -40,18 +40,6 @@ def default_reserve_bytes() -> int:
     """Memory kept free beside the pools when no ``memory_reserve_size`` is configured: 5 % of
     what is available, at least 0.5 GiB, at most 2 GiB (the CPU tier's rule)."""
     return min(2 * GiB, max(GiB // 2, (memory_available_bytes() or 0) // 20))
-
-
-def memory_total_bytes() -> int | None:
-    """``MemTotal`` from ``/proc/meminfo`` (None where it cannot be read)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def check_pool_size(pool_bytes: int, reserve_bytes: int | None = None) -> None:
