@@ -374,13 +374,14 @@ _BUILTINS: dict[str, str] = {
     "server": "lmcache_async.backends.server_tier:create",
 }
 # Built-ins are imported only when their configuration key is set (no redis/NIXL import otherwise).
-_BUILTIN_ENABLED: dict[str, Callable[[LMCacheEngineConfig], bool]] = {
-    "cpu": lambda c: bool(c.local_cpu),
-    "disk": lambda c: bool(c.local_disk),
-    "remote": lambda c: bool(c.remote_url),
-    "nixl": lambda c: bool(c.nixl_path),
-    "server": lambda c: bool(c.cache_server_socket),
+BUILTIN_TIER_KEYS: dict[str, str] = {
+    "cpu": "local_cpu",
+    "disk": "local_disk",
+    "remote": "remote_url",
+    "nixl": "nixl_path",
+    "server": "cache_server_socket",
 }
+"""The configuration key whose value turns each built-in tier on."""
 # What each built-in tier says about its own configuration before it is built ("module:attr" of a
 # ``(config) -> list[str]`` of errors), imported only when that tier is configured.
 _BUILTIN_CONFIG_CHECKS: dict[str, str] = {
@@ -415,8 +416,8 @@ def known_backends() -> list[str]:
 
 def is_configured(name: str, config: LMCacheEngineConfig) -> bool:
     """False when ``name`` is a built-in whose configuration key is unset (skip importing it)."""
-    check = _BUILTIN_ENABLED.get(name)
-    return True if check is None else check(config)
+    key = BUILTIN_TIER_KEYS.get(name)
+    return True if key is None else bool(getattr(config, key))
 
 
 def tier_config_errors(name: str, config: LMCacheEngineConfig) -> list[str]:

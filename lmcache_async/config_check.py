@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
+from lmcache_async.backend import BUILTIN_TIER_KEYS
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.memory import memory_total_bytes
 
@@ -26,12 +27,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Finding", "check_config", "raise_or_warn", "redacted"]
 
-TIER_KEYS = {
-    "disk": "local_disk",
-    "remote": "remote_url",
-    "nixl": "nixl_path",
-    "server": "cache_server_socket",
-}
+TIER_KEYS = {tier: key for tier, key in BUILTIN_TIER_KEYS.items() if tier != "cpu"}
 """The key that enables each built-in lower tier (``cpu`` is on by ``local_cpu``)."""
 
 _SECRET_WORDS = ("token", "secret", "password")
