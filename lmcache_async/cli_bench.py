@@ -57,10 +57,10 @@ _SUITES: LazyRegistry[ModuleType] = LazyRegistry("suite", {**BENCH_SUITES, **OPT
 
 # ---- the command -------------------------------------------------------------------------------------
 def _require_bench() -> None:
-    from lmcache_async.cli import UsageError
-
     """Raise :class:`UsageError` saying how to get the benchmark suite when it is not installed."""
     import importlib.util
+
+    from lmcache_async.cli import UsageError
 
     if importlib.util.find_spec(BENCH_PACKAGE) is None:
         raise UsageError(

@@ -56,20 +56,20 @@ def test_the_core_does_not_import_the_bench_suite_outside_the_bench_command():
     assert not list((ROOT / "lmcache_async").glob("bench/**/*.py"))
     offenders = []
     for path in sorted([*(ROOT / "lmcache_async").rglob("*.py"), *(ROOT / "backends").rglob("*.py")]):
-        if path == ROOT / "lmcache_async" / "cli.py":
+        if path == ROOT / "lmcache_async" / "cli_bench.py":
             continue
         if any(m.split(".")[0] == BENCH for m in _imported_modules(path)):
             offenders.append(str(path.relative_to(ROOT)))
     assert offenders == []
-    # cli.py imports it only inside the bench command: loading the CLI and its parser leaves it out.
+    # cli_bench.py imports it only inside the bench command: loading the CLI and its parser leaves it out.
     code = f"import sys, lmcache_async.cli as c; c.build_parser(); assert {BENCH!r} not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, cwd="/")
 
 
 def test_bench_command_says_how_to_get_a_missing_suite(monkeypatch, capsys):
-    from lmcache_async import cli
+    from lmcache_async import cli, cli_bench
 
-    monkeypatch.setattr(cli, "BENCH_PACKAGE", "lmcache_async_no_such_bench")
+    monkeypatch.setattr(cli_bench, "BENCH_PACKAGE", "lmcache_async_no_such_bench")
     assert cli.main(["bench", "--suite", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
