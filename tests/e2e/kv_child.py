@@ -11,7 +11,8 @@ text holds the image token where the picture goes), ``phases`` (each ``{"prompts
 name or None}``), ``lora_modules`` (``{name: [int id, path]}``), ``llm`` (more ``LLM`` keyword
 arguments, e.g. ``enable_lora``), ``logprobs`` (record each greedy token's log-probability),
 ``max_tokens``, ``hs_layers``, ``workdir``. A phase's ``params`` become the requests'
-``kv_transfer_params``.
+``kv_transfer_params``; ``keep_prefix`` keeps vLLM's own prefix cache (a repeated prompt
+hits it: the baseline of a connector hit). RESULT's ``kv_config`` is vLLM's KV-cache layout.
 Each prompt is generated alone (so its prefill is one forward the hooks see whole) after vLLM's
 own prefix cache is reset (so a hit can only come from the connector). Before a phase with a
 barrier the child writes ``<barrier>.ready`` and waits for ``<barrier>.go`` (the parent injects
@@ -89,6 +90,35 @@ def scheduler_stats(llm: Any) -> dict[str, Any] | None:
     return stats
 
 
+def kv_cache_summary(llm: Any) -> dict[str, Any] | None:
+    """vLLM's KV-cache layout (an engine core in this process): the groups (spec class, layer
+    count, sliding window), the blocks, the token capacity and concurrency vLLM logs at start-up
+    ("KV cache size: N tokens, Maximum concurrency ..."), and whether the hybrid manager is on."""
+    try:
+        core = llm.llm_engine.engine_core.engine_core
+        cfg = core.scheduler.kv_cache_config
+        vcfg = core.vllm_config
+    except Exception:
+        return None
+    groups = [
+        {
+            "spec": type(g.kv_cache_spec).__name__,
+            "layers": len(g.layer_names),
+            "sliding_window": getattr(g.kv_cache_spec, "sliding_window", None),
+            "page_bytes": int(g.kv_cache_spec.page_size_bytes),
+        }
+        for g in cfg.kv_cache_groups
+    ]
+    return {
+        "groups": groups,
+        "num_blocks": int(cfg.num_blocks),
+        "tensor_bytes": max((int(t.size) for t in cfg.kv_cache_tensors), default=0),  # groups alias one buffer
+        "capacity_tokens": getattr(vcfg.cache_config, "kv_cache_size_tokens", None),
+        "max_concurrency": getattr(vcfg.cache_config, "kv_cache_max_concurrency", None),
+        "hybrid_manager": not vcfg.scheduler_config.disable_hybrid_kv_cache_manager,
+    }
+
+
 def main(spec_path: str, result_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     if spec.get("debug_log"):  # the connector's decisions and warnings, timestamped, in the log
@@ -135,6 +165,7 @@ def main(spec_path: str, result_path: str) -> int:
             )
         llm = LLM(**kwargs)
         result["start_s"] = time.monotonic() - t0
+        result["kv_config"] = kv_cache_summary(llm)
         hs_layers = spec.get("hs_layers") or []
         if hs_layers:
             llm.collective_rpc(kv_rpc.install_hs_hooks, args=(hs_layers,))
@@ -154,7 +185,8 @@ def main(spec_path: str, result_path: str) -> int:
                 while not go.exists() and time.monotonic() < deadline:
                     time.sleep(0.05)
             for idx in phase["prompts"]:
-                llm.reset_prefix_cache()
+                if not phase.get("keep_prefix"):  # else a repeated prompt hits vLLM's own prefix cache
+                    llm.reset_prefix_cache()
                 if hs_layers:
                     llm.collective_rpc(kv_rpc.reset_hs)
                 before = by_source(llm)

@@ -46,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from lmcache_async.config import LMCacheEngineConfig
@@ -59,6 +60,7 @@ from lmcache_async.integration.vllm.kv_engine import (
     load_kv_connector_config,
     release_store,
 )
+from lmcache_async.integration.vllm.kv_groups import NULL_BLOCK_ID, GroupLayout, describe_groups
 from lmcache_async.integration.vllm.kv_hidden import publish_hidden_states, restore_hidden_states
 from lmcache_async.integration.vllm.kv_layout import check_chunk_alignment
 from lmcache_async.integration.vllm.kv_lookup import LoadSettings
@@ -120,12 +122,15 @@ def cost_file(config: LMCacheEngineConfig) -> str | None:
     return None
 
 
-def chunk_record_bytes(kv_cache_config: Any, group: int, blocks_per_chunk: int) -> int | None:
-    """Bytes of one chunk's record (every layer of attention group ``group``), from vLLM's
-    ``KVCacheConfig``; None when it does not say."""
+def chunk_record_bytes(kv_cache_config: Any, groups: tuple[int, ...], blocks_per_chunk: int) -> int | None:
+    """Bytes of one chunk's record (every layer of the attention groups ``groups``, its parts),
+    from vLLM's ``KVCacheConfig``; None when it does not say."""
     try:
-        g = kv_cache_config.kv_cache_groups[group]
-        return int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names) * blocks_per_chunk
+        total = 0
+        for i in groups:
+            g = kv_cache_config.kv_cache_groups[i]
+            total += int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names) * blocks_per_chunk
+        return total or None
     except Exception:
         return None
 
@@ -139,8 +144,13 @@ def _worker_rank() -> int:
         return 0
 
 
-class LMCacheKVConnector(KVConnectorBase_V1):
+class LMCacheKVConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector over this project's tiered storage; see the module docstring.
+
+    Declares ``SupportsHMA``: vLLM keeps its hybrid KV-cache manager on, and a model with
+    several KV-cache groups (full and sliding-window attention) stores each chunk's groups as
+    the parts of one record (:mod:`.kv_groups`). Groups it cannot restore (Mamba /
+    linear-attention state) turn loads and saves off, with one warning naming them.
 
     Raises ``ValueError`` naming ``chunk_size`` at construction when it is not a multiple of
     vLLM's block size.
@@ -186,8 +196,8 @@ class LMCacheKVConnector(KVConnectorBase_V1):
         self.scheduler_side: KVSchedulerSide | None = None
         self.worker_side: KVWorkerSide | None = None
         self.costs: CostBook = cost_book(tier_locations(config), cost_file(config))
-        groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
-        per_request = len(groups) > 1  # vLLM refuses block ids there: failures go by request
+        self.groups: GroupLayout = describe_groups(kv_cache_config)
+        per_request = self.groups.several  # vLLM refuses block ids there: failures go by request
         if is_worker:
             self.worker_side = KVWorkerSide(
                 self.store.storage_manager,
@@ -198,32 +208,42 @@ class LMCacheKVConnector(KVConnectorBase_V1):
                 per_request_failures=per_request,
             )
         else:
-            settings = LoadSettings(
-                config.load_policy, config.max_load_s, config.load_margin, config.load_deadline_factor
-            )
-            chunk_bytes = chunk_record_bytes(kv_cache_config, 0, self.blocks_per_chunk) or (1 << 20)
-            self.scheduler_side = KVSchedulerSide(
-                self._lookup_manager,
-                self.store.token_database,
-                self.block_size,
-                self.blocks_per_chunk,
-                costs=self.costs,
-                settings=settings,
-                chunk_bytes=chunk_bytes,
-                per_request_failures=per_request,
-                lookup_give_up_s=2.0 * float(config.remote_timeout_s) + 1.0,
-            )
-            if config.load_policy != "never" and self.store.storage_manager.has_lower_tiers:
-                probe = self.scheduler_side.lookups.start_probe(chunk_bytes)
-                if probe is not None:  # engine start-up, not a step: the first request is priced
-                    with contextlib.suppress(Exception):
-                        probe.result(timeout=PROBE_WAIT_S)
-            self._metrics = None
-            if self.store.metrics is not None:
-                from lmcache_async.integration.vllm.kv_metrics import SchedulerMetrics
+            self._start_scheduler_side(config, kv_cache_config)
 
-                self._metrics = SchedulerMetrics(self.scheduler_side)
-                self.store.metrics.registry.register(self._metrics)
+    def _start_scheduler_side(self, config: LMCacheEngineConfig, kv_cache_config: Any) -> None:
+        """Build the scheduler side, probe the lower tiers (bounded) and register its metrics;
+        warn once when some KV-cache group cannot be restored (nothing is loaded then)."""
+        settings = LoadSettings(config.load_policy, config.max_load_s, config.load_margin, config.load_deadline_factor)
+        if self.groups.unsupported:
+            logger.warning(
+                "LMCacheKVConnector: KV-cache group(s) %s hold state the connector cannot restore; "
+                "it loads and saves nothing for this model (0 external tokens)",
+                ", ".join(self.groups.unsupported),
+            )
+        chunk_bytes = chunk_record_bytes(kv_cache_config, self.groups.attention, self.blocks_per_chunk) or (1 << 20)
+        self.scheduler_side = KVSchedulerSide(
+            self._lookup_manager,
+            self.store.token_database,
+            self.block_size,
+            self.blocks_per_chunk,
+            costs=self.costs,
+            settings=settings,
+            chunk_bytes=chunk_bytes,
+            per_request_failures=self.groups.several,
+            lookup_give_up_s=2.0 * float(config.remote_timeout_s) + 1.0,
+            groups=self.groups,
+        )
+        if config.load_policy != "never" and self.store.storage_manager.has_lower_tiers:
+            probe = self.scheduler_side.lookups.start_probe(chunk_bytes)
+            if probe is not None:  # engine start-up, not a step: the first request is priced
+                with contextlib.suppress(Exception):
+                    probe.result(timeout=PROBE_WAIT_S)
+        self._metrics = None
+        if self.store.metrics is not None:
+            from lmcache_async.integration.vllm.kv_metrics import SchedulerMetrics
+
+            self._metrics = SchedulerMetrics(self.scheduler_side)
+            self.store.metrics.registry.register(self._metrics)
 
     def _lookup_manager(self) -> StorageManager:
         """A worker's manager of this process when there is one (it sees the CPU tier too)."""
@@ -310,6 +330,14 @@ class LMCacheKVConnector(KVConnectorBase_V1):
         self._sched().finished(request.request_id)
         return False, None
 
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hook with the hybrid manager on: saves never outlive their step, so every
+        group's blocks may be freed at once (False); the request is forgotten."""
+        self._sched().finished(request.request_id)
+        return False, None
+
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """How this step's loads went (failed ones are never offered again)."""
         if self.scheduler_side is not None:
@@ -330,7 +358,12 @@ class LMCacheKVConnector(KVConnectorBase_V1):
         return meta
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        caches = self._worker().register(self._attention_layers_only(kv_caches))
+        if self.groups.unsupported:  # the scheduler offers no load and plans no save
+            logger.info("LMCacheKVConnector: no KV records for this model (groups %s)", self.groups.unsupported)
+            return
+        layers, parts = self._record_layers(self._attention_layers_only(kv_caches))
+        null = NULL_BLOCK_ID if self.groups.several else None
+        caches = self._worker().register(layers, layer_parts=parts, null_block=null)
         logger.info(
             "LMCacheKVConnector: %d layers, layout %s, record %s %s (%d bytes per chunk of %d tokens)",
             caches.num_layers,
@@ -340,6 +373,16 @@ class LMCacheKVConnector(KVConnectorBase_V1):
             caches.record_bytes,
             self.block_size * self.blocks_per_chunk,
         )
+
+    def _record_layers(self, kv_caches: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[int] | None]:
+        """The layers of the record's parts and each one's part (None: one group, every layer
+        in part 0). Layers of groups the connector does not restore are left out."""
+        if not self.groups.several:
+            return kv_caches, None
+        kept = {n: t for n, t in kv_caches.items() if self.groups.position(n) is not None}
+        if not kept:  # no attention group: nothing is loaded or saved (the scheduler offers none)
+            return kv_caches, None
+        return kept, [self.groups.position(n) or 0 for n in kept]
 
     def _attention_layers_only(self, kv_caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``kv_caches`` without the hidden-state layers of vLLM's ``extract_hidden_states`` path

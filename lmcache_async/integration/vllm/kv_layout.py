@@ -139,6 +139,9 @@ class PagedCaches:
         block_size: int,
         blocks_per_chunk: int,
         layout: BlockLayout | None = None,
+        *,
+        layer_parts: Sequence[int] | None = None,
+        null_block: int | None = None,
     ) -> None:
         if not isinstance(kv_caches, Mapping) or not kv_caches:
             raise ValueError("kv_caches must be a non-empty mapping of layer name to tensor")
@@ -158,6 +161,16 @@ class PagedCaches:
                 )
         self.layer_names = names
         self.tensors = [kv_caches[n] for n in names]
+        parts = [0] * len(names) if layer_parts is None else [int(p) for p in layer_parts]
+        if len(parts) != len(names) or min(parts) < 0:
+            raise ValueError(f"layer_parts {list(parts)} for {len(names)} layers")
+        self.layer_parts: tuple[int, ...] = tuple(parts)
+        """Which record part (KV-cache group) each layer belongs to: its block ids are that
+        part's (0: the primary ids, ``k``: ``others[k - 1]`` of the copy functions)."""
+        self.num_parts = max(parts) + 1
+        self.null_block = null_block
+        """A block id that stands for "no block" (vLLM's null block, several KV-cache groups):
+        never copied from or into; None: every id is a real block."""
         self.block_size = block_size
         self.blocks_per_chunk = blocks_per_chunk
         self.dtype = first.dtype
@@ -194,39 +207,65 @@ class PagedCaches:
             raise ValueError(f"block_ids {list(block_ids)} outside [0, {self.num_blocks})")
         return idx.to(self.device) if self.device.type != "cpu" else idx
 
-    def block_copies(self, block_ids: Sequence[int], first: int = 0) -> list[tuple[int, int, int]]:
-        """For blocks ``first .. first + len(block_ids) - 1`` of a chunk held in ``block_ids``:
-        ``(cache address, offset in the record, nbytes)`` per run of consecutive blocks, in
-        record order (:attr:`host_blocks` caches only). ``ValueError`` for a block id outside
-        the caches or blocks outside the chunk."""
-        ids = list(block_ids)
-        n = len(ids)
+    def layer_ids(self, block_ids: Sequence[int], others: Sequence[Sequence[int]] = ()) -> list[list[int]]:
+        """The block ids of each layer: ``block_ids`` for primary-part layers, ``others[k - 1]``
+        for part ``k`` (each as long as ``block_ids``). ``ValueError`` for a missing or
+        mismatched part, or an id outside the caches (the null block aside)."""
+        per_part = [list(block_ids)] + [list(o) for o in others]
+        if len(per_part) < self.num_parts:
+            raise ValueError(f"block ids for {len(per_part)} parts; the caches have {self.num_parts}")
+        n = len(per_part[0])
+        real: list[int] = []
+        for k, ids in enumerate(per_part):
+            if len(ids) != n:
+                raise ValueError(f"part {k} has {len(ids)} block ids for {n} blocks")
+            real.extend(b for b in ids if b != self.null_block)
+        if real and (min(real) < 0 or max(real) >= self.num_blocks):
+            raise ValueError(f"block_ids {per_part} outside [0, {self.num_blocks})")
+        return [per_part[p] for p in self.layer_parts]
+
+    def block_copies(
+        self, block_ids: Sequence[int], first: int = 0, others: Sequence[Sequence[int]] = ()
+    ) -> list[tuple[int, int, int]]:
+        """For blocks ``first .. first + len(block_ids) - 1`` of a chunk held in ``block_ids``
+        (and, several parts, ``others``: see :meth:`layer_ids`): ``(cache address, offset in the
+        record, nbytes)`` per run of consecutive blocks, in record order (:attr:`host_blocks`
+        caches only); null blocks are left out. ``ValueError`` for a block id outside the
+        caches or blocks outside the chunk."""
+        n = len(block_ids)
         if not self.host_blocks:
             raise ValueError("block_copies needs host caches in vLLM's CPU layout")
         if first < 0 or first + n > self.blocks_per_chunk:
             raise ValueError(f"blocks {first}..{first + n} outside the chunk's {self.blocks_per_chunk} blocks")
-        if n and (min(ids) < 0 or max(ids) >= self.num_blocks):
-            raise ValueError(f"block_ids {ids} outside [0, {self.num_blocks})")
-        bb, bpc = self.block_bytes, self.blocks_per_chunk
+        by_layer = self.layer_ids(block_ids, others)
+        bb, bpc, null = self.block_bytes, self.blocks_per_chunk, self.null_block
         out: list[tuple[int, int, int]] = []
         for layer, base in enumerate(self._bases):
+            ids = by_layer[layer]
             rec = (layer * bpc + first) * bb
             run_start = 0
             for j in range(1, n + 1):
-                if j == n or ids[j] != ids[j - 1] + 1:
-                    out.append((base + ids[run_start] * bb, rec + run_start * bb, (j - run_start) * bb))
+                if j == n or ids[j] != ids[j - 1] + 1 or ids[j] == null or ids[j - 1] == null:
+                    if ids[run_start] != null:
+                        out.append((base + ids[run_start] * bb, rec + run_start * bb, (j - run_start) * bb))
                     run_start = j
         return out
 
-    def read_sink(self, block_ids: Sequence[int], first: int = 0, scratch: torch.Tensor | None = None) -> ReadSink:
+    def read_sink(
+        self,
+        block_ids: Sequence[int],
+        first: int = 0,
+        scratch: torch.Tensor | None = None,
+        others: Sequence[Sequence[int]] = (),
+    ) -> ReadSink:
         """Where a record read lands for blocks ``first .. first + len(block_ids) - 1`` of its
-        chunk: those blocks of every layer, straight in vLLM's cache; the chunk's other blocks
-        go to ``scratch`` (a contiguous host tensor of at least :meth:`scratch_bytes` bytes the
-        caller owns and keeps until the read returned; required when the run is not the whole
-        chunk). :attr:`host_blocks` caches only."""
-        ids = list(block_ids)
-        copies = self.block_copies(ids, first)
-        need = self.scratch_bytes(len(ids))
+        chunk: those blocks of every layer (each layer through its part's ids, ``others``),
+        straight in vLLM's cache; the record's other bytes (blocks outside the run, null
+        blocks) go to ``scratch`` (a contiguous host tensor of at least :meth:`gap_bytes`
+        bytes the caller owns and keeps until the read returned). :attr:`host_blocks` caches
+        only."""
+        copies = self.block_copies(block_ids, first, others)
+        need = self.record_bytes - sum(c[2] for c in copies)
         pieces: list[tuple[int, int]] = []
         if need:
             if scratch is None or scratch.device.type != "cpu" or not scratch.is_contiguous():
@@ -245,8 +284,13 @@ class PagedCaches:
             pieces.append((spare, self.record_bytes - at))
         return ReadSink(self.record_shape, self.dtype, tuple(coalesce(pieces)))
 
+    def gap_bytes(self, block_ids: Sequence[int], first: int = 0, others: Sequence[Sequence[int]] = ()) -> int:
+        """Bytes of a record that :meth:`read_sink` sends to scratch for these blocks."""
+        return self.record_bytes - sum(c[2] for c in self.block_copies(block_ids, first, others))
+
     def scratch_bytes(self, num_blocks: int) -> int:
-        """Scratch bytes :meth:`read_sink` needs for a run of ``num_blocks`` blocks of a chunk."""
+        """Scratch bytes :meth:`read_sink` needs for a run of ``num_blocks`` real blocks of a
+        chunk (one part, no null blocks)."""
         return (self.blocks_per_chunk - num_blocks) * self.num_layers * self.block_bytes
 
 
@@ -275,45 +319,80 @@ def _copy_runs(base: int, runs: Sequence[tuple[int, int, int]]) -> None:
         _memmove(base + off, addr, nbytes)
 
 
+def _layer_indexes(
+    caches: PagedCaches, block_ids: Sequence[int] | torch.Tensor, others: Sequence[Sequence[int]]
+) -> list[torch.Tensor]:
+    """One index tensor per layer (its part's block ids) on the caches' device."""
+    if isinstance(block_ids, torch.Tensor) and caches.num_parts == 1:
+        return [block_ids] * caches.num_layers
+    ids = block_ids.tolist() if isinstance(block_ids, torch.Tensor) else list(block_ids)
+    caches.layer_ids(ids, others)  # validates every part
+    per_part = [caches.check_block_ids([b for b in p]) for p in [ids, *others]]
+    return [per_part[p] for p in caches.layer_parts]
+
+
 def gather_blocks(
     caches: PagedCaches,
     block_ids: Sequence[int] | torch.Tensor,
     out: torch.Tensor,
     stream: Any = None,
+    others: Sequence[Sequence[int]] = (),
 ) -> None:
     """Copy the blocks ``block_ids`` of every layer into ``out`` (``[num_layers, ...]``, the
     record of one chunk or its leading part when fewer blocks are given).
 
     ``block_ids`` may be an index tensor from :meth:`PagedCaches.check_block_ids` (a caller
-    gathering many chunks checks their ids once and passes slices). ``out`` is host memory
-    owned by the caller. On CUDA the copy is issued on ``stream`` (after the current stream's
-    work, so this step's KV is complete) and may still be running when this returns:
-    synchronise ``stream`` before reading ``out``.
+    gathering many chunks checks their ids once and passes slices). Several parts: the layers
+    of part ``k`` read ``others[k - 1]`` (null blocks are copied as they are: a load never
+    reads them back). ``out`` is host memory owned by the caller. On CUDA the copy is issued
+    on ``stream`` (after the current stream's work, so this step's KV is complete) and may
+    still be running when this returns: synchronise ``stream`` before reading ``out``.
     """
-    idx = block_ids if isinstance(block_ids, torch.Tensor) else caches.check_block_ids(block_ids)
-    n = idx.numel()
-    axis = caches.layout.block_axis
     if out.dim() != len(caches.record_shape) or out.shape[0] != caches.num_layers:
         raise ValueError(f"out has shape {tuple(out.shape)}; expected a record {caches.record_shape}")
+    axis = caches.layout.block_axis
     if caches.host_blocks and _is_host_record(caches, out):
-        _copy_runs(out.data_ptr(), caches.block_copies(idx.tolist()))
+        ids = block_ids.tolist() if isinstance(block_ids, torch.Tensor) else list(block_ids)
+        _copy_runs(out.data_ptr(), caches.block_copies(ids, 0, others))
         return
+    if isinstance(block_ids, torch.Tensor) or caches.num_parts > 1:
+        indexes = _layer_indexes(caches, block_ids, others)
+    else:
+        indexes = [caches.check_block_ids(block_ids)] * caches.num_layers
+    n = indexes[0].numel()
     if caches.device.type == "cpu":
         whole = n == out.shape[axis + 1]
-        for cache, dst in zip(caches.tensors, out.unbind(0), strict=True):
+        for cache, dst, idx in zip(caches.tensors, out.unbind(0), indexes, strict=True):
             torch.index_select(cache, axis, idx, out=dst if whole else dst.narrow(axis, 0, n))
         return
     if stream is not None:
         stream.wait_stream(torch.cuda.current_stream(caches.device))
     with _on_stream(stream):
-        for layer, cache in enumerate(caches.tensors):
+        for layer, (cache, idx) in enumerate(zip(caches.tensors, indexes, strict=True)):
             staged = cache.index_select(axis, idx)
             out[layer].narrow(axis, 0, n).copy_(staged, non_blocking=True)
 
 
-def _check_chunks(caches: PagedCaches, chunk_blocks: Sequence[Sequence[int]], n_records: int) -> None:
+PartIds = Sequence[Sequence[Sequence[int]]]
+"""Per chunk, the block ids of the record parts after the primary one (several KV-cache groups)."""
+
+
+def _others_of(caches: PagedCaches, chunk_others: PartIds | None, n: int) -> list[Sequence[Sequence[int]]]:
+    if chunk_others is None:
+        if caches.num_parts > 1:
+            raise ValueError(f"the caches have {caches.num_parts} parts: chunk_others is needed")
+        return [()] * n
+    if len(chunk_others) != n:
+        raise ValueError(f"chunk_others has {len(chunk_others)} entries for {n} chunks")
+    return list(chunk_others)
+
+
+def _check_chunks(
+    caches: PagedCaches, chunk_blocks: Sequence[Sequence[int]], n_records: int, chunk_others: PartIds | None = None
+) -> list[Sequence[Sequence[int]]]:
     """Check every argument of a gather of whole chunks before any byte moves (``ValueError``:
-    not host caches, a count or chunk length that differs, a block id outside the caches)."""
+    not host caches, a count or chunk length that differs, a block id outside the caches);
+    returns each chunk's other parts' ids."""
     if not caches.host_blocks:
         raise ValueError("gathering records needs host caches in vLLM's CPU layout")
     if len(chunk_blocks) != n_records:
@@ -322,12 +401,18 @@ def _check_chunks(caches: PagedCaches, chunk_blocks: Sequence[Sequence[int]], n_
     for i, bids in enumerate(chunk_blocks):
         if len(bids) != bpc:
             raise ValueError(f"chunk_blocks[{i}] has {len(bids)} blocks; a chunk has {bpc}")
-    flat = [b for bids in chunk_blocks for b in bids]
-    if flat and (min(flat) < 0 or max(flat) >= caches.num_blocks):
-        raise ValueError(f"block_ids {flat} outside [0, {caches.num_blocks})")
+    others = _others_of(caches, chunk_others, len(chunk_blocks))
+    for bids, more in zip(chunk_blocks, others, strict=True):
+        caches.layer_ids(bids, more)
+    return others
 
 
-def gather_records(caches: PagedCaches, chunk_blocks: Sequence[Sequence[int]], outs: Sequence[torch.Tensor]) -> None:
+def gather_records(
+    caches: PagedCaches,
+    chunk_blocks: Sequence[Sequence[int]],
+    outs: Sequence[torch.Tensor],
+    chunk_others: PartIds | None = None,
+) -> None:
     """Gather whole chunks into their records: ``outs[i]`` (a host record of
     :attr:`PagedCaches.record_shape`, owned by the caller) gets the blocks ``chunk_blocks[i]``
     (``blocks_per_chunk`` ids each) of every layer; host caches (:attr:`PagedCaches.host_blocks`)
@@ -337,13 +422,14 @@ def gather_records(caches: PagedCaches, chunk_blocks: Sequence[Sequence[int]], o
     outside the caches or a chunk of another length). A contiguous record of the caches' dtype
     is then filled with one ``memmove`` per run of consecutive blocks per layer (no torch call,
     no OpenMP team); any other record like :func:`gather_blocks`. Records in a pool's blocks
-    are better given by address (:func:`gather_records_at`)."""
-    _check_chunks(caches, chunk_blocks, len(outs))
-    for bids, out in zip(chunk_blocks, outs, strict=True):
+    are better given by address (:func:`gather_records_at`). Several parts: ``chunk_others[i]``
+    are chunk ``i``'s other parts' ids (:meth:`PagedCaches.layer_ids`; null blocks are skipped)."""
+    others = _check_chunks(caches, chunk_blocks, len(outs), chunk_others)
+    for bids, more, out in zip(chunk_blocks, others, outs, strict=True):
         if _is_host_record(caches, out):
-            _copy_runs(out.data_ptr(), caches.block_copies(bids))
+            _copy_runs(out.data_ptr(), caches.block_copies(bids, 0, more))
         else:
-            gather_blocks(caches, bids, out)
+            gather_blocks(caches, bids, out, None, more)
 
 
 def gather_records_at(
@@ -351,6 +437,7 @@ def gather_records_at(
     chunk_blocks: Sequence[Sequence[int]],
     addresses: Sequence[int],
     arena: torch.Tensor | None = None,
+    chunk_others: PartIds | None = None,
 ) -> None:
     """:func:`gather_records` into records given by address: ``addresses[i]`` is the first
     byte of :attr:`PagedCaches.record_bytes` of contiguous, writable host memory the caller owns
@@ -362,18 +449,20 @@ def gather_records_at(
     one ``index_select`` per layer and block position into a strided view of them: torch's copy
     on its intra-op threads, which in a vLLM worker right after the forward (its OpenMP team
     warm) beats one ``memmove`` per block (3.6 against 4.4 ms for 23 records of 2 MiB on this
-    2-core machine). Every other record gets one ``memmove`` per run of consecutive blocks."""
-    _check_chunks(caches, chunk_blocks, len(addresses))
+    2-core machine). Every other record gets one ``memmove`` per run of consecutive blocks.
+    ``chunk_others``: as for :func:`gather_records`."""
+    others = _check_chunks(caches, chunk_blocks, len(addresses), chunk_others)
     done = [False] * len(addresses)
     if arena is not None:
         for first, count, step in _even_runs(caches, addresses, arena):
             run = range(first, first + count)
-            _select_run(caches, [chunk_blocks[i] for i in run], arena, addresses[first], step)
+            parts = [[list(chunk_blocks[i]), *others[i]] for i in run]
+            _select_run(caches, parts, arena, addresses[first], step)
             for i in run:
                 done[i] = True
-    for bids, base, gathered in zip(chunk_blocks, addresses, done, strict=True):
+    for bids, more, base, gathered in zip(chunk_blocks, others, addresses, done, strict=True):
         if not gathered:
-            _copy_runs(base, caches.block_copies(bids))
+            _copy_runs(base, caches.block_copies(bids, 0, more))
 
 
 def _even_runs(caches: PagedCaches, addresses: Sequence[int], arena: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -405,10 +494,12 @@ def _even_runs(caches: PagedCaches, addresses: Sequence[int], arena: torch.Tenso
 
 
 def _select_run(
-    caches: PagedCaches, chunk_blocks: Sequence[Sequence[int]], arena: torch.Tensor, address: int, step: int
+    caches: PagedCaches, chunk_parts: Sequence[Sequence[Sequence[int]]], arena: torch.Tensor, address: int, step: int
 ) -> None:
     """Gather the chunks of a run of records (the first at ``address``, each ``step`` bytes after
-    the one before, all inside ``arena``) with one ``index_select`` per layer and block position."""
+    the one before, all inside ``arena``) with one ``index_select`` per layer and block position;
+    ``chunk_parts[i][k]``: chunk ``i``'s block ids of part ``k`` (a null block is copied as it is:
+    a load never reads it back)."""
     item = caches.dtype.itemsize
     flat = arena.reshape(-1).view(torch.uint8)
     typed = flat[: flat.numel() - flat.numel() % item].view(caches.dtype)
@@ -416,29 +507,37 @@ def _select_run(
     inner = torch.empty(block_shape, device="meta").stride()  # a record's block is contiguous
     block_elems = caches.block_bytes // item
     first = (address - arena.data_ptr()) // item
-    idx = torch.as_tensor([list(bids) for bids in chunk_blocks], dtype=torch.int64)
+    idx = [
+        torch.as_tensor([list(parts[k]) for parts in chunk_parts], dtype=torch.int64) for k in range(caches.num_parts)
+    ]
     bpc = caches.blocks_per_chunk
     for layer, cache in enumerate(caches.tensors):
+        part = idx[caches.layer_parts[layer]]
         for j in range(bpc):
             # Block j of this layer in every record of the run: records ``step`` bytes apart.
             dst = typed.as_strided(
-                (len(chunk_blocks), *block_shape), (step // item, *inner), first + (layer * bpc + j) * block_elems
+                (len(chunk_parts), *block_shape), (step // item, *inner), first + (layer * bpc + j) * block_elems
             )
-            torch.index_select(cache, 0, idx[:, j], out=dst)
+            torch.index_select(cache, 0, part[:, j], out=dst)
 
 
 def scatter_blocks(
-    caches: PagedCaches, block_ids: Sequence[int], record: torch.Tensor, first: int = 0, stream: Any = None
+    caches: PagedCaches,
+    block_ids: Sequence[int],
+    record: torch.Tensor,
+    first: int = 0,
+    stream: Any = None,
+    others: Sequence[Sequence[int]] = (),
 ) -> None:
     """Copy blocks ``first .. first + len(block_ids)`` of the chunk ``record`` into the blocks
-    ``block_ids`` of every layer. ``record`` is only read.
+    ``block_ids`` of every layer (several parts: part ``k``'s layers into ``others[k - 1]``;
+    null blocks are never written). ``record`` is only read.
 
     On CUDA the copies run on ``stream`` (the current one when None); this returns once the
     host-to-device copies are done (``record`` may then be released) and the current stream
     is ordered after the scatter, so the forward that follows sees the loaded KV.
     """
-    idx = caches.check_block_ids(block_ids)
-    n = idx.numel()
+    n = len(block_ids)
     axis = caches.layout.block_axis
     if tuple(record.shape) != caches.record_shape or record.dtype != caches.dtype:
         raise ValueError(
@@ -446,20 +545,25 @@ def scatter_blocks(
         )
     if first < 0 or first + n > caches.blocks_per_chunk:
         raise ValueError(f"blocks {first}..{first + n} outside the chunk's {caches.blocks_per_chunk} blocks")
+    by_layer = caches.layer_ids(block_ids, others)
     if caches.host_blocks and record.device.type == "cpu" and record.is_contiguous():
         src = record.data_ptr()
-        for addr, off, nbytes in caches.block_copies(block_ids, first):
+        for addr, off, nbytes in caches.block_copies(block_ids, first, others):
             _memmove(addr, src + off, nbytes)
         return
+    copies = []  # per layer: (destination ids, positions in the record's run) without null blocks
+    for ids in by_layer:
+        keep = [j for j, b in enumerate(ids) if b != caches.null_block]
+        copies.append((caches.check_block_ids([ids[j] for j in keep]), torch.as_tensor(keep, dtype=torch.int64)))
     if caches.device.type == "cpu":
-        for layer, cache in enumerate(caches.tensors):
-            cache.index_copy_(axis, idx, record[layer].narrow(axis, first, n))
+        for layer, (cache, (idx, pos)) in enumerate(zip(caches.tensors, copies, strict=True)):
+            cache.index_copy_(axis, idx, record[layer].narrow(axis, first, n).index_select(axis, pos))
         return
     used = stream if stream is not None else torch.cuda.current_stream(caches.device)
     with _on_stream(stream):
-        for layer, cache in enumerate(caches.tensors):
-            staged = record[layer].narrow(axis, first, n).to(caches.device, non_blocking=True)
-            cache.index_copy_(axis, idx, staged)
+        for layer, (cache, (idx, pos)) in enumerate(zip(caches.tensors, copies, strict=True)):
+            rows = record[layer].narrow(axis, first, n).index_select(axis, pos)
+            cache.index_copy_(axis, idx, rows.to(caches.device, non_blocking=True))
     # The host record may be released (and its pool block reused) once this returns: wait for
     # the host-to-device copies, and make the compute stream wait for the scatter.
     used.synchronize()

@@ -51,6 +51,10 @@ class BlockRun:
     chunk_hashes: tuple[int, ...]
     tiers: tuple[str, ...] = ()
     deadline_s: float | None = None
+    group_block_ids: tuple[tuple[int, ...], ...] = ()
+    """Several KV-cache groups: the block ids of the record's other parts (one tuple per part
+    after the primary, each aligned with ``block_ids``; ``0``, vLLM's null block: a block that
+    part does not hold, neither saved from nor loaded into)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.req_id, str):
@@ -58,6 +62,14 @@ class BlockRun:
         if not isinstance(self.first_block, int) or isinstance(self.first_block, bool) or self.first_block < 0:
             raise ValueError(f"first_block must be an int >= 0, got {self.first_block!r}")
         object.__setattr__(self, "block_ids", _int_tuple(self.block_ids, "block_ids"))
+        groups = self.group_block_ids
+        if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence):
+            raise TypeError(f"group_block_ids must be a sequence of sequences, got {type(groups).__name__}")
+        checked = tuple(_int_tuple(g, f"group_block_ids[{i}]") for i, g in enumerate(groups))
+        for i, g in enumerate(checked):
+            if len(g) != len(self.block_ids):
+                raise ValueError(f"group_block_ids[{i}] has {len(g)} ids for {len(self.block_ids)} blocks")
+        object.__setattr__(self, "group_block_ids", checked)
         object.__setattr__(self, "chunk_hashes", _int_tuple(self.chunk_hashes, "chunk_hashes", hi=_U64))
         tiers = self.tiers
         if isinstance(tiers, (str, bytes)) or not isinstance(tiers, Sequence):
@@ -91,6 +103,17 @@ class BlockRun:
             out[-1][3].append(bid)
         return out
 
+    def part_ids(self, blocks_per_chunk: int) -> list[list[list[int]]]:
+        """Per chunk (as :meth:`chunks`), the block ids of every record part: the primary
+        group's, then each of ``group_block_ids``."""
+        out: list[list[list[int]]] = []
+        at = 0
+        for _, _, _, bids in self.chunks(blocks_per_chunk):
+            n = len(bids)
+            out.append([list(bids)] + [list(g[at : at + n]) for g in self.group_block_ids])
+            at += n
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe form (hashes as ints; JSON integers are unbounded in Python)."""
         return {
@@ -100,6 +123,7 @@ class BlockRun:
             "chunk_hashes": list(self.chunk_hashes),
             "tiers": list(self.tiers),
             "deadline_s": self.deadline_s,
+            "group_block_ids": [list(g) for g in self.group_block_ids],
         }
 
     @classmethod
@@ -111,7 +135,13 @@ class BlockRun:
         if missing:
             raise ValueError(f"block run lacks {sorted(missing)}")
         return cls(
-            d["req_id"], d["first_block"], d["block_ids"], d["chunk_hashes"], d.get("tiers", ()), d.get("deadline_s")
+            d["req_id"],
+            d["first_block"],
+            d["block_ids"],
+            d["chunk_hashes"],
+            d.get("tiers", ()),
+            d.get("deadline_s"),
+            d.get("group_block_ids", ()),
         )
 
 

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmcache_async.integration.vllm.kv_costs import CostBook, decide_load, load_deadline
+from lmcache_async.integration.vllm.kv_groups import NULL_BLOCK_ID, GroupLayout, mask_window, window_first_block
 from lmcache_async.integration.vllm.kv_lookup import LoadSettings, TierLookups
 from lmcache_async.integration.vllm.kv_metadata import BlockRun, HSRun, KVStepMetadata
 from lmcache_async.integration.vllm.kv_request_keys import UnreadableRequest, request_key_inputs
@@ -69,6 +70,8 @@ class _Req:
     block_ids: list[int] = field(default_factory=list)
     saved_chunks: int = 0
     hs_block_ids: list[int] = field(default_factory=list)
+    part_ids: list[list[int]] = field(default_factory=list)
+    """Several KV-cache groups: the block ids of each record part after the primary one."""
 
 
 @dataclass
@@ -132,8 +135,19 @@ class KVSchedulerSide:
         chunk_bytes: int = 1 << 20,
         per_request_failures: bool = False,
         lookup_give_up_s: float = 5.0,
+        groups: GroupLayout | None = None,
     ) -> None:
         self._manager = manager
+        layout = groups if groups is not None else GroupLayout(attention=(kv_group,))
+        self.other_parts: tuple[int, ...] = layout.attention[1:]
+        """The KV-cache groups of the record's parts after the primary one (``kv_group``)."""
+        self.part_retained: tuple[int | None, ...] = layout.retained[1:]
+        """Per other part: the tokens its sliding window keeps (None: full attention)."""
+        self.chunk_aligned = layout.windowed
+        """A sliding-window part: hits end on chunk boundaries (a window part holds the blocks
+        before its chunk's end, :func:`~.kv_groups.window_first_block`)."""
+        self.disabled: str | None = ", ".join(layout.unsupported) or None
+        """Groups the connector cannot restore: no load is offered and nothing is saved."""
         self.costs = costs if costs is not None else CostBook({})
         self.settings = settings if settings is not None else LoadSettings()
         self.chunk_bytes = chunk_bytes
@@ -145,7 +159,7 @@ class KVSchedulerSide:
         self._refused: set[str] = set()
         self.hook_times: collections.deque[float] = collections.deque(maxlen=HOOK_TIMES_KEPT)
         """Seconds each :meth:`num_new_matched_tokens` call took (the latest ones)."""
-        self.kv_group = kv_group
+        self.kv_group = layout.attention[0]
         self.hs_group = hs_group
         self._hs_loads: dict[str, HSRun] = {}
         self.db = token_database
@@ -202,7 +216,7 @@ class KVSchedulerSide:
             return None
         if extras is not None:
             self.counters["keyed_with_extras"] += 1
-        r = _Req(self.db.chunk_hashes(tokens, extras), len(tokens))
+        r = _Req(self.db.chunk_hashes(tokens, extras), len(tokens), part_ids=[[] for _ in self.other_parts])
         self._reqs[req_id] = r
         return r
 
@@ -224,9 +238,11 @@ class KVSchedulerSide:
         req_id = str(request.request_id)
         self._lookups.pop(req_id, None)
         r = self._keyed(request)
-        if r is None:
+        if r is None or self.disabled:
             return 0, False
         cap = (max(r.prompt_len - 1, 0) // self.block_size) * self.block_size
+        if self.chunk_aligned:
+            cap = cap // self.chunk_size * self.chunk_size
         if not r.hashes or cap <= num_computed_tokens:
             return 0, False
         if req_id in self._refused:  # its load failed or was abandoned: vLLM recomputes it
@@ -346,6 +362,12 @@ class KVSchedulerSide:
         first_chunk = first_block // self.blocks_per_chunk
         last_chunk = (end_block - 1) // self.blocks_per_chunk
         tiers = tuple(t or "" for t in lookup.tiers[first_chunk : last_chunk + 1])
+        parts = [(_group(block_ids, g) or [])[first_block:end_block] for g in self.other_parts]
+        if any(len(p) != end_block - first_block for p in parts):
+            self._log.warning(
+                "KV connector: request %s: a KV-cache group lacks blocks; not loading", req_id, key="parts"
+            )
+            return
         run = BlockRun(
             req_id,
             first_block,
@@ -353,6 +375,7 @@ class KVSchedulerSide:
             tuple(r.hashes[first_chunk : last_chunk + 1]),
             tiers if len(tiers) == last_chunk + 1 - first_chunk else (),
             lookup.deadline_s,
+            tuple(tuple(p) for p in parts),
         )
         self._loads[req_id] = (run, is_async)
         self._planned[req_id] = _Planned(frozenset(run.block_ids), is_async, tuple(t for t in tiers if t))
@@ -377,6 +400,7 @@ class KVSchedulerSide:
                 self.counters["unkeyed_saves_skipped"] += 1
                 continue
             r.block_ids = _group(new.block_ids, self.kv_group) or []
+            r.part_ids = [_group(new.block_ids, g) or [] for g in self.other_parts]
             if self.hs_group is not None:
                 r.hs_block_ids = _group(new.block_ids, self.hs_group) or []
             self._plan_save(meta, req_id, r, int(new.num_computed_tokens) + int(num_scheduled.get(req_id, 0)))
@@ -390,6 +414,10 @@ class KVSchedulerSide:
                 new_ids = _group(cached.new_block_ids[i], self.kv_group)
                 if new_ids is not None:
                     known.block_ids = new_ids if req_id in resumed else known.block_ids + new_ids
+                for k, g in enumerate(self.other_parts):
+                    more = _group(cached.new_block_ids[i], g)
+                    if more is not None:
+                        known.part_ids[k] = more if req_id in resumed else known.part_ids[k] + more
                 if self.hs_group is not None:
                     new_hs = _group(cached.new_block_ids[i], self.hs_group)
                     if new_hs is not None:
@@ -404,20 +432,50 @@ class KVSchedulerSide:
         return meta
 
     def _plan_save(self, meta: KVStepMetadata, req_id: str, r: _Req, computed_after_step: int) -> None:
+        if self.disabled:
+            return
         ready = min(computed_after_step, r.prompt_len) // self.chunk_size
-        ready = min(ready, len(r.hashes), len(r.block_ids) // self.blocks_per_chunk)
+        ready = min(ready, len(r.hashes), *(len(b) // self.blocks_per_chunk for b in [r.block_ids, *r.part_ids]))
         if ready <= r.saved_chunks:
             return
         bpc = self.blocks_per_chunk
         first = r.saved_chunks
-        meta.saves.append(
-            BlockRun(req_id, first * bpc, tuple(r.block_ids[first * bpc : ready * bpc]), tuple(r.hashes[first:ready]))
-        )
+        parts, first = self._save_parts(r, first, ready)
+        if first < ready:
+            meta.saves.append(
+                BlockRun(
+                    req_id,
+                    first * bpc,
+                    tuple(r.block_ids[first * bpc : ready * bpc]),
+                    tuple(r.hashes[first:ready]),
+                    group_block_ids=parts,
+                )
+            )
         if self.hs_group is not None:
             cs = self.chunk_size
             meta.hs_saves.append(HSRun(req_id, tuple(r.hashes[:ready]), first * cs, ready * cs, tuple(r.hs_block_ids)))
         r.saved_chunks = ready
         self.counters["saves_planned"] += 1
+
+    def _save_parts(self, r: _Req, first: int, ready: int) -> tuple[tuple[tuple[int, ...], ...], int]:
+        """The other parts' block ids of chunks ``first .. ready - 1`` (a sliding-window part:
+        the blocks before its window at each chunk's end are null) and the first chunk to save:
+        a chunk whose window holds a null block (vLLM had dropped it, e.g. behind a prefix-cache
+        hit) is not saved, nor is any before it."""
+        bpc, bs = self.blocks_per_chunk, self.block_size
+        out: list[list[int]] = [[] for _ in self.other_parts]
+        start = first
+        for c in range(first, ready):
+            for k, retained in enumerate(self.part_retained):
+                ids = r.part_ids[k][c * bpc : (c + 1) * bpc]
+                if retained is not None:
+                    keep = window_first_block((c + 1) * self.chunk_size, retained, bs)
+                    ids = list(mask_window(ids, c * bpc, keep))
+                    if any(b == NULL_BLOCK_ID for j, b in enumerate(ids) if c * bpc + j >= keep):
+                        start = c + 1
+                out[k].extend(ids)
+        skip = (start - first) * bpc
+        return tuple(tuple(ids[skip:]) for ids in out), start
 
     def after_step(self, output: Any) -> None:
         """Learn from vLLM's ``KVConnectorOutput`` of a step how the planned loads went: a

@@ -3,24 +3,21 @@
 Framework-free (no vLLM import). Runs on vLLM's model-runner thread.
 
 * **Load** (:meth:`KVWorkerSide.load`, from ``start_load_kv``). Host caches (vLLM's CPU
-  layout): the records of every load run are read straight into the request's blocks
-  (:meth:`~lmcache_async.storage_manager.StorageManager.read_into_sync` with one
+  layout): records are read straight into the request's blocks
+  (:meth:`~lmcache_async.storage_manager.StorageManager.read_into_sync`, one
   :class:`~lmcache_async.read_sinks.ReadSink` per chunk: a CPU-tier hit is one ``memmove`` per
-  run of consecutive blocks, a hit in the node server's pool the same copies after one round
-  trip for the run, a disk record one ``preadv`` checked in place). Synchronous runs
-  are done before the forward; asynchronous ones (lower-tier hits) are read on the connector's
-  load thread (``lmcache-async-kv-load``) into blocks vLLM keeps for the request and nothing
-  else touches, and :meth:`finished_loads` (from ``get_finished``) reports a request once its
-  read returned. The load thread makes no torch call (file reads and ``memmove`` start no
-  OpenMP team), so it never runs a thread pool against vLLM's compute thread. Device caches:
-  records are read into host pool blocks, and the load thread's records are copied to the
-  device on the model-runner thread in :meth:`finished_loads`. A chunk whose record is
-  missing, unreadable, or of another shape or dtype stops that run: its blocks (possibly partly
-  written) and every later block of the run are reported by :meth:`take_load_errors`, and vLLM
-  (with ``kv_load_failure_policy="recompute"``) recomputes them. Nothing raises into the step.
-  With more than one KV-cache group vLLM takes no block ids: a failed asynchronous load is
-  reported by request (:meth:`KVWorkerSide.take_failed_requests`; the scheduler makes every
-  load asynchronous there).
+  run of consecutive blocks, a node-server hit the same after one round trip, a disk record one
+  ``preadv`` checked in place). Synchronous runs are done before the forward; asynchronous ones
+  (lower-tier hits) are read on the load thread (``lmcache-async-kv-load``, no torch call, so no
+  OpenMP team against vLLM's compute thread) into blocks vLLM keeps for the request, and
+  :meth:`finished_loads` (from ``get_finished``) reports a request once its read returned.
+  Device caches: records are read into host pool blocks and copied to the device on the
+  model-runner thread. A chunk whose record is missing, unreadable, or of another shape or dtype
+  stops that run: its blocks and every later block are reported by :meth:`take_load_errors`, and
+  vLLM (``kv_load_failure_policy="recompute"``) recomputes them. Nothing raises into the step.
+  With several KV-cache groups (each a part of every record, :mod:`.kv_groups`) vLLM takes no
+  block ids: a failed load is reported by request (:meth:`KVWorkerSide.take_failed_requests`;
+  the scheduler makes every load asynchronous there), and vLLM recomputes the whole request.
 * **Deadlines** (load or recompute): an asynchronous run is read in pieces (split where the
   tier changes; :data:`PIECE_BYTES`, or what the tier reads in :data:`PIECE_S` when that is
   more), and before each piece the load thread
@@ -55,7 +52,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -63,16 +60,11 @@ import torch
 
 from lmcache_async.engines.hidden_states import HiddenStateStore, hs_entry_key
 from lmcache_async.integration.vllm.kv_costs import CostBook
+from lmcache_async.integration.vllm.kv_gather import gather_chunks
 from lmcache_async.integration.vllm.kv_hs_group import HiddenStateGroup, load_hs_run, save_hs_run
-from lmcache_async.integration.vllm.kv_layout import (
-    PagedCaches,
-    gather_blocks,
-    gather_records,
-    gather_records_at,
-    scatter_blocks,
-)
+from lmcache_async.integration.vllm.kv_layout import PagedCaches, scatter_blocks
 from lmcache_async.integration.vllm.kv_metadata import BlockRun, HSRun, KVStepMetadata
-from lmcache_async.memory import MemoryFormat, MemoryObj, PoolAllocator
+from lmcache_async.memory import MemoryFormat, MemoryObj
 from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.storage_manager import StorageManager
 from lmcache_async.token_database import ChunkedTokenDatabase
@@ -174,13 +166,23 @@ class KVWorkerSide:
             for k, v in deltas.items():
                 self.counters[k] += v
 
-    def register(self, kv_caches: Mapping[str, torch.Tensor], hs_group: HiddenStateGroup | None = None) -> PagedCaches:
+    def register(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        hs_group: HiddenStateGroup | None = None,
+        *,
+        layer_parts: Sequence[int] | None = None,
+        null_block: int | None = None,
+    ) -> PagedCaches:
         """Adopt vLLM's per-layer caches (``ValueError`` for a layout the connector cannot copy)
         and, with ``extract_hidden_states``, its hidden-state group (``ValueError`` when there is
-        no hidden-state store to keep it in)."""
+        no hidden-state store to keep it in). Several KV-cache groups: ``layer_parts`` gives each
+        layer's record part (:class:`~.kv_layout.PagedCaches`), ``null_block`` vLLM's null block."""
         if hs_group is not None and self.hs is None:
             raise ValueError("a hidden-state KV-cache group needs enable_hidden_state_cache")
-        self.caches = PagedCaches(kv_caches, self.block_size, self.blocks_per_chunk)
+        self.caches = PagedCaches(
+            kv_caches, self.block_size, self.blocks_per_chunk, layer_parts=layer_parts, null_block=null_block
+        )
         self.hs_group = hs_group
         if self.caches.device.type == "cuda":
             self._stream = torch.cuda.Stream(self.caches.device)
@@ -313,15 +315,15 @@ class KVWorkerSide:
         run. A chunk that is missing, damaged or of another shape ends it (its blocks may be
         partly written: they are failed with the rest), and so does the run's deadline, checked
         between pieces (see the module docstring)."""
-        bpc = self.blocks_per_chunk
-        scratch: list[torch.Tensor] = []  # the chunk blocks a partial run does not load
+        scratch: list[torch.Tensor] = []  # record bytes no block takes (outside the run, null blocks)
         sinks = []
-        for _, _, first, bids in chunks:
+        for (_, _, first, bids), parts in zip(chunks, run.part_ids(self.blocks_per_chunk), strict=True):
             spare = None
-            if len(bids) < bpc:
-                spare = torch.empty(caches.scratch_bytes(len(bids)), dtype=torch.uint8)
+            gap = caches.gap_bytes(bids, first, parts[1:])
+            if gap:
+                spare = torch.empty(gap, dtype=torch.uint8)
                 scratch.append(spare)
-            sinks.append(caches.read_sink(bids, first, spare))
+            sinks.append(caches.read_sink(bids, first, spare, parts[1:]))
         tiers = run.tiers if len(run.tiers) == len(chunks) else ("",) * len(chunks)
         deadline = None if run.deadline_s is None or started is None else started + run.deadline_s
         done = loaded = 0
@@ -439,7 +441,10 @@ class KVWorkerSide:
         try:
             if caches is None:
                 raise RuntimeError("the KV caches are not registered")
-            for key, (_, _, first, bids), obj in zip(fetched.keys, fetched.chunks, fetched.objs, strict=True):
+            parts = run.part_ids(self.blocks_per_chunk)
+            for key, (_, _, first, bids), obj, more in zip(
+                fetched.keys, fetched.chunks, fetched.objs, parts, strict=True
+            ):
                 if obj is None:
                     break
                 rec = obj.tensor
@@ -454,7 +459,7 @@ class KVWorkerSide:
                         key="shape",
                     )
                     break
-                scatter_blocks(caches, bids, rec, first, self._stream)
+                scatter_blocks(caches, bids, rec, first, self._stream, more[1:])
                 done += len(bids)
                 self._add(
                     loaded_chunks=1,
@@ -508,13 +513,18 @@ class KVWorkerSide:
         keys: list[Any] = []
         objs: list[MemoryObj] = []
         values: list[MemoryObj | torch.Tensor] = []
-        whole = [(h, bids) for h, _, first, bids in run.chunks(self.blocks_per_chunk) if first == 0]
-        whole = [(h, bids) for h, bids in whole if len(bids) == self.blocks_per_chunk]  # records: whole chunks
+        bpc = self.blocks_per_chunk
+        whole = [
+            (h, bids, parts[1:])
+            for (h, _, first, bids), parts in zip(run.chunks(bpc), run.part_ids(bpc), strict=True)
+            if first == 0 and len(bids) == bpc  # records: whole chunks
+        ]
         if not whole:
             return
         chunk_ids: list[list[int]] = []  # the blocks of each record in ``values``
+        chunk_others: list[list[list[int]]] = []  # and of its other parts
         try:
-            for chunk_hash, bids in whole:
+            for chunk_hash, bids, more in whole:
                 key = self.db.make_key(chunk_hash)
                 if sm.holds_locally(key):
                     self._add(save_skipped=1)
@@ -529,39 +539,17 @@ class KVWorkerSide:
                 else:  # no pool to gather into: a fresh host tensor the put copies from
                     values.append(torch.empty(caches.record_shape, dtype=caches.dtype))
                 chunk_ids.append(bids)
+                chunk_others.append(more)
                 keys.append(key)
             if not keys:
                 return
-            self._gather(caches, chunk_ids, values)
+            gather_chunks(caches, chunk_ids, values, chunk_others, self._stream)
             stored = sm.batched_put_sync(keys, values)
         finally:
             for obj in objs:
                 obj.ref_count_down()
         ok = sum(1 for r in stored if r)
         self._add(saved_chunks=ok, saved_bytes=ok * caches.record_bytes, save_rejected=len(stored) - ok)
-
-    def _gather(self, caches: PagedCaches, chunk_ids: list[list[int]], records: list[MemoryObj | torch.Tensor]) -> None:
-        """Copy each chunk's blocks into its record (model-runner thread); complete on return.
-        Host caches: all records at once, pool blocks by address (:func:`gather_records_at`:
-        no tensor view; the pool's consecutive blocks with one ``index_select`` per layer) and
-        tensors with :func:`gather_records`; CUDA: the ids go to the device once, each record is
-        gathered on the side stream, then that stream is synchronised."""
-        if caches.host_blocks:
-            blocks = [r for r in records if isinstance(r, MemoryObj) and r.nbytes == caches.record_bytes]
-            if len(blocks) == len(records):  # pool blocks of the record's shape: contiguous host memory
-                pool = blocks[0].allocator if blocks else None
-                arena = pool.buffer if isinstance(pool, PoolAllocator) else None
-                gather_records_at(caches, chunk_ids, [b.data_ptr for b in blocks], arena)
-            else:
-                gather_records(caches, chunk_ids, [r.tensor if isinstance(r, MemoryObj) else r for r in records])
-            return
-        outs = [r.tensor if isinstance(r, MemoryObj) else r for r in records]
-        index = caches.check_block_ids([b for ids in chunk_ids for b in ids])
-        bpc = self.blocks_per_chunk
-        for i, out in enumerate(outs):
-            gather_blocks(caches, index[i * bpc : (i + 1) * bpc], out, self._stream)
-        if self._stream is not None:
-            self._stream.synchronize()
 
     def stats(self) -> dict[str, Any]:
         """The worker's counters and the manager's per-tier stats."""
