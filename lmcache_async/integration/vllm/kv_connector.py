@@ -169,7 +169,8 @@ class LMCacheKVConnector(KVConnectorBase_V1, SupportsHMA):
                 policy,
             )
         config = load_kv_connector_config(getattr(ktc, "kv_connector_extra_config", None) or {})
-        self.block_size = int(vllm_config.cache_config.block_size)
+        self.groups: GroupLayout = describe_groups(kv_cache_config)
+        self.block_size = self.groups.block_size or int(vllm_config.cache_config.block_size)
         self.blocks_per_chunk = check_chunk_alignment(config.chunk_size, self.block_size)
         model = vllm_config.model_config
         served = getattr(model, "served_model_name", None)
@@ -196,7 +197,6 @@ class LMCacheKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler_side: KVSchedulerSide | None = None
         self.worker_side: KVWorkerSide | None = None
         self.costs: CostBook = cost_book(tier_locations(config), cost_file(config))
-        self.groups: GroupLayout = describe_groups(kv_cache_config)
         per_request = self.groups.several  # vLLM refuses block ids there: failures go by request
         if is_worker:
             self.worker_side = KVWorkerSide(

@@ -41,6 +41,8 @@ def _kind(spec: Any) -> str:
     name = type(spec).__name__
     if name == "UniformTypeKVCacheSpecs":
         kinds = {_kind(s) for s in (getattr(spec, "kv_cache_specs", None) or {}).values()}
+        if kinds == {"full", "hidden"}:  # the hidden-state layer riding in the attention group
+            return "full"
         return kinds.pop() if len(kinds) == 1 else "other"
     if name in _HIDDEN:
         return "hidden"
@@ -77,6 +79,9 @@ class GroupLayout:
     unsupported: tuple[str, ...] = ()
     layer_group: dict[str, int] = field(default_factory=dict)
     num_groups: int = 1
+    block_size: int | None = None
+    """Tokens per block of the attention groups (vLLM may give a hidden-state group smaller
+    blocks, and then reports the smallest as the engine's block size); None: not known."""
 
     @property
     def several(self) -> bool:
@@ -121,6 +126,11 @@ def describe_groups(kv_cache_config: Any) -> GroupLayout:
             unsupported.append(f"{i}:{type(spec).__name__}")
     if not attention:
         unsupported.append("no attention group")
+    sizes = {
+        int(groups[i].kv_cache_spec.block_size) for i in attention if hasattr(groups[i].kv_cache_spec, "block_size")
+    }
+    if len(sizes) > 1:
+        unsupported.append(f"attention groups with block sizes {sorted(sizes)}")
     # Full attention first: the primary group is then one that never holds null blocks.
     order = sorted(range(len(attention)), key=lambda j: retained[j] is not None)
     return GroupLayout(
@@ -130,6 +140,7 @@ def describe_groups(kv_cache_config: Any) -> GroupLayout:
         tuple(unsupported),
         layer_group,
         len(groups),
+        sizes.pop() if len(sizes) == 1 else None,
     )
 
 

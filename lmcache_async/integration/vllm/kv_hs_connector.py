@@ -3,8 +3,8 @@
 vLLM's speculative method ``extract_hidden_states`` keeps the hidden states of the layers named
 by ``eagle_aux_hidden_state_layer_ids`` in a KV-cache group of their own (a
 ``CacheOnlyAttentionLayer``, spec ``HiddenStateCacheSpec``). That needs vLLM's hybrid KV-cache
-manager, which vLLM keeps on only for connectors that declare ``SupportsHMA``. This subclass of
-:class:`~.kv_connector.LMCacheKVConnector` declares it and stores that group through the
+manager, which vLLM keeps on only for connectors that declare ``SupportsHMA`` (as
+:class:`~.kv_connector.LMCacheKVConnector` does). This subclass stores that group through the
 connector's hidden-state store (:mod:`.kv_hs_group`): the hidden states of every saved chunk are
 stored (and published to the KV tiers) beside its KV, and a restored KV prefix gets its hidden
 states back into the group's blocks, prefix-strict. Load it with::
@@ -17,10 +17,13 @@ states back into the group's blocks, prefix-strict. Load it with::
                            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                            "kv_connector_extra_config": {"enable_hidden_state_cache": true}}'
 
-It supports exactly one attention group beside the hidden-state group (``ValueError`` at
-start-up otherwise: a model with sliding-window layers has more; use ``LMCacheKVConnector``
-there). ``connector.load_hidden_states(token_ids, layer_idx)`` gives a restored or stored
-prefix's hidden states for an aux layer to any caller.
+The hidden-state layer shares the attention group's block ids when vLLM keeps one group (every
+attention layer of one kind); with several groups (e.g. full and sliding-window attention) it has
+a group of its own, possibly with a smaller block size, and the attention groups are the parts of
+each KV record (:mod:`.kv_groups`). Failures are then reported by request, and a chunk's KV is
+never restored without its hidden states (the request is recomputed instead).
+``connector.load_hidden_states(token_ids, layer_idx)`` gives a restored or stored prefix's hidden
+states for an aux layer to any caller.
 """
 
 from __future__ import annotations
@@ -29,15 +32,15 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, SupportsHMA
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from lmcache_async.integration.vllm.kv_connector import LMCacheKVConnector
+from lmcache_async.integration.vllm.kv_groups import NULL_BLOCK_ID, describe_groups
 from lmcache_async.integration.vllm.kv_hs_group import HiddenStateGroup
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -49,21 +52,23 @@ def _is_hidden_state_spec(spec: Any) -> bool:
 
 
 def hidden_state_group_ids(kv_cache_config: Any) -> tuple[int, int]:
-    """``(attention group index, hidden-state group index)`` of vLLM's KV-cache groups.
+    """``(primary attention group index, hidden-state group index)`` of vLLM's KV-cache groups.
 
-    The hidden-state layer has a group of its own (``HiddenStateCacheSpec``) when its page
-    size differs from the attention layers'; when it matches, vLLM puts it in the attention
-    group (one group: both indexes 0, shared block ids). ``ValueError`` for any other layout."""
+    The hidden-state layer (``HiddenStateCacheSpec``) joins the attention group when vLLM keeps
+    one group (both indexes 0, shared block ids); with several groups it has one of its own.
+    ``ValueError`` for a layout without exactly one hidden-state group beside attention, or
+    with groups the connector cannot restore."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
+    layout = describe_groups(kv_cache_config)
     hs = [i for i, g in enumerate(groups) if _is_hidden_state_spec(g.kv_cache_spec)]
-    kv = [i for i, g in enumerate(groups) if not _is_hidden_state_spec(g.kv_cache_spec)]
-    if len(kv) == 1 and len(hs) <= 1:
-        return kv[0], hs[0] if hs else kv[0]
+    if len(groups) == 1 and not layout.unsupported:
+        return 0, 0
+    if len(hs) == 1 and not layout.unsupported and layout.hidden == hs[0]:
+        return layout.attention[0], hs[0]
     raise ValueError(
-        f"LMCacheKVHiddenStatesConnector needs one attention KV-cache group (and at most one "
-        f"hidden-state group); this engine has {len(kv)} attention and {len(hs)} hidden-state groups "
-        f"({[type(g.kv_cache_spec).__name__ for g in groups]}). Use LMCacheKVConnector for models with "
-        "several attention groups (sliding-window layers)."
+        f"LMCacheKVHiddenStatesConnector needs attention KV-cache groups and one hidden-state group; "
+        f"this engine has {[type(g.kv_cache_spec).__name__ for g in groups]}"
+        + (f" (cannot restore {', '.join(layout.unsupported)})" if layout.unsupported else "")
     )
 
 
@@ -79,7 +84,7 @@ def _aux_layer_ids(vllm_config: Any) -> list[int]:
     return [int(i) for i in ids]
 
 
-class LMCacheKVHiddenStatesConnector(LMCacheKVConnector, SupportsHMA):
+class LMCacheKVHiddenStatesConnector(LMCacheKVConnector):
     """:class:`LMCacheKVConnector` plus vLLM's hidden-state group; see the module docstring.
 
     ``ValueError`` at construction without ``enable_hidden_state_cache``, without the
@@ -94,9 +99,7 @@ class LMCacheKVHiddenStatesConnector(LMCacheKVConnector, SupportsHMA):
         self.aux_layer_ids = _aux_layer_ids(vllm_config)
         allowed = self._config.hidden_state_layers
         if allowed is not None and not set(self.aux_layer_ids) <= set(allowed):
-            raise ValueError(
-                f"hidden_state_layers {allowed} must include the extracted layers {self.aux_layer_ids}"
-            )
+            raise ValueError(f"hidden_state_layers {allowed} must include the extracted layers {self.aux_layer_ids}")
         if self.scheduler_side is not None:
             kv_group, hs_group = hidden_state_group_ids(kv_cache_config)
             self.scheduler_side.kv_group = kv_group
@@ -116,7 +119,9 @@ class LMCacheKVHiddenStatesConnector(LMCacheKVConnector, SupportsHMA):
         logger.info("LMCacheKVHiddenStatesConnector: %s is %s", hs_names[0], tuple(kv_caches[hs_names[0]].shape))
         group = HiddenStateGroup(kv_caches[hs_names[0]], self.aux_layer_ids)
         attention = {name: t for name, t in kv_caches.items() if name != hs_names[0]}
-        caches = self._worker().register(attention, group)
+        layers, parts = self._record_layers(attention)
+        null = NULL_BLOCK_ID if self.groups.several else None
+        caches = self._worker().register(layers, group, layer_parts=parts, null_block=null)
         logger.info(
             "LMCacheKVHiddenStatesConnector: %d KV layers (record %s), hidden-state group %s for layers %s",
             caches.num_layers,
@@ -124,9 +129,3 @@ class LMCacheKVHiddenStatesConnector(LMCacheKVConnector, SupportsHMA):
             tuple(group.cache.shape),
             group.layer_ids,
         )
-
-    def request_finished_all_groups(
-        self, request: Request, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        """Forget the request (its saves, hidden states included, are done by now)."""
-        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
