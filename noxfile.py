@@ -1,4 +1,4 @@
-"""Developer sessions: tests, quick, ci, lint, typecheck, docs, bench, compare, demo, vllm, e2e, sglang, omni.
+"""Developer sessions: tests, quick, ci, lint, typecheck, docs, bench, compare, demo, vllm, e2e, sglang, omni, events.
 
 Torch is pinned to the CPU build that lies on disk (``torch==2.13.0``) and installed before
 the project so pip never pulls a multi-GB CUDA build.
@@ -82,11 +82,12 @@ def tests(session: nox.Session) -> None:
         "LMCACHE_ASYNC_REQUIRE_S3": "1",
     }
     # tests/omni runs whole in the omni session (its venv has vLLM-Omni; its store tests start
-    # processes for minutes, so they are not run twice); tests/sglang skips here with its reason.
+    # processes for minutes, so they are not run twice); tests/events runs whole in the events
+    # session (beside Dynamo's and vLLM's readers); tests/sglang skips here with its reason.
     # Two xdist workers on a 2-core machine: every server a test starts takes a free port, so
     # workers never share one.
     session.run(
-        "pytest", "--ignore=tests/omni", "-n", str(TEST_WORKERS), *session.posargs, env=env
+        "pytest", "--ignore=tests/omni", "--ignore=tests/events", "-n", str(TEST_WORKERS), *session.posargs, env=env
     )  # includes a bounded atheris run  # fmt: skip
 
 
@@ -246,6 +247,28 @@ def omni(session: nox.Session) -> None:
         env={"LMCACHE_ASYNC_REQUIRE_OMNI": "1", "LMCACHE_ASYNC_REQUIRE_SERVERS": "1",
              "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "WARNING"},
     )  # fmt: skip
+
+
+@nox.session
+def events(session: nox.Session) -> None:
+    """KV events (tests/events): the wire format, replay and snapshots, the node server's stream,
+    and the router-agreement workload, read by NVIDIA Dynamo's index and vLLM's own decoder.
+
+    ``scripts/dynamo_env.sh`` builds (once; reused while its pin matches) Dynamo's venv under
+    ``~/.cache/lmcache-async/``; vLLM's decoder runs in the e2e venv (``scripts/e2e_env.sh``,
+    reused from the e2e session). A missing reader fails the session instead of skipping.
+    """
+    _install(session, "test")
+    dynamo = str(session.run("bash", "scripts/dynamo_env.sh", external=True, silent=True)).strip().splitlines()[-1]
+    vllm = str(session.run("bash", "scripts/e2e_env.sh", external=True, silent=True)).strip().splitlines()[-1]
+    env = {
+        "LMCACHE_ASYNC_REQUIRE_EVENTS": "1",
+        "LMCACHE_ASYNC_REQUIRE_DYNAMO": "1",
+        "LMCACHE_ASYNC_DYNAMO_PYTHON": dynamo,
+        "LMCACHE_ASYNC_VLLM_PYTHON": vllm,
+    }
+    session.run("pytest", "tests/events", "-p", "no:cacheprovider", "-rs", "-n", str(TEST_WORKERS), *session.posargs,
+                env=env)  # fmt: skip
 
 
 @nox.session(venv_backend="none")

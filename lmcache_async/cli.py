@@ -311,9 +311,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     logging.getLogger().setLevel(getattr(logging, args.log_level))
     config = load_engine_config(args.config)
+    if args.events is not None:
+        try:
+            import msgspec  # noqa: F401
+            import zmq  # noqa: F401
+        except ImportError as exc:
+            raise UsageError(f"--events needs pyzmq and msgspec ({exc}); pip install 'lmcache-async[events]'",
+                             f"{PROG} serve") from None  # fmt: skip
     try:
-        return run_server(config, args.socket or default_socket_path())
-    except ValueError as exc:  # socket directory not private, a server already there, bad sizes
+        return run_server(config, args.socket or default_socket_path(), args.events)
+    except ValueError as exc:  # socket directory not private, a server already there, bad sizes, events endpoint
         raise UsageError(str(exc), f"{PROG} serve") from None
 
 
@@ -460,6 +467,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument("--config", help="YAML file (default: $LMCACHE_CONFIG_FILE); max_local_cpu_size sizes each pool")
     sv.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sv.add_argument(
+        "--events",
+        metavar="tcp://HOST:PORT",
+        help="publish the pools' KV events (vLLM's format, ZMQ PUB) there, with replay and snapshots on the "
+        "next port (docs: Routing on the cache); needs the events extra",
+    )
     sv.set_defaults(func=_cmd_serve)
 
     st = sub.add_parser(

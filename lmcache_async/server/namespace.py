@@ -42,7 +42,7 @@ import select
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -51,17 +51,30 @@ from lmcache_async.memory import MemoryObj
 from lmcache_async.server.protocol import COMMIT_FAILED, COMMIT_PRESENT, COMMIT_STORED, EntryMeta
 from lmcache_async.server.shm import SharedPool, new_generation
 
-__all__ = ["ClientState", "Lease", "Namespace"]
+__all__ = ["ClientState", "EntryListener", "Lease", "Namespace"]
 
 logger = logging.getLogger(__name__)
 
 
+class EntryListener(Protocol):
+    """Who hears which described entries a namespace holds (the server's KV events). Called on
+    the loop thread, synchronously; must not call back into the namespace."""
+
+    def entry_described(self, chunk: Any) -> None:
+        """A committed entry now says what it holds (``chunk``, as given to :meth:`Namespace.describe`)."""
+
+    def entry_gone(self, chunk: Any) -> None:
+        """A described entry left the index (removed, evicted, cleared, the namespace closed)."""
+
+
 @dataclass(slots=True)
 class Entry:
-    """A committed entry: the block (the index's reference) and its metadata."""
+    """A committed entry: the block (the index's reference), its metadata and, once described,
+    what it holds in vLLM's terms (``chunk``; None until then)."""
 
     obj: MemoryObj
     meta: EntryMeta
+    chunk: Any = None
 
 
 def _held(_key: bytes, entry: Entry) -> bool:
@@ -142,10 +155,13 @@ class Namespace:
         pretouch: bool = True,
         committed_bytes: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        listener: EntryListener | None = None,
     ) -> None:
         """``committed_bytes``: the pool's memory committed at once (None: all of it; see
-        :class:`SharedPool`; the server passes 0 and grows it with its ``PoolGrowth``)."""
+        :class:`SharedPool`; the server passes 0 and grows it with its ``PoolGrowth``);
+        ``listener``: told when described entries come and go (None: nobody)."""
         self.name = name
+        self._listener = listener
         self.pool = SharedPool(
             pool_bytes,
             name=f"ns-{name}",
@@ -527,9 +543,27 @@ class Namespace:
 
     def _retire(self, entry: Entry) -> None:
         """An entry just left the index: move its version counters (a reader holding its
-        location no longer trusts it), then give the index's reference back."""
+        location no longer trusts it), give the index's reference back, tell the listener."""
         self.pool.retire(entry.obj.offset, entry.meta.nbytes)
         entry.obj.ref_count_down()
+        if entry.chunk is not None and self._listener is not None:
+            self._listener.entry_gone(entry.chunk)
+
+    def describe(self, key: bytes, chunk: Any) -> bool:
+        """Record what the committed entry of ``key`` holds (and tell the listener); False when
+        there is no such entry. A description replaces an earlier one (the listener hears the old
+        one go first). No recency change."""
+        entry = self._index.lookup(key, touch=False)
+        if entry is None:
+            return False
+        if entry.chunk == chunk:
+            return True
+        old, entry.chunk = entry.chunk, chunk
+        if self._listener is not None:
+            if old is not None:
+                self._listener.entry_gone(old)
+            self._listener.entry_described(chunk)
+        return True
 
     def touch(self, keys: list[bytes]) -> None:
         """Readers that copied these entries from locations they knew: make each present one

@@ -70,7 +70,8 @@ __all__ = [
 ]
 
 MAGIC = b"LMCS"
-VERSION = 3
+VERSION = 4
+"""Version 4 added ``DESCRIBE``."""
 #: Largest frame body either side accepts (a batch of keys and metadata, never payload).
 MAX_BODY = 4 << 20
 #: Most keys (or grants, or leases) in one request.
@@ -155,6 +156,12 @@ class Op(enum.IntEnum):
     request ``after`` (blob: the last key of the previous page, empty for the first), ``prefix``
     (blob: only keys starting with it), ``limit`` u16; answer a u16 count, per entry its key
     (blob), metadata, block size u64 and pinned flag u8 (leased or held), then ``more`` u8."""
+    DESCRIBE = 17
+    """What committed entries hold in vLLM's terms, for the server's KV events: request a u16
+    count, per entry its key (blob), its provenance as a record's section list (blob, u16 length;
+    ``docs/formats.md`` §1.2), the LoRA name (blob, empty: none) and vLLM's extra keys of its
+    blocks (blob, msgpack, empty: none); answer a u16 count and per entry u8 1 (recorded) or 0 (no
+    such entry, a provenance it cannot advertise, or the server publishes no events)."""
 
 
 #: Ops the server answers with a frame of the same op and seq.

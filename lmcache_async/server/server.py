@@ -80,6 +80,7 @@ from lmcache_async.server.shm import HEADER_BYTES
 
 if TYPE_CHECKING:
     from lmcache_async.config import LMCacheEngineConfig
+    from lmcache_async.server.events import ServerEvents
 
 _U16 = struct.Struct("<H")
 _HIT = struct.Struct("<BQQ")  # an answer's hit: flag (1 GET, 2 READ), lease id or version, offset (then metadata)
@@ -226,10 +227,14 @@ class CacheServer:
     :func:`run_server`); it must run on the loop that owns this object.
     """
 
-    def __init__(self, config: LMCacheEngineConfig, socket_path: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, config: LMCacheEngineConfig, socket_path: str | os.PathLike[str], events: ServerEvents | None = None
+    ) -> None:
+        """``events``: publishes the pool's KV events (``serve --events``; None: none)."""
         from lmcache_async.memory import gib_to_bytes
 
         self.config = config
+        self.events = events
         self.socket_path = Path(socket_path)
         self.pool_bytes = gib_to_bytes(config.max_local_cpu_size)
         if self.pool_bytes <= 0:
@@ -303,6 +308,8 @@ class CacheServer:
         assert self._listener is not None
         loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
+        if self.events is not None:
+            self.events.start(loop)
         sweeper = asyncio.ensure_future(self._sweep())
         accept = asyncio.ensure_future(self._accept_loop(loop, self._listener))
         try:
@@ -353,6 +360,8 @@ class CacheServer:
         frame or idle past their timeouts; release namespaces nobody uses."""
         for ns in self.namespaces.values():
             ns.expire()
+        if self.events is not None:
+            self.events.tick()
         now = time.monotonic()
         for proto in list(self._protos.values()):
             why = proto.stalled(now, self.frame_timeout_s, self.idle_timeout_s)
@@ -540,6 +549,7 @@ class CacheServer:
                 reserve_bytes=self._reserve,
                 pretouch=bool(self.config.cache_server_pretouch),
                 committed_bytes=0,
+                listener=self.events,
             )
         except (OSError, ValueError) as exc:
             self._log.warning("cache server: cannot create the pool of namespace %r: %s", name, exc, key="ns")
@@ -752,6 +762,8 @@ class CacheServer:
             parts[0] = _U16.pack(n)
             parts.append(bytes([more]))
             return b"".join(parts)
+        elif op is Op.DESCRIBE:
+            return self.events.describe(ns, r) if self.events is not None else _unrecorded(r)
         elif op is Op.GET_HELD:
             tokens = [r.u64() for _ in range(r.count())]
             r.done()
@@ -850,16 +862,33 @@ class CacheServer:
             "protocol_errors": self.protocol_errors,
             "lease_ttl_s": self.lease_ttl_s,
             "namespaces": {name: self.namespaces[name].stats() for name in names},
+            "events": self.events.stats() if self.events is not None else None,
         }
 
 
-def run_server(config: LMCacheEngineConfig, socket_path: str | os.PathLike[str]) -> int:
+def run_server(
+    config: LMCacheEngineConfig, socket_path: str | os.PathLike[str], events_endpoint: str | None = None
+) -> int:
     """Run a server in the foreground until SIGTERM or SIGINT; returns the exit status (0).
 
     Uses uvloop when it is installed, unless ``LMCACHE_ASYNC_SERVER_LOOP=asyncio``
     (``uvloop`` there requires it). Logs go to the root logger (stderr under the CLI).
+    ``events_endpoint``: publish the pools' KV events there (:mod:`lmcache_async.server.events`).
     """
-    server = CacheServer(config, socket_path)
+    events = None
+    if events_endpoint is not None:
+        from lmcache_async.server.events import ServerEvents
+
+        events = ServerEvents(events_endpoint)
+    try:
+        return _run(CacheServer(config, socket_path, events))
+    finally:
+        if events is not None:
+            events.close()
+
+
+def _run(server: CacheServer) -> int:
+    """Bind ``server`` and serve it in the foreground (see :func:`run_server`)."""
     _raise_descriptor_limit(server.max_connections)
     server.bind()
 
@@ -962,6 +991,15 @@ def _hits_answer(flag: int, hits: list[tuple[int, int, EntryMeta] | None]) -> by
         parts.append(_HIT.pack(flag, ident, offset))
         parts.append(encode_meta(meta))
     return b"".join(parts)
+
+
+def _unrecorded(r: Reader) -> bytes:
+    """The answer to a ``DESCRIBE`` when the server publishes no events: nothing recorded."""
+    n = r.count()
+    for _ in range(n * 4):
+        r.blob(0xFFFF)
+    r.done()
+    return _U16.pack(n) + bytes(n)
 
 
 def _release(ns: Namespace, st: ClientState, r: Reader) -> None:
