@@ -36,6 +36,7 @@ BENCH_SUITES: dict[str, str] = {
     "sweep": f"{BENCH_PACKAGE}.sweep",
     "server": f"{BENCH_PACKAGE}.server",
     "io_style": f"{BENCH_PACKAGE}.io_style",
+    "events": f"{BENCH_PACKAGE}.events",
 }
 #: Suites run only when named with ``--suite`` (they need another environment or take minutes):
 #: ``vllm_kv`` and ``vllm_kv_slow`` (load or recompute over a slow tier) start real vLLM engines
