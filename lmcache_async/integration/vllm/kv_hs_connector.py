@@ -104,6 +104,7 @@ class LMCacheKVHiddenStatesConnector(LMCacheKVConnector):
             kv_group, hs_group = hidden_state_group_ids(kv_cache_config)
             self.scheduler_side.kv_group = kv_group
             self.scheduler_side.hs_group = hs_group
+            self.scheduler_side.hs_layer_ids = tuple(self.aux_layer_ids)
         if self.worker_side is not None:
             self.worker_side.hs = self.store.hidden_state_store
 

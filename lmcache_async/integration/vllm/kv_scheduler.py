@@ -12,8 +12,11 @@ nothing of vLLM. Runs on vLLM's scheduler thread (one thread; no locking).
   one whose extras cannot be read (counted in ``unkeyed_requests``, one log line per kind).
 * **Lookup** (:meth:`KVSchedulerSide.num_new_matched_tokens`): one batched presence query over
   the chunk keys gives the stored prefix, and the hit is cut to whole blocks below the last
-  prompt token (vLLM must compute at least one token). A lookup that fails or times out is a
-  miss, counted.
+  prompt token (vLLM must compute at least one token; whole chunks when a sliding-window group
+  is a part). A lookup that fails or times out is a miss, counted. With several KV-cache groups
+  a chunk counts only when every part is there: its record (all attention groups) and, for the
+  hidden-state connector, each aux layer's hidden-state record (a load that failed there would
+  recompute the whole request).
 * **Load plan** (:meth:`after_alloc`): the blocks vLLM allocated for the hit, from the first
   block it does not already hold, become a :class:`BlockRun` for this step's metadata.
 * **Save plan** (:meth:`build_meta`): every prompt chunk whose tokens are all computed by the
@@ -48,6 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmcache_async.engines.hidden_states import hs_entry_key
 from lmcache_async.integration.vllm.kv_costs import CostBook, decide_load, load_deadline
 from lmcache_async.integration.vllm.kv_groups import NULL_BLOCK_ID, GroupLayout, mask_window, window_first_block
 from lmcache_async.integration.vllm.kv_lookup import LoadSettings, TierLookups
@@ -161,6 +165,9 @@ class KVSchedulerSide:
         """Seconds each :meth:`num_new_matched_tokens` call took (the latest ones)."""
         self.kv_group = layout.attention[0]
         self.hs_group = hs_group
+        self.hs_layer_ids: tuple[int, ...] = ()
+        """The aux layers whose hidden-state records are parts of every chunk (the hidden-state
+        connector's; with several KV-cache groups a lookup asks for them beside the KV record)."""
         self._hs_loads: dict[str, HSRun] = {}
         self.db = token_database
         self.block_size = block_size
@@ -259,9 +266,14 @@ class KVSchedulerSide:
         try:
             sm = self._manager()
             keys = self.db.make_keys(r.hashes[:n_chunks])
+            per = 1 + len(self.hs_layer_ids) if self.per_request_failures else 1
+            if per > 1:  # every part of a chunk must be there: a failed load would recompute all
+                keys = [part for k in keys for part in (k, *(hs_entry_key(k, layer) for layer in self.hs_layer_ids))]
             names = self.lookups.where(req_id, keys)
             if names is None:
                 return None, False
+            if per > 1:
+                names = [names[i] if None not in names[i : i + per] else None for i in range(0, len(names), per)]
             self.counters["lookups"] += 1
             found = 0
             while found < len(names) and names[found] is not None:
