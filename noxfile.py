@@ -267,8 +267,9 @@ def events(session: nox.Session) -> None:
         "LMCACHE_ASYNC_DYNAMO_PYTHON": dynamo,
         "LMCACHE_ASYNC_VLLM_PYTHON": vllm,
     }
-    session.run("pytest", "tests/events", "-p", "no:cacheprovider", "-rs", "-n", str(TEST_WORKERS), *session.posargs,
-                env=env)  # fmt: skip
+    # --dist loadfile: the router-agreement workload (a module fixture) runs once, on one worker.
+    session.run("pytest", "tests/events", "-p", "no:cacheprovider", "-rs", "-n", str(TEST_WORKERS),
+                "--dist", "loadfile", *session.posargs, env=env)  # fmt: skip
 
 
 @nox.session(venv_backend="none")
