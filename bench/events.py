@@ -17,6 +17,8 @@ reports nothing and says why. Run ``python -m lmcache_async_bench.events`` (``--
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from .common import BenchOptions, Result, alternate
@@ -83,7 +85,8 @@ def _save_path(opts: BenchOptions, n: int, reps: int) -> list[Result]:
     try:
         out = []
         for what, label in (("store", "BlockStored"), ("remove", "BlockRemoved")):
-            on, off = alternate([lambda w=what: store(True, w), lambda w=what: store(False, w)], reps=reps)
+            fns: list[Callable[[], float]] = [partial(store, True, what), partial(store, False, what)]
+            on, off = alternate(fns, reps=reps)
             out.append(Result(SUITE, f"server {what} per chunk, events on ({label}, {_BLOCKS} blocks)", on * 1e6,
                               "us", baseline_name="events off", baseline=off * 1e6,
                               note=f"+{(on - off) * 1e6:.2f} us per chunk", params={"chunks": n}))  # fmt: skip
@@ -99,10 +102,10 @@ def _publish_rate(opts: BenchOptions, n: int, per_batch: int) -> Result:
     import zmq
 
     from lmcache_async.events.publisher import ZmqEventPublisher
-    from lmcache_async.events.wire import KVEventBatch, encode_batch
+    from lmcache_async.events.wire import Event, KVEventBatch, encode_batch
     from lmcache_async.server.events import stored_event
 
-    events = [stored_event(c, "server") for c in _chunks(n, 99)]
+    events: list[Event] = [stored_event(c, "server") for c in _chunks(n, 99)]
     pub = ZmqEventPublisher("tcp://127.0.0.1:0", max_queue=1_000_000, hwm=0)
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
