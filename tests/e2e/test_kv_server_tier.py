@@ -92,6 +92,11 @@ def test_a_scheduler_process_sees_what_a_worker_process_saved(server_runs: dict[
     assert server_runs["load"]["connector"]["loaded_blocks"] == expected_hit() // 128
     # in the node's shared pool: loaded synchronously in start_load_kv, like a CPU-tier hit
     assert server_runs["load"]["connector"]["async_load_runs"] == 0
+    # and priced as memory by the load-or-recompute decision: never declined, never probed
+    sched = server_runs["load"]["scheduler"]
+    decided = {k: v for k, v in sched.items() if k.startswith("decision_") and v}
+    assert decided.get("decision_memory", 0) >= 1 and "decision_slower" not in decided, decided
+    assert sched["probes"] == 0
 
 
 def test_a_killed_server_only_costs_recompute(server_runs: dict[str, Any]) -> None:
