@@ -2,9 +2,10 @@
 
 * **save path (µs per chunk)**: the node server's work for one chunk stored — grant, commit and
   the ``DESCRIBE`` that names its vLLM blocks — in a :class:`~lmcache_async.server.namespace.Namespace`
-  with the server's event source attached (advertiser, ``BlockStored`` built, batch queued for the
-  publisher's thread) vs the same with no events, alternated in the same run; then the chunk's
-  removal (``BlockRemoved``). The difference is the cost per event on the server's loop.
+  with the server's event source attached (advertiser, ``BlockStored`` built, one batch per
+  request of 16 chunks queued for the publisher's thread, which encodes and sends it beside the
+  loop) vs the same with no events, alternated in the same run; then the chunks' removal
+  (``BlockRemoved``). The difference is the cost per event on the server's loop.
 * **publish rate (events/s)**: ``BlockStored`` events through :class:`ZmqEventPublisher` (one
   batch per chunk, as the server publishes them; and batches of 64) until a subscriber on
   loopback received the last one, beside the physical baseline: pyzmq sending the same encoded
@@ -16,6 +17,7 @@ reports nothing and says why. Run ``python -m lmcache_async_bench.events`` (``--
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from functools import partial
@@ -26,6 +28,7 @@ from .common import BenchOptions, Result, alternate
 SUITE = "events"
 _BLOCKS = 16  # vLLM blocks per chunk (256 tokens of 16-token blocks)
 _BLOCK_SIZE = 16
+_PER_REQUEST = 16  # chunks one client request stores (a 4,096-token prompt)
 
 
 def _chunks(n: int, salt: int) -> list[Any]:
@@ -61,24 +64,33 @@ def _save_path(opts: BenchOptions, n: int, reps: int) -> list[Result]:
     spaces = {on: Namespace(f"bench-{on}", 64 << 20, lease_ttl_s=30, max_leases=64, max_grants=1 << 20,
                             listener=events if on else None) for on in (True, False)}  # fmt: skip
     rnd = [0]
+    loop = asyncio.new_event_loop()
+    events.start(loop)  # one batch per request, as in the server
+
+    async def requests(ns: Any, st: Any, keys: list[bytes], chunks: list[Any], on: bool) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        for i in range(0, n, _PER_REQUEST):  # one COMMIT, then one DESCRIBE, per request
+            for key in keys[i : i + _PER_REQUEST]:
+                got = ns.grant(st, meta.nbytes)
+                assert got is not None
+                ns.commit(st, got[0], key, meta)
+            if on:
+                for key, chunk in zip(keys[i : i + _PER_REQUEST], chunks[i : i + _PER_REQUEST], strict=True):
+                    ns.describe(key, chunk)
+            await asyncio.sleep(0)
+        t_store = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for i in range(0, n, _PER_REQUEST):
+            for key in keys[i : i + _PER_REQUEST]:
+                ns.remove(key)
+            await asyncio.sleep(0)
+        return t_store, time.perf_counter() - t0
 
     def store(on: bool, what: str) -> float:
         ns = spaces[on]
         st = ns.add_client(1)
         rnd[0] += 1
-        keys, chunks = _keys(n, rnd[0]), _chunks(n, rnd[0])
-        t0 = time.perf_counter()
-        for key, chunk in zip(keys, chunks, strict=True):
-            got = ns.grant(st, meta.nbytes)
-            assert got is not None
-            ns.commit(st, got[0], key, meta)
-            if on:
-                ns.describe(key, chunk)
-        t_store = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for key in keys:
-            ns.remove(key)
-        t_remove = time.perf_counter() - t0
+        t_store, t_remove = loop.run_until_complete(requests(ns, st, _keys(n, rnd[0]), _chunks(n, rnd[0]), on))
         ns.drop_client(st)
         return (t_store if what == "store" else t_remove) / n
 
@@ -96,6 +108,7 @@ def _save_path(opts: BenchOptions, n: int, reps: int) -> list[Result]:
         for ns in spaces.values():
             ns.close()
         events.close()
+        loop.close()
 
 
 def _publish_rate(opts: BenchOptions, n: int, per_batch: int) -> Result:

@@ -81,6 +81,8 @@ class ServerEvents:
                  buffer_steps: int = 10_000) -> None:  # fmt: skip
         self.advertiser = ChunkAdvertiser()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._pending: list[Event] = []  # events of this loop iteration, published as one batch
+        self._flush_scheduled = False
         self.described = 0
         self.undescribable = 0
         self.publisher = ZmqEventPublisher(
@@ -98,6 +100,7 @@ class ServerEvents:
 
     def close(self) -> None:
         """Send what is queued (bounded) and close the sockets; after the namespaces closed."""
+        self.flush()
         self.publisher.close()
 
     # ---- EntryListener -----------------------------------------------------------------------------
@@ -146,12 +149,27 @@ class ServerEvents:
                 "described": self.described, "undescribable": self.undescribable}  # fmt: skip
 
     def _snapshot(self) -> None:
+        self._pending.clear()  # the snapshot holds these changes already
         self.publisher.publish_snapshot(self.snapshot_events())
 
     def _emit(self, changes: Changes) -> None:
+        """Queue the events of ``changes``; they leave as one batch when the loop iteration
+        ends (at once when no loop was started), so one request makes one batch."""
         if not changes:
             return
+        self._pending.extend(events_of(changes, TIER))
+        if self._loop is None:
+            self.flush()
+        elif not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Publish the queued events as one batch (a snapshot instead after dropped batches)."""
+        self._flush_scheduled = False
         if self.publisher.resync_needed and self.publisher.room() > 0:
-            self._snapshot()  # the snapshot already holds these changes
+            self._snapshot()
             return
-        self.publisher.publish(events_of(changes, TIER))
+        if self._pending:
+            events, self._pending = self._pending, []
+            self.publisher.publish(events)

@@ -182,7 +182,10 @@ def test_dynamos_radix_tree_agrees_with_the_cache_no_phantom_no_missed_hits(run:
                          text=True, timeout=600, check=False)  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    print(f"dynamo agreement: {run.ops} operations, {out}")
+    print(
+        f"dynamo agreement: {run.ops} operations ({run.evictions} evictions; the subscriber lost {run.lost} "
+        f"messages, {run.replays} replays, {run.snapshots} snapshots): {out}"
+    )
     assert out["checks"] == run.checks and out["comparisons"] == run.checks * 120
     assert out["errors"] == 0
     assert out["phantom"] == 0 and out["missed"] == 0, out["first_mismatch"]
