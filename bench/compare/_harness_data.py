@@ -37,6 +37,8 @@ class Outcome:
     bytes_per_op: int = 0
     hits: int = 0
     misses: int = 0
+    faults: int = 0
+    """Minor page faults during the timed repetitions of the workloads that keep results."""
     note: str = ""
 
     @property

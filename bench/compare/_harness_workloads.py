@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+import resource
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -73,9 +74,14 @@ def evict_from_page_cache(paths: list[str]) -> int:
 def _reps(out: Outcome, reps: int, warmup: int, one: Callable[[], float]) -> None:
     for _ in range(warmup):
         one()
-    out.hits = out.misses = 0  # count the timed repetitions only
+    out.hits = out.misses = out.faults = 0  # count the timed repetitions only
     for _ in range(reps):
         out.samples.append(one())
+
+
+def _minor_faults() -> int:
+    """Minor page faults of this process so far (fresh result memory shows up here)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _now() -> float:
@@ -87,10 +93,12 @@ def _kept_round(out: Outcome, items: Sequence[Any], fetch: Callable[[Any], Any])
     hits and misses are added to ``out``."""
     kept: list[Any] = []
     gc.collect()
+    f0 = _minor_faults()
     t0 = _now()
     for item in items:
         kept.append(fetch(item))
     dt = _now() - t0
+    out.faults += _minor_faults() - f0
     hits = sum(1 for x in kept if x is not None)
     out.hits += hits
     out.misses += len(items) - hits

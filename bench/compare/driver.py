@@ -135,6 +135,7 @@ class Row:
     misses: dict[str, int] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
+    faults: dict[str, int] = field(default_factory=dict)
     bytes_per_op: int = 0
 
     def median(self, system: str) -> float | None:
@@ -155,6 +156,12 @@ class Row:
     @property
     def target(self) -> float | None:
         return target_for(self.workload, self.size)
+
+    def faults_per_op(self, system: str) -> float | None:
+        """Minor page faults per timed operation (only the workloads that keep their results
+        count them): fresh result memory costs a fault per 4 KiB page."""
+        f, n = self.faults.get(system), self.hits.get(system, 0) + self.misses.get(system, 0)
+        return None if not f or n == 0 else f / n
 
     def hit_rate(self, system: str) -> float | None:
         h, m = self.hits.get(system, 0), self.misses.get(system, 0)
@@ -178,6 +185,7 @@ class Row:
                 "median_s": self.median(s), "samples": self.samples.get(s, []),
                 "hits": self.hits.get(s, 0), "misses": self.misses.get(s, 0),
                 "error": self.errors.get(s, ""), "note": self.notes.get(s, ""),
+                "faults_per_op": self.faults_per_op(s),
             }
         return d
 
@@ -211,6 +219,10 @@ def format_rows(rows: list[Row]) -> str:
             note = (note + "; " if note else "") + "; ".join(e[:90] for e in errs)
         elif r.notes.get("lmcache") and r.workload == "hs_retrieve_out":
             note = "LMCache has no out=: its plain retrieve"
+        faults = [(s, r.faults_per_op(s)) for s in SYSTEMS]
+        if any(f is not None for _, f in faults):
+            note = (note + "; " if note else "") + "faults/op " + ", ".join(
+                f"{s} {f or 0:.3g}" for s, f in faults if s in r.samples)
         gbs = f"{r.bytes_per_op / o / 1e9:.2f}" if o and r.bytes_per_op else "-"
         ratio = f"{r.ratio:.2f}x" if r.ratio is not None else "n/a"
         tgt = f">= {r.target:g}x" if r.target is not None else "-"
@@ -368,6 +380,7 @@ def run(args: argparse.Namespace) -> int:
                                 row.samples.setdefault(system, []).extend(out.get("samples", []))
                                 row.hits[system] = row.hits.get(system, 0) + int(out.get("hits", 0))
                                 row.misses[system] = row.misses.get(system, 0) + int(out.get("misses", 0))
+                                row.faults[system] = row.faults.get(system, 0) + int(out.get("faults", 0))
                                 if out.get("note"):
                                     row.notes[system] = str(out["note"])
                                 got.append(f"{system} {_fmt_t(out.get('median'))}")

@@ -31,6 +31,7 @@ from lmcache_async.dtypes import dtype_name, parse_dtype
 from lmcache_async.engines._devices import check_device
 from lmcache_async.engines._offload import copy_maybe_off_loop, run_off_loop, should_offload, yield_to_loop
 from lmcache_async.engines._opening import EngineOpening
+from lmcache_async.engines._result_memory import ResultBuffers
 from lmcache_async.keys import CacheEngineKey, stable_u64_from_str
 from lmcache_async.memory import MemoryFormat, MemoryObj
 from lmcache_async.metadata import NEUTRAL_METADATA, LMCacheEngineMetadata
@@ -142,6 +143,10 @@ class ECCacheEngine:
             kv_shape=None,
         )
         self._sm = StorageManager(config, sm_meta, name="ec")
+        # CPU results of large entries reuse the memory of results the caller dropped (fresh
+        # memory costs a page fault per 4 KiB), holding at most as many bytes as the CPU tier.
+        pool = self._sm.pool
+        self._results = ResultBuffers(pool.capacity if pool is not None else 0)
         self._keys: dict[str, CacheEngineKey] = {}
         self._dtype_name = dtype_name(self.encoder_dtype)
         self._lock = threading.Lock()
@@ -280,12 +285,9 @@ class ECCacheEngine:
             return None
         try:
             src = obj.tensor
-            # One copy into fresh memory (pool -> device directly). Both copies are
+            # One copy into memory the caller owns (pool -> device directly). Both copies are
             # synchronous, so the pool block can be released as soon as they return.
-            if device.type == "cpu":
-                out = src.clone(memory_format=torch.contiguous_format)
-            else:
-                out = src.to(device=device, copy=True)
+            out = self._results.copy_of(src) if device.type == "cpu" else src.to(device=device, copy=True)
         finally:
             obj.ref_count_down()
         with self._lock:
@@ -295,7 +297,11 @@ class ECCacheEngine:
     def get(self, mm_hash: str, device: str | torch.device = "cpu") -> torch.Tensor | None:
         """The entry as a new tensor on ``device`` (its own dtype and shape), or None on a miss.
 
-        The result never aliases a pool buffer: keep it as long as you like. An entry that left
+        The result never aliases a pool buffer and is the caller's alone: keep it as long as you
+        like; later puts, evictions, deletes and gets never change it. A CPU result of at least
+        :data:`~lmcache_async.engines._result_memory.MIN_RECYCLED_BYTES` may live in memory of
+        an earlier result the caller dropped (no reference to it, its views or its storage
+        left), so its storage is not resizable. An entry that left
         the CPU tier but lives in a lower tier (disk, remote, NIXL) is read from there (and
         promoted). Storage trouble and timeouts are misses. ``device`` is checked before the
         lookup: one this machine cannot hold a tensor on (``cuda:0`` without CUDA, ``meta``)
@@ -372,16 +378,21 @@ class ECCacheEngine:
     def close(self) -> None:
         """Flush pending writes (bounded), close the tiers, stop the loop. Idempotent.
 
-        Tensors returned by :meth:`get` stay valid (they never alias the pool).
+        Tensors returned by :meth:`get` stay valid (they never alias the pool); the engine
+        lets go of the result memory it kept for reuse.
         """
         self._sm.close_sync()
+        self._results.clear()
 
     async def aclose(self) -> None:
         """Async twin of :meth:`close`, awaitable from any event loop."""
         await self._sm.close()
+        self._results.clear()
 
     def stats(self) -> dict[str, Any]:
-        """Engine counters plus the manager's per-tier stats under ``"storage"``."""
+        """Engine counters plus the manager's per-tier stats under ``"storage"``;
+        ``result_memory_bytes`` is the memory kept for CPU results (handed out or free for
+        reuse, at most the CPU tier's capacity)."""
         with self._lock:
             engine = {
                 "puts": self._puts,
@@ -391,6 +402,7 @@ class ECCacheEngine:
                 "misses": self._misses,
                 "timeouts": self._timeouts,
             }
+        engine["result_memory_bytes"] = self._results.held_bytes
         return {
             "model_name": self.model_name,
             "encoder_dtype": dtype_name(self.encoder_dtype),
