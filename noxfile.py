@@ -20,6 +20,9 @@ TORCH = "torch==2.13.0"
 def _install(session: nox.Session, extras: str = "test") -> None:
     session.install(TORCH)
     session.install("-e", f".[{extras}]")
+    if "test" in extras.split(","):
+        # The example third-party tier (tests/third_party_tier), found through its entry point.
+        session.install("--no-deps", "-e", "tests/third_party_tier")
 
 
 def _ensure_redis(session: nox.Session) -> None:

@@ -1,6 +1,6 @@
 """The CPU tier: an LRU (or FIFO) index over the manager's memory pool.
 
-Besides the async backend interface it implements :class:`~lmcache_async.backend.PoolTier`
+Besides the async backend interface it implements :class:`~lmcache_async.tiers.PoolTier`
 (the caller-thread surface the StorageManager uses without a loop hop: :meth:`lookup`,
 :meth:`contains_nowait`, :meth:`prefix_len`, :meth:`allocate`, :meth:`insert`,
 :meth:`remove_nowait`, ...). All of it is thread-safe under one index lock; the lock order is
@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from lmcache_async.backend import Allocate, BackendContext, StorageBackend
 from lmcache_async.errors import ManagerClosedError
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.lru import LruIndex
 from lmcache_async.memory import MemoryFormat, MemoryObj, PoolAllocator
+from lmcache_async.tiers import Allocate, BackendContext, RemovalReason, StorageBackend
 
 
 class CPUBackend(StorageBackend):
@@ -62,6 +62,18 @@ class CPUBackend(StorageBackend):
         """True when an entry of ``nbytes`` payload bytes fits into the empty pool."""
         return self.pool.can_ever_fit(nbytes)
 
+    # ---- declared capabilities -------------------------------------------------------------------
+    def as_pool(self) -> CPUBackend:
+        return self
+
+    def as_local(self) -> CPUBackend:
+        return self
+
+    @property
+    def reports_removals(self) -> bool:
+        """Evictions, removals and clears are reported (:meth:`report_removed`)."""
+        return True
+
     # ---- synchronous surface (any thread) ------------------------------------------------------
     def lookup(self, key: CacheEngineKey) -> MemoryObj | None:
         """The entry with one more reference for the caller (touching it under LRU), or None."""
@@ -72,8 +84,9 @@ class CPUBackend(StorageBackend):
             obj.ref_count_up()
             return obj
 
-    def lookup_many(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
-        """:meth:`lookup` of each key (the caller owns one reference of each entry returned)."""
+    def lookup_many(self, keys: Sequence[CacheEngineKey], alloc: Allocate | None = None) -> list[MemoryObj | None]:
+        """:meth:`lookup` of each key (the caller owns one reference of each entry returned);
+        ``alloc`` is not used (the entries are pool blocks already)."""
         return [self.lookup(k) for k in keys]
 
     def contains_nowait(self, key: CacheEngineKey) -> bool:
@@ -81,7 +94,7 @@ class CPUBackend(StorageBackend):
         return key in self._keys
 
     def __contains__(self, key: object) -> bool:
-        """Presence, lock-free (one dict lookup); see :class:`~lmcache_async.backend.PoolTier`."""
+        """Presence, lock-free (one dict lookup); see :class:`~lmcache_async.tiers.PoolTier`."""
         return key in self._keys
 
     def prefix_len(self, keys: Sequence[CacheEngineKey]) -> int:
@@ -150,6 +163,7 @@ class CPUBackend(StorageBackend):
             o.ref_count_down()
             if cb is not None:
                 cb(k)
+        self.report_removed([k for k, _ in victims], RemovalReason.EVICTED)
 
     def insert(self, key: CacheEngineKey, obj: MemoryObj, extra_refs: int = 0) -> MemoryObj | None:
         """Index ``obj`` (a block of this pool) under ``key``; the caller's reference becomes
@@ -179,15 +193,22 @@ class CPUBackend(StorageBackend):
             if obj is None:
                 return False
         obj.ref_count_down()
+        self.report_removed([key], RemovalReason.DELETED)
         return True
 
     def clear_nowait(self) -> None:
-        """Drop every entry."""
+        """Drop every entry (reported as deleted)."""
+        self._drop_all(report=True)
+
+    def _drop_all(self, report: bool) -> None:
         with self._lock:
+            keys = list(self._index.keys())
             objs = list(self._index.values())
             self._index.clear()
         for o in objs:
             o.ref_count_down()
+        if report:
+            self.report_removed(keys, RemovalReason.DELETED)
 
     def __len__(self) -> int:
         return len(self._index)
@@ -242,7 +263,7 @@ class CPUBackend(StorageBackend):
         """Drop every entry and refuse inserts from now on. Idempotent; any thread."""
         with self._lock:
             self._closed = True
-        self.clear_nowait()
+        self._drop_all(report=False)  # closing is no removal a listener must hear of
 
     async def close(self) -> None:
         self.close_nowait()

@@ -4,7 +4,7 @@ One self-describing record file per entry (:mod:`lmcache_async.records`), named 
 the key string in one of 256 shard directories (:mod:`.disk_layout`). This module is the async
 half (event loop: batching, de-duplication, cancellation, start-up); the blocking whole-file
 operations, the index and the counters live in :mod:`.disk_store`, the shared budget in
-:mod:`.disk_budget`. Contract on top of :class:`~lmcache_async.backend.StorageBackend`:
+:mod:`.disk_budget`. Contract on top of :class:`~lmcache_async.tiers.StorageBackend`:
 
 * **Atomic publish.** A record is written to a unique temporary name in its shard directory and
   renamed to its final name without replacing an existing one, so readers see a whole record or
@@ -58,9 +58,8 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from lmcache_async.backend import Allocate, BackendContext, StorageBackend
 from lmcache_async.backends.disk_layout import NUM_SHARDS, entry_path, key_digest
 from lmcache_async.backends.disk_store import EXISTS, STORED, DiskStore, FsyncPolicy
 from lmcache_async.encryption import RecordCipher, cipher_for
@@ -68,6 +67,10 @@ from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj, gib_to_bytes
 from lmcache_async.read_sinks import ReadSink
 from lmcache_async.records import header_length
+from lmcache_async.tiers import Allocate, BackendContext, RemovalReason, StorageBackend
+
+if TYPE_CHECKING:
+    from lmcache_async.backends.disk_leases import LeaseDir
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +131,7 @@ class DiskBackend(StorageBackend):
             write_retry_max_s=write_retry_max_s,
             cipher=cipher,
         )
+        self.store.on_damaged = self._damaged
         self._executor = executor
         self._staging = staging
         self._writing: dict[bytes, asyncio.Future[bool]] = {}
@@ -431,7 +435,7 @@ class DiskBackend(StorageBackend):
 
     def read_into(self, key: CacheEngineKey, sink: ReadSink) -> bool:
         """Read ``key``'s verified payload straight into ``sink`` on the calling thread
-        (:class:`~lmcache_async.backend.DirectReader`; blocking, any thread but an event
+        (:class:`~lmcache_async.tiers.DirectReader`; blocking, any thread but an event
         loop's): True for a hit; False for a miss, a closed tier, a record of another shape or
         dtype, or damage (the file is deleted and counted), and the sink's bytes are then not
         to be used. Never raises for storage trouble."""
@@ -443,7 +447,7 @@ class DiskBackend(StorageBackend):
 
     def read_into_many(self, keys: Sequence[CacheEngineKey], sinks: Sequence[ReadSink], prefix: bool) -> list[bool]:
         """:meth:`read_into` for each pair, in order (the batch form of
-        :class:`~lmcache_async.backend.DirectReader`); ``prefix`` stops at the first key not
+        :class:`~lmcache_async.tiers.DirectReader`); ``prefix`` stops at the first key not
         filled."""
         out = [False] * len(keys)
         for i, (key, sink) in enumerate(zip(keys, sinks, strict=True)):
@@ -495,6 +499,33 @@ class DiskBackend(StorageBackend):
         answering "absent" for an entry that may well exist."""
         return self._lookup(_check_key(key))
 
+    # ---- declared capabilities -------------------------------------------------------------------
+    def as_direct_reader(self) -> DiskBackend:
+        return self
+
+    def as_leasing(self) -> DiskBackend:
+        return self
+
+    def leases(self, ttl_s: float) -> LeaseDir:
+        """Hard-linked records under ``<root>/.ec-leases``, reaped after ``ttl_s`` seconds
+        (:class:`~lmcache_async.tiers.Leasing`; :mod:`.disk_leases`)."""
+        from lmcache_async.backends.disk_leases import LeaseDir
+
+        return LeaseDir(self.root, max_age_s=ttl_s, cipher=self.store.cipher)
+
+    @property
+    def reports_removals(self) -> bool:
+        """Removals and records found damaged (and deleted) on a read are reported."""
+        return True
+
+    def _damaged(self, kstr: str) -> None:
+        """The store deleted the damaged record of ``kstr`` (any thread)."""
+        try:
+            key = CacheEngineKey.from_string(kstr)
+        except ValueError:
+            return
+        self.report_removed([key], RemovalReason.DAMAGED)
+
     async def remove(self, key: CacheEngineKey) -> bool:
         _check_key(key)
         if self._closed:
@@ -503,7 +534,10 @@ class DiskBackend(StorageBackend):
         running = self._writing.get(digest)
         if running is not None:  # also a write whose caller gave up: it must not publish later
             await asyncio.shield(running)
-        return await self._await(self._submit(self.store.remove, digest))
+        removed = bool(await self._await(self._submit(self.store.remove, digest)))
+        if removed:
+            self.report_removed([key], RemovalReason.DELETED)
+        return removed
 
     async def clear(self) -> None:
         """Delete every entry in the directory (other processes' too: the directory is the tier).

@@ -30,7 +30,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from lmcache_async.backend import Allocate
 from lmcache_async.backends.disk_budget import (
     DirBudget,
     EntryFile,
@@ -66,6 +65,7 @@ from lmcache_async.records import (
     header_length,
     payload_checksum,
 )
+from lmcache_async.tiers import Allocate
 
 if TYPE_CHECKING:
     from lmcache_async.encryption import RecordCipher
@@ -121,6 +121,8 @@ class DiskStore:
     ) -> None:
         self.root = root
         self.budget_bytes = budget_bytes
+        #: Called with the key string of a record found damaged on a read (and deleted); any thread.
+        self.on_damaged: Callable[[str], None] | None = None
         self.cipher = cipher
         """Seals written records and opens read ones (None: plain records only)."""
         self._key_id = cipher.key_id if cipher is not None else None
@@ -640,6 +642,9 @@ class DiskStore:
             os.close(fd)
             if bad is not None:
                 self._discard_corrupt(digest, *bad)
+                on_damaged = self.on_damaged
+                if on_damaged is not None:
+                    on_damaged(kstr)
 
     def read(self, digest: bytes, kstr: str, alloc: Allocate) -> MemoryObj | None:
         """The verified record in a buffer from ``alloc`` (the caller's reference), or None."""

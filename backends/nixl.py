@@ -5,7 +5,7 @@ stores self-describing, checksummed records (:mod:`lmcache_async.records`) throu
 named by ``nixl_backend`` — ``POSIX`` (files; works on CPU-only hosts), ``GDS``/``GDS_MT``
 (files through cuFile on GPU hosts) or ``OBJ`` (S3-compatible object stores).
 
-Contract (beyond :class:`~lmcache_async.backend.StorageBackend`):
+Contract (beyond :class:`~lmcache_async.tiers.StorageBackend`):
 
 * Memory is registered with the agent once: the manager's CPU pool and staging area, plus a
   small scratch area of the tier (record headers, and a bounce area for blocks that are not in
@@ -53,7 +53,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from lmcache_async.backend import Allocate, BackendContext, StorageBackend
 from lmcache_async.backends.disk_layout import make_private_dirs
 from lmcache_async.backends.nixl_agent import (
     HEADER_SCRATCH_BYTES,
@@ -97,6 +96,7 @@ from lmcache_async.memory import MemoryObj, PoolAllocator
 from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.record_sections import SEAL_SECTION_LEN, TAG_LEN, sealed_length
 from lmcache_async.records import MAX_KEY_LEN, MAX_RANK, ForeignSeal, RecordError, header_length
+from lmcache_async.tiers import Allocate, BackendContext, StorageBackend
 
 logger = logging.getLogger(__name__)
 

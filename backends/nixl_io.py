@@ -34,7 +34,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from lmcache_async.backend import BackendContext
 from lmcache_async.backends.nixl_agent import NixlAgent, NixlSettings, NixlStuckError, NixlTransferError, park
 from lmcache_async.backends.nixl_transfer import (
     EntryMeta,
@@ -47,6 +46,7 @@ from lmcache_async.backends.nixl_transfer import (
 from lmcache_async.errors import BackendUnavailableError
 from lmcache_async.record_files import TEMP_SUFFIX, publish_noreplace, read_header, reap_temp, temp_name
 from lmcache_async.records import PROBE_LEN, RecordError, RecordHeader
+from lmcache_async.tiers import BackendContext
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,6 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from lmcache_async.backend import Allocate
 from lmcache_async.backends.nixl_agent import NixlAgent, NixlStuckError, NixlTransferError, park
 from lmcache_async.backends.nixl_index import Entry, NixlCounters
 from lmcache_async.backends.nixl_io import (
@@ -35,6 +34,7 @@ from lmcache_async.backends.nixl_io import (
 from lmcache_async.backends.nixl_jobs import Outcomes, each_with_slot
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj, PoolAllocator
+from lmcache_async.tiers import Allocate
 
 if TYPE_CHECKING:
     from lmcache_async.encryption import RecordCipher

@@ -6,7 +6,7 @@ metadata's model name, else ``"default"``; ``cache_server_token`` is presented a
 
 Two surfaces:
 
-* the :class:`~lmcache_async.backend.LocalTier` calls (``lookup``, ``contains_nowait``,
+* the :class:`~lmcache_async.tiers.LocalTier` calls (``lookup``, ``contains_nowait``,
   ``prefix_len``, ``present_flags``, ``touch``) answer on the caller's thread over a blocking
   socket, one round trip per batch, each bounded by ``remote_timeout_s``;
 * the backend coroutines (loop thread) run the same blocking calls in the manager's executor,
@@ -15,9 +15,9 @@ Two surfaces:
 A read copies the entry out of the shared pool into a buffer from the read allocator (the
 manager's staging area unless the caller passes one); the caller owns that buffer. A read into
 caller memory (:meth:`ServerTier.read_into_many`, the
-:class:`~lmcache_async.backend.DirectReader` call ``read_into_sync`` makes) copies straight from
+:class:`~lmcache_async.tiers.DirectReader` call ``read_into_sync`` makes) copies straight from
 the pool into the caller's pieces, one round trip per batch. A write from the manager's put path
-(:meth:`ServerTier.put_direct`, the :class:`~lmcache_async.put_path.DirectPutTier` call, used
+(:meth:`ServerTier.put_direct`, the :class:`~lmcache_async.tiers.DirectPut` call, used
 when there is no CPU tier) copies the caller's tensor straight into the block the server
 granted: one copy, on the caller's thread, readable by every client when it returns. Holds
 (:meth:`ServerTier.hold`) pin entries for readers in other processes (the encoder-cache
@@ -33,16 +33,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lmcache_async.backend import Allocate, BackendContext, StorageBackend
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import HeapAllocator, MemoryFormat, MemoryObj
 from lmcache_async.read_sinks import ReadSink
 from lmcache_async.server.client import ServerClient
 from lmcache_async.server.protocol import MAX_BATCH
+from lmcache_async.tiers import UNKNOWN, Allocate, BackendContext, CannotTell, RemovalReason, StorageBackend
+
+if TYPE_CHECKING:
+    from lmcache_async.backends.server_leases import ServerHolds
 
 __all__ = ["ServerTier", "create"]
 
@@ -97,6 +100,46 @@ class ServerTier(StorageBackend):
         connection, shared by threads, included)."""
         return self.client.timeout_s
 
+    # ---- declared capabilities -------------------------------------------------------------------
+    def as_local(self) -> ServerTier:
+        return self
+
+    def as_batch_lookup(self) -> ServerTier:
+        return self
+
+    def as_direct_reader(self) -> ServerTier:
+        return self
+
+    def as_direct_put(self) -> ServerTier:
+        return self
+
+    def as_locator(self) -> ServerTier:
+        return self
+
+    def as_leasing(self) -> ServerTier:
+        return self
+
+    def leases(self, ttl_s: float) -> ServerHolds:
+        """Holds on this tier's server (:class:`~lmcache_async.tiers.Leasing`)."""
+        from lmcache_async.backends.server_leases import ServerHolds
+
+        return ServerHolds(self, ttl_s)
+
+    @property
+    def reports_removals(self) -> bool:
+        """Removals made through this client are reported (the server's own evictions are the
+        server's to publish)."""
+        return True
+
+    def locate_many(self, keys: Sequence[CacheEngineKey]) -> list[bool | None] | CannotTell:
+        """Per key: True when the server holds it (its answer covers the shared pool and the
+        entries it stages back from its own lower tiers on a read), None when it does not;
+        :data:`~lmcache_async.tiers.UNKNOWN` when it could not be asked."""
+        flags = self.client.contains([_kb(k) for k in keys])
+        if flags is None:
+            return UNKNOWN
+        return [True if f else None for f in flags]
+
     def lookup(self, key: CacheEngineKey) -> MemoryObj | None:
         """The entry copied into a staging buffer the caller owns, or None (miss or trouble)."""
         got = self.client.get([_kb(key)], self._staging)
@@ -109,7 +152,7 @@ class ServerTier(StorageBackend):
 
     def read_into_many(self, keys: Sequence[CacheEngineKey], sinks: Sequence[ReadSink], prefix: bool) -> list[bool]:
         """Each entry copied from the shared pool straight into its sink, on the caller's thread
-        (:class:`~lmcache_async.backend.DirectReader`; one round trip for the batch, none for
+        (:class:`~lmcache_async.tiers.DirectReader`; one round trip for the batch, none for
         entries whose location this client remembers); all False when the server could not be
         asked (counted by the client). See :meth:`ServerClient.read_into
         <lmcache_async.server.client.ServerClient.read_into>`."""
@@ -156,7 +199,7 @@ class ServerTier(StorageBackend):
         then one commit publishes the batch to every client. Per item True: stored or already
         present; False: the server had no room. None: it could not be asked. Caller's thread,
         bounded by ``remote_timeout_s`` per :data:`MAX_BATCH` items; see
-        :class:`~lmcache_async.put_path.DirectPutTier`."""
+        :class:`~lmcache_async.tiers.DirectPut`."""
         out: list[bool] = []
         for i in range(0, len(items), MAX_BATCH):
             part = [(_kb(k), v if isinstance(v, MemoryObj) else _borrow(v, fmt)) for k, v in items[i : i + MAX_BATCH]]
@@ -244,7 +287,10 @@ class ServerTier(StorageBackend):
 
     async def remove(self, key: CacheEngineKey) -> bool:
         got = await self._run(self.client.remove, [_kb(key)])
-        return bool(got and got[0])
+        removed = bool(got and got[0])
+        if removed:
+            self.report_removed([key], RemovalReason.DELETED)
+        return removed
 
     async def clear(self) -> None:
         await self._run(self.client.clear)

@@ -42,12 +42,12 @@ from typing import Any
 
 import torch
 
-from lmcache_async.backend import BackendContext, StorageBackend, get_backend_factory
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.errors import BackendUnavailableError
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryFormat, MemoryObj, PoolAllocator
 from lmcache_async.metadata import LMCacheEngineMetadata
+from lmcache_async.tiers import BackendContext, StorageBackend, get_backend_factory
 
 from .common import BenchOptions, MiB, Result, format_table
 

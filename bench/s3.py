@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
-from lmcache_async.backend import BackendContext
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import HeapAllocator, MemoryFormat, MemoryObj, PoolAllocator
 from lmcache_async.metadata import LMCacheEngineMetadata
+from lmcache_async.tiers import BackendContext
 
 from .common import BenchOptions, MiB, Result, median_of
 from .remote import _alternate, _paired, _rate

@@ -362,11 +362,11 @@ def _ec_figure(
 
 
 def _redis_figures(opts: BenchOptions, client: ServerClient, url: str) -> list[Result]:
-    from lmcache_async.backend import BackendContext
     from lmcache_async.backends.remote import RemoteBackend
     from lmcache_async.config import LMCacheEngineConfig
     from lmcache_async.memory import HeapAllocator
     from lmcache_async.metadata import LMCacheEngineMetadata
+    from lmcache_async.tiers import BackendContext
 
     count = 16 if opts.quick else 64
     staging = PoolAllocator(64 * MiB, name="bench-staging-r")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lmcache_async.backend import LocalTier, PoolTier, Presence, StorageBackend, register_backend
 from lmcache_async.config import LMCacheEngineConfig, load_ec_engine_config, load_engine_config
 from lmcache_async.errors import (
     ConfigError,
@@ -22,6 +21,7 @@ from lmcache_async.memory import MemoryFormat, MemoryObj
 from lmcache_async.metadata import LMCacheEngineMetadata
 from lmcache_async.metrics import serve_metrics
 from lmcache_async.storage_manager import StorageManager
+from lmcache_async.tiers import LocalTier, PoolTier, Presence, StorageBackend, register_backend
 from lmcache_async.token_database import ChunkedTokenDatabase
 
 if TYPE_CHECKING:

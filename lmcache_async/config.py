@@ -25,13 +25,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationError, field_validator
 
 from lmcache_async.errors import ConfigError
+from lmcache_async.tiers.registry import TIER_NAMES, flatten_tiers_section
 
 logger = logging.getLogger(__name__)
 
 ENV_PREFIX = "LMCACHE_"
 EC_ENV_PREFIX = "LMCACHE_EC_"
 CONFIG_FILE_ENV = "LMCACHE_CONFIG_FILE"
-DEFAULT_TIER_ORDER = ("cpu", "server", "nixl", "disk", "remote")
+DEFAULT_TIER_ORDER = TIER_NAMES  # the one list of built-in tier names (lmcache_async.tiers.registry)
 
 # LMCache keys accepted from every source without acting on them: a migrating user's YAML and
 # environment load unchanged, with one warning per key per load saying it has no effect here.
@@ -201,6 +202,11 @@ class LMCacheEngineConfig(BaseModel):
     )
     tier_order: list[str] = Field(
         list(DEFAULT_TIER_ORDER), description="Order in which tiers are written and searched."
+    )
+    tiers: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Per-tier settings by tier name (built-ins map onto their flat keys; other tiers get them "
+        "validated by their settings model); a tier named here is searched even when tier_order leaves it out.",
     )
     remote_key_prefix: str = Field("lmcache", description="Namespace prefix of remote keys.")
     remote_part_size: int = Field(
@@ -694,7 +700,7 @@ def build_config(entries: Iterable[Entry], base: LMCacheEngineConfig | None = No
     fields = LMCacheEngineConfig.model_fields
     values: dict[str, tuple[Any, Any, str]] = {}
     without_effect: dict[str, str] = {}
-    for key, raw, source in entries:
+    for key, raw, source in _expand_tiers(entries):
         if key not in fields and key in LMCACHE_KEYS_WITHOUT_EFFECT:
             without_effect.setdefault(key, source)
             continue
@@ -729,6 +735,25 @@ def build_config(entries: Iterable[Entry], base: LMCacheEngineConfig | None = No
     for key, (_, _, source) in values.items():
         cfg._sources[key] = source
     return cfg
+
+
+def _expand_tiers(entries: Iterable[Entry]) -> list[Entry]:
+    """``entries`` with each ``tiers`` entry split: built-in sections become flat entries in its
+    place (so later entries still win), the other tiers' sections merge into one ``tiers`` entry."""
+    out: list[Entry] = []
+    for key, raw, source in entries:
+        if key != "tiers":
+            out.append((key, raw, source))
+            continue
+        section = convert_value(key, raw, source)
+        if not isinstance(section, Mapping):
+            raise ConfigError(f"invalid value for tiers: {raw!r} (from {source}): expected a mapping")
+        flat, rest = flatten_tiers_section(section, source)
+        out += flat
+        merged = dict(next((v for k, v, _ in reversed(out) if k == "tiers"), {}))
+        merged.update(rest)
+        out.append(("tiers", merged, source))
+    return out
 
 
 def load_engine_config(path: str | os.PathLike[str] | None = None) -> LMCacheEngineConfig:

@@ -19,9 +19,9 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from lmcache_async.backend import BUILTIN_TIER_KEYS
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.memory import memory_total_bytes
+from lmcache_async.tiers import BUILTIN_TIER_KEYS
 
 logger = logging.getLogger(__name__)
 
@@ -48,25 +48,26 @@ class Finding:
 
 
 def _tier_names(config: LMCacheEngineConfig) -> list[Finding]:
-    from lmcache_async.backend import known_backends
+    from lmcache_async.tiers import known_backends
 
     known = known_backends()
     out = []
-    for name in config.tier_order:
+    named = [("tier_order", n) for n in config.tier_order] + [(f"tiers.{n}", n) for n in config.tiers]
+    for where, name in named:
         if name in known:
             continue
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        out.append(Finding("error", "tier_order", f"unknown tier {name!r}; {hint}known: {', '.join(known)}"))
+        out.append(Finding("error", where, f"unknown tier {name!r}; {hint}known: {', '.join(known)}"))
     return out
 
 
 def _tier_checks(config: LMCacheEngineConfig) -> list[Finding]:
-    from lmcache_async.backend import known_backends, tier_config_errors
+    from lmcache_async.tiers import known_backends, tier_config_errors
 
     known = set(known_backends())
     out = []
-    for name in config.tier_order:
+    for name in dict.fromkeys([*config.tier_order, *config.tiers]):
         if name in known:
             out += [Finding("error", TIER_KEYS.get(name, name), msg) for msg in tier_config_errors(name, config)]
     return out

@@ -1,7 +1,7 @@
 """Presence answered on the caller's thread, from what a manager holds locally.
 
 Pure functions over the pool tier, the pending write-through map and each lower tier's
-:meth:`~lmcache_async.backend.StorageBackend.contains_nowait`: they decide whether a
+:meth:`~lmcache_async.tiers.StorageBackend.contains_nowait`: they decide whether a
 ``contains``/``batched_contains`` needs the loop at all. No lock is held across tiers; an answer
 may be stale by a racing eviction or write-through, like any unlocked read.
 """
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from lmcache_async.backend import LocalTier, PoolTier
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj
 from lmcache_async.tier_guard import TierGuard
+from lmcache_async.tiers import LocalTier, PoolTier
 
 __all__ = ["contains_here", "memory_prefix", "prefix_here"]
 
@@ -43,7 +43,7 @@ def prefix_here(
 ) -> tuple[int, bool]:
     """(length of the prefix of ``keys`` known present on this thread, whether the loop must
     be asked about the rest: a tier that cannot answer here may hold the next key). A
-    :class:`~lmcache_async.backend.LocalTier` lower tier is asked once for all remaining keys
+    :class:`~lmcache_async.tiers.LocalTier` lower tier is asked once for all remaining keys
     (``present_flags``); the others key by key (``contains_nowait``)."""
     n = cpu.prefix_len(keys) if cpu is not None else 0
     while n < len(keys) and keys[n] in pending:

@@ -2,7 +2,7 @@
 
 :class:`LowerTiers` holds the manager's loop-path searches: one coroutine per operation that
 walks the tiers in search order (disk, remote, NIXL, third-party backends), skipping a tier that
-gives :data:`~lmcache_async.tier_guard.NO_ANSWER` and never raising for storage trouble.
+gives :data:`~lmcache_async.tier_guard.UNKNOWN` and never raising for storage trouble.
 """
 
 from __future__ import annotations
@@ -10,12 +10,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from lmcache_async.backend import Allocate, Presence
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj
 from lmcache_async.records import header_length
-from lmcache_async.tier_guard import NO_ANSWER, TierGuard
+from lmcache_async.tier_guard import TierGuard
+from lmcache_async.tiers import UNKNOWN, Allocate, Presence
+
+if TYPE_CHECKING:
+    from lmcache_async.front import Front
 
 __all__ = ["LowerTiers", "Promote", "release_objs"]
 
@@ -41,32 +45,33 @@ class LowerTiers:
     any thread. The read searches skip guards whose tier answers on the caller's thread
     (:attr:`TierGuard.answers_locally`): the manager asked those before the hop.
 
-    Reads land in buffers from ``read_alloc`` and every hit goes through
-    ``promote``; a buffer returned to the caller carries one reference the caller owns.
+    Reads land in buffers from the front's :meth:`~lmcache_async.front.Front.read_alloc` and
+    every hit goes through its :meth:`~lmcache_async.front.Front.promote`; a buffer returned to
+    the caller carries one reference the caller owns.
 
-    :attr:`guards` is the list the manager and its write-through iterate; :meth:`detach` lets go
-    of it once the manager is closed. Warnings go to ``log`` (by default this module's logger).
+    :attr:`guards` are the tiers of the manager's stack, in search order; :meth:`detach` lets go
+    of them once the manager is closed. Warnings go to ``log`` (by default this module's logger).
     """
 
-    def __init__(self, read_alloc: Allocate, promote: Promote, *, log: logging.Logger = logger) -> None:
-        self.guards: list[TierGuard] = []
-        self._read_alloc = read_alloc
-        self._promote = promote
+    def __init__(self, guards: Sequence[TierGuard], front: Front, *, log: logging.Logger = logger) -> None:
+        self.guards: Sequence[TierGuard] = guards
+        self._read_alloc: Allocate = front.read_alloc
+        self._promote: Promote = front.promote
         self._logger = log
 
     def detach(self) -> None:
         """Drop every tier (after close), so their memory goes as soon as nobody holds it."""
-        self.guards = []
+        self.guards = ()
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Run each backend's :meth:`~lmcache_async.backend.StorageBackend.start` through its
+        """Run each backend's :meth:`~lmcache_async.tiers.StorageBackend.start` through its
         guard (a failure is counted and logged; the tier stays in the order)."""
         for tier in self.guards:
             await tier.call("start", tier.backend.start)
 
     async def flush(self) -> None:
-        """Run each backend's :meth:`~lmcache_async.backend.StorageBackend.flush` through its
+        """Run each backend's :meth:`~lmcache_async.tiers.StorageBackend.flush` through its
         guard (after the write-through queue drained)."""
         for tier in self.guards:
             await tier.call("flush", tier.backend.flush)
@@ -87,7 +92,7 @@ class LowerTiers:
             if tier.answers_locally:  # asked on the caller's thread already; that answer is final
                 continue
             res = await tier.call("get", tier.backend.get, key, self._read_alloc)
-            if res is NO_ANSWER:
+            if res is UNKNOWN:
                 continue
             if res is None:
                 tier.misses += 1
@@ -112,7 +117,7 @@ class LowerTiers:
                 res = await tier.call(
                     "get", tier.backend.batched_get, [keys[i] for i in todo], self._read_alloc, n=len(todo)
                 )
-                if res is NO_ANSWER:
+                if res is UNKNOWN:
                     continue
                 still = []
                 for i, obj in zip(todo, res, strict=True):
@@ -134,7 +139,7 @@ class LowerTiers:
         unknown = False
         for tier in self.guards:
             r = await tier.call("contains", tier.backend.contains, key)
-            if r is NO_ANSWER:
+            if r is UNKNOWN:
                 unknown = True
             elif r:
                 return Presence.PRESENT
@@ -151,7 +156,7 @@ class LowerTiers:
             res = await tier.call(
                 "contains", tier.backend.batched_contains, [keys[i] for i in todo], n=len(todo) // 32 + 1
             )
-            if res is NO_ANSWER:
+            if res is UNKNOWN:
                 continue
             for i, flag in zip(todo, res, strict=True):
                 if flag:
@@ -163,7 +168,7 @@ class LowerTiers:
 
     def could_hold(self, key: CacheEngineKey, rank: int, nbytes: int) -> bool:
         """True when some tier could ever hold the record of ``key`` (header included), by the
-        tiers' :attr:`~lmcache_async.backend.StorageBackend.max_entry_bytes`; a tier without a
+        tiers' :attr:`~lmcache_async.tiers.StorageBackend.max_entry_bytes`; a tier without a
         known limit (None, or a property that fails) could. Any thread, no I/O."""
         hlen: int | None = None
         for tier in self.guards:
@@ -188,7 +193,7 @@ class LowerTiers:
             if not tier.backend.supports_delete:
                 continue
             r = await tier.call("remove", tier.backend.remove, key)
-            if r is not NO_ANSWER and r:
+            if r is not UNKNOWN and r:
                 removed = True
         return removed
 

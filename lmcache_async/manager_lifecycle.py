@@ -13,19 +13,22 @@ import concurrent.futures
 import logging
 import threading
 import warnings
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar
 
 from lmcache_async import at_exit
-from lmcache_async.backend import LocalTier, PoolTier, StorageBackend
 from lmcache_async.errors import LoopThreadCallError
+from lmcache_async.front import Front
 from lmcache_async.loop import LoopThread
 from lmcache_async.lower_tiers import LowerTiers
 from lmcache_async.memory import PoolAllocator
 from lmcache_async.put_path import PutPath
+from lmcache_async.read_into import ReadInto
 from lmcache_async.staging import StagingArea
 from lmcache_async.tier_guard import TierGuard
+from lmcache_async.tiers import LocalTier, PoolTier
+from lmcache_async.where import TierMap
 from lmcache_async.write_through import WriteThrough
 
 __all__ = ["CLOSE_FLUSH_S", "START_TIMEOUT_FLOOR_S", "Lifecycle", "Opening"]
@@ -58,10 +61,12 @@ class Lifecycle:
     _wt: WriteThrough
     _close_lock: threading.Lock
 
+    _front: Front
+    _read_into: ReadInto
+    _where: TierMap
     _cpu: PoolTier | None
-    _cpu_backend: StorageBackend | None
-    _local: list[LocalTier]
-    _lower: list[TierGuard]
+    _local: Sequence[LocalTier]
+    _lower: Sequence[TierGuard]
     _put: PutPath
     _staging: StagingArea
     pool: PoolAllocator | None
@@ -79,9 +84,12 @@ class Lifecycle:
                 self.name,
                 self.pool.used_bytes,
             )
-        self._cpu = self._cpu_backend = None
-        self._local = []
-        self._lower = []
+        self._cpu = None
+        self._local = ()
+        self._lower = ()
+        self._front.detach()
+        self._read_into.detach()
+        self._where.detach()
         self._put.detach()
         self._tiers.detach()
         self.pool = None

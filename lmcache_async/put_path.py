@@ -4,7 +4,7 @@
 the write-through reference and queues it; when the pool tier is full of entries nobody may
 evict, or there is none, a staging block carries the entry to the lower tiers instead.
 
-Without a pool tier, when the first lower tier is a :class:`DirectPutTier` (the node server's
+Without a pool tier, when the first lower tier is a :class:`~lmcache_async.tiers.DirectPut` (the node server's
 client tier), a put is written straight into that tier on the caller's thread: one copy, from
 the caller's tensor into the tier's own storage, and readable by every process sharing it when
 the put returns. Lower tiers after it still get the entry through a staging block. Nothing
@@ -14,12 +14,12 @@ here waits for the loop.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lmcache_async.backend import PoolTier
 from lmcache_async.errors import ManagerClosedError
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.lower_tiers import LowerTiers
@@ -28,33 +28,24 @@ from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.staging import StagingArea
 from lmcache_async.tensor_checks import check_storable_layout, check_storable_tensor
 from lmcache_async.tier_guard import LOG_BURST_S
+from lmcache_async.tiers import DirectPut, PoolTier
 from lmcache_async.write_through import WriteThrough
 
-__all__ = ["DirectPutTier", "PutPath", "check_put_batch"]
+if TYPE_CHECKING:
+    from lmcache_async.front import Front
+
+__all__ = ["PutPath", "check_put_batch"]
 
 
-@runtime_checkable
-class DirectPutTier(Protocol):
-    """A lower tier that stores a put on the caller's thread, copying the payload once, from
-    the caller's buffer straight into the tier's own storage (no staging block, no loop hop).
-
-    :meth:`put_direct` runs on caller threads (never the manager's loop thread), concurrently
-    with itself and with the tier's coroutines; it is bounded by the tier's own timeout and
-    never raises for storage trouble.
-    """
-
-    #: The registry name (the tier's identity).
-    name: str
-
-    def put_direct(
-        self, items: Sequence[tuple[CacheEngineKey, torch.Tensor | MemoryObj]], fmt: MemoryFormat
-    ) -> list[bool] | None:
-        """Store each value (borrowed: read during the call, never kept) under its key with its
-        own shape and dtype, and the format ``fmt`` for a tensor (a MemoryObj carries its own).
-        One flag per item: True when stored, or already held (entries are content-addressed),
-        and readable by every client of the tier now; False when refused (no room). None: the
-        tier could not be asked (down, slow, circuit open)."""
-        ...
+def __getattr__(name: str) -> Any:
+    if name == "DirectPutTier":  # the older name, kept for one release
+        warnings.warn(
+            "lmcache_async.put_path.DirectPutTier moved to lmcache_async.tiers.DirectPut",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return DirectPut
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def check_put_batch(keys: Sequence[CacheEngineKey], values: Sequence[torch.Tensor | MemoryObj]) -> None:
@@ -75,37 +66,30 @@ def check_put_batch(keys: Sequence[CacheEngineKey], values: Sequence[torch.Tenso
 
 
 class PutPath:
-    """The put path of the manager named ``name`` over its pool tier ``cpu`` (None: no CPU
-    tier), lower tiers ``tiers``, staging area ``staging`` and write-through queue ``wt``.
+    """The put path of the manager named ``name`` over its ``front`` (the pool tier, None: no CPU
+    tier; the staging area; the write-through queue) and its lower tiers ``tiers``.
 
     Any thread but the loop's. Counters (``put_rejected``, ``put_too_large``) are written by
     caller threads; their figures may miss an increment under a race, never gain one.
     :meth:`detach` drops the tiers once the manager is closed. :attr:`direct` is the first
-    lower tier when there is no CPU tier and that tier is a :class:`DirectPutTier` (see the
-    module docstring), else None.
+    lower tier when there is no CPU tier and that tier declares
+    :class:`~lmcache_async.tiers.DirectPut` (see the module docstring), else None.
     """
 
-    def __init__(
-        self,
-        name: str,
-        cpu: PoolTier | None,
-        tiers: LowerTiers,
-        staging: StagingArea,
-        wt: WriteThrough,
-        log: logging.Logger,
-    ) -> None:
+    def __init__(self, name: str, front: Front, tiers: LowerTiers, log: logging.Logger) -> None:
+        cpu, staging, wt = front.cpu, front.staging, front.wt
         self._name = name
-        self.cpu = cpu
+        self.cpu: PoolTier | None = cpu
         self._tiers = tiers
-        self._staging = staging
-        self._wt = wt
+        self._staging: StagingArea = staging
+        self._wt: WriteThrough = wt
         self._pending = wt.pending
         self.put_rejected = 0
         self.put_too_large = 0
         self._refuse_log = RateLimitedLog(log, LOG_BURST_S)
         guards = tiers.guards
         first = guards[0].backend if guards else None
-        self.direct: DirectPutTier | None = first if cpu is None and isinstance(first, DirectPutTier) else None
+        self.direct: DirectPut | None = first.as_direct_put() if cpu is None and first is not None else None
         #: Write-through targets of a direct put: the lower tiers after the direct one.
         self._after_direct_targets = tuple(range(1, len(guards)))
 
@@ -210,7 +194,7 @@ class PutPath:
 
     def _after_direct(
         self,
-        direct: DirectPutTier,
+        direct: DirectPut,
         stored: bool | None,
         key: CacheEngineKey,
         value: torch.Tensor | MemoryObj,
@@ -269,7 +253,7 @@ class PutPath:
         either), when the staging area is full right now, or when a one-off buffer is not
         allowed. One-off buffers are bounded: at most one at a time beyond the staging size
         (reads aside), never larger than the largest record a lower tier accepts
-        (:attr:`~lmcache_async.backend.StorageBackend.max_entry_bytes`), and never eating into
+        (:attr:`~lmcache_async.tiers.StorageBackend.max_entry_bytes`), and never eating into
         the memory reserve (``memory_reserve_size``; ``one_off_refused`` counts those refusals)."""
         n = payload_nbytes(shape, dtype)
         cpu = self.cpu

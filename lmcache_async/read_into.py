@@ -3,9 +3,9 @@
 On the calling thread, in three steps:
 
 1. the **front** — the CPU tier, the queued write-through and the other
-   :class:`~lmcache_async.backend.LocalTier` s that are no direct readers — key by key: a hit is
+   :class:`~lmcache_async.tiers.LocalTier` s that are no direct readers — key by key: a hit is
    copied into the sink (one ``memmove`` per piece) and its reference released;
-2. the **direct readers** (:class:`~lmcache_async.backend.DirectReader`: the node cache
+2. the **direct readers** (:class:`~lmcache_async.tiers.DirectReader`: the node cache
    server's client, which copies out of the node's shared pool, then the disk tier, which reads
    the record file straight into the sink and checks it there), each asked once for the batch
    of keys still missing (the server answers a batch in one round trip);
@@ -29,14 +29,19 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from lmcache_async.keys import CacheEngineKey
-from lmcache_async.lower_tiers import release_objs
+from lmcache_async.lower_tiers import LowerTiers, release_objs
 from lmcache_async.memory import MemoryObj
 from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.read_sinks import ReadSink
 from lmcache_async.tier_guard import TierGuard
+
+if TYPE_CHECKING:
+    from lmcache_async.front import Front
+    from lmcache_async.sync_bridge import SyncBridge
 
 __all__ = ["READ_INTO_COUNTERS", "ReadInto", "check_read_into"]
 
@@ -45,8 +50,7 @@ logger = logging.getLogger(__name__)
 READ_INTO_COUNTERS = ("hits", "misses", "mismatches", "timeouts")
 """Counters of :class:`ReadInto` (``stats()["read_into"]``)."""
 
-Front = Callable[[CacheEngineKey], "MemoryObj | None"]
-LowerGet = Callable[[list[CacheEngineKey]], list[MemoryObj | None]]
+
 
 
 def check_read_into(keys: Sequence[CacheEngineKey], sinks: Sequence[ReadSink]) -> None:
@@ -63,18 +67,18 @@ def check_read_into(keys: Sequence[CacheEngineKey], sinks: Sequence[ReadSink]) -
 class ReadInto:
     """``read_into_sync`` over one manager's tiers (see the module docstring).
 
-    ``front(key)`` is the manager's caller-thread answer from the front (an entry with the
-    caller's reference, or None); ``guards`` the lower tiers in search order (the direct
-    readers among them are asked on the calling thread); ``lower_get(keys)`` a bounded
-    blocking read of ``keys`` from the lower tiers that are neither direct readers nor
-    :class:`~lmcache_async.backend.LocalTier` s (entries with the caller's reference; raises
-    ``TimeoutError`` past its bound). Thread-safe.
+    ``front`` answers from the CPU tier, the queued write-through and the local tiers that are no
+    direct readers (:meth:`~lmcache_async.front.Front.read_entry`); ``lower`` are the lower tiers
+    in search order (the direct readers among them are asked on the calling thread, the tiers
+    that are neither direct readers nor :class:`~lmcache_async.tiers.LocalTier` s through one
+    bounded hop of ``bridge``, which raises ``TimeoutError`` past its bound). Thread-safe.
     """
 
-    def __init__(self, front: Front, guards: list[TierGuard], lower_get: LowerGet) -> None:
-        self._front = front
-        self._guards = guards
-        self._lower_get = lower_get
+    def __init__(self, front: Front, lower: LowerTiers, bridge: SyncBridge) -> None:
+        self._front = front.read_entry
+        self._guards = lower.guards
+        self._lower = lower
+        self._bridge = bridge
         self._lock = threading.Lock()
         self.counts: dict[str, int] = dict.fromkeys(READ_INTO_COUNTERS, 0)
         self._log = RateLimitedLog(logger)
@@ -87,6 +91,14 @@ class ReadInto:
         """The counters (any thread)."""
         with self._lock:
             return dict(self.counts)
+
+    async def _indirect(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        """The lower tiers that are no direct readers, in one bounded hop."""
+        return await self._bridge.hop(self._lower.batched_get(keys, skip_direct=True), release_objs)
+
+    def detach(self) -> None:
+        """Let go of the tiers (after close)."""
+        self._guards = ()
 
     def _fill(self, sink: ReadSink, obj: MemoryObj, key: CacheEngineKey) -> bool:
         """Copy ``obj`` into ``sink`` and release it; False (counted, logged) when its shape or
@@ -194,7 +206,7 @@ class ReadInto:
         """Step 3: read ``idx`` through the loop-side tiers and copy the hits (in order; with
         ``prefix``, up to the first miss — later entries are released unread)."""
         try:
-            objs = self._lower_get([keys[i] for i in idx])
+            objs = self._bridge.run(self._indirect([keys[i] for i in idx]))
         except TimeoutError as exc:
             self._add("timeouts")
             self._log.warning("read_into: lower tiers timed out for %d keys: %s", len(idx), exc, key="timeout")

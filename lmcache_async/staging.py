@@ -10,6 +10,7 @@ so a burst of large entries slows down instead of exhausting the host.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,11 +20,15 @@ from lmcache_async.memory import (
     MemoryFormat,
     MemoryObj,
     PoolAllocator,
+    gib_to_bytes,
     memory_available_bytes,
     payload_nbytes,
 )
 
-__all__ = ["StagingArea", "default_reserve_bytes"]
+if TYPE_CHECKING:
+    from lmcache_async.config import LMCacheEngineConfig
+
+__all__ = ["StagingArea", "default_reserve_bytes", "manager_memory"]
 
 
 def default_reserve_bytes() -> int:
@@ -82,3 +87,24 @@ class StagingArea:
             self.one_off_refused += 1
             return None
         return self.heap.allocate(shape, dtype, fmt)
+
+
+def manager_memory(
+    config: LMCacheEngineConfig, name: str, size_gib: float, size_key: str, wants_lower: bool
+) -> tuple[PoolAllocator | None, PoolAllocator | None, StagingArea]:
+    """The memory of the manager named ``name``: its CPU pool (``size_gib``, None without a CPU
+    tier: ``local_cpu`` off, a size of 0 or a ``tier_order`` without ``cpu``), its staging pool
+    (``staging_size``; only with lower tiers, ``wants_lower``, or no CPU pool) and the staging
+    area over it. ``size_key`` names the pool's size key in messages."""
+    reserve = None if config.memory_reserve_size is None else gib_to_bytes(config.memory_reserve_size)
+    pool = None
+    if config.local_cpu and size_gib > 0 and "cpu" in config.tier_order:
+        pool = PoolAllocator(gib_to_bytes(size_gib), name=f"{name} CPU pool ({size_key})", reserve_bytes=reserve)
+    staging_pool = None
+    if (wants_lower or pool is None) and config.staging_size > 0:
+        staging_pool = PoolAllocator(
+            gib_to_bytes(config.staging_size), name=f"{name} staging (staging_size)", reserve_bytes=reserve
+        )
+    # One-off buffers (entries larger than the staging area) must leave this much free too.
+    one_off_reserve = reserve if reserve is not None else default_reserve_bytes()
+    return pool, staging_pool, StagingArea(staging_pool, HeapAllocator(f"{name}-heap"), one_off_reserve)

@@ -2,9 +2,9 @@
 
 Paths (see ``docs/architecture.md``):
 
-* **local path** — ``put``/``get``/``contains``/``batched_contains`` first try the pool tier
-  (the CPU tier, :class:`~lmcache_async.backend.PoolTier`) and every other
-  :class:`~lmcache_async.backend.LocalTier` on the caller's thread; a hit or a put that fits
+* **local path** — ``put``/``get``/``contains``/``prefix_len`` first try the pool tier
+  (the CPU tier, :class:`~lmcache_async.tiers.PoolTier`) and every other
+  :class:`~lmcache_async.tiers.LocalTier` on the caller's thread; a hit or a put that fits
   returns without touching the loop.
 * **loop path** — write-through to lower tiers is queued and the loop is woken once per batch
   (:mod:`lmcache_async.write_through`); a local miss makes one hop for the whole batch of keys
@@ -24,41 +24,45 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
-import os
 import threading
-import time
+import warnings
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Literal, TypeVar
 
 import torch
 
 from lmcache_async import at_exit
-from lmcache_async.backend import (
-    BackendContext,
-    DirectReader,
-    LocalTier,
-    PoolTier,
-    Presence,
-    StorageBackend,
-    is_configured,
-)
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.config_check import raise_or_warn
 from lmcache_async.errors import LoopThreadCallError, ManagerClosedError
+from lmcache_async.front import Front
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.local_answers import contains_here, prefix_here
 from lmcache_async.loop import LoopThread
 from lmcache_async.lower_tiers import LowerTiers, release_objs
 from lmcache_async.manager_lifecycle import Lifecycle, Opening
-from lmcache_async.memory import HeapAllocator, MemoryFormat, MemoryObj, PoolAllocator, gib_to_bytes
+from lmcache_async.memory import MemoryFormat, MemoryObj
 from lmcache_async.metadata import NEUTRAL_METADATA, LMCacheEngineMetadata
 from lmcache_async.put_path import PutPath, check_put_batch
 from lmcache_async.read_into import ReadInto
 from lmcache_async.read_sinks import ReadSink
-from lmcache_async.staging import StagingArea, default_reserve_bytes
-from lmcache_async.sync_bridge import NOT_HERE, NotHere, SyncBridge, sync_twin
-from lmcache_async.tier_guard import NO_ANSWER, NoAnswer, TierGuard
-from lmcache_async.tier_stack import BUILTIN_LOWER, build_tiers
+from lmcache_async.staging import manager_memory
+from lmcache_async.sync_bridge import SyncBridge, sync_twin
+from lmcache_async.tier_guard import TierGuard
+from lmcache_async.tier_stack import RemovalFanout, build_tiers
+from lmcache_async.tiers import (
+    UNKNOWN,
+    BackendContext,
+    BatchLookup,
+    CannotTell,
+    DirectPut,
+    LocalTier,
+    Presence,
+    PromiseLeases,
+    StorageBackend,
+    configured_tiers,
+)
+from lmcache_async.where import MEMORY_TIER, TierMap
 from lmcache_async.write_through import WriteThrough
 
 logger = logging.getLogger(__name__)
@@ -146,46 +150,17 @@ class StorageManager(Lifecycle):
         self.name = name
         self._timeout = float(config.blocking_timeout_secs)
         self._close_lock = threading.Lock()
-        reserve = None if config.memory_reserve_size is None else gib_to_bytes(config.memory_reserve_size)
-        # One-off buffers (entries larger than the staging area) must leave this much free too.
-        one_off_reserve = reserve if reserve is not None else default_reserve_bytes()
-
         size_gib = config.max_local_cpu_size if cpu_size_gib is None else cpu_size_gib
-        self.pool: PoolAllocator | None = None
-        if config.local_cpu and size_gib > 0 and "cpu" in config.tier_order:
-            # (a tier order without ``cpu`` has no CPU tier: no pool to allocate and pre-touch)
-            self.pool = PoolAllocator(
-                gib_to_bytes(size_gib), name=f"{name} CPU pool ({cpu_size_key})", reserve_bytes=reserve
-            )
-        wants_lower = lower_tiers and bool(
-            config.local_disk
-            or config.remote_url
-            or config.nixl_path
-            or any(t != "cpu" and t not in BUILTIN_LOWER and is_configured(t, config) for t in config.tier_order)
-        )
-        self.staging_pool: PoolAllocator | None = None
-        if (wants_lower or self.pool is None) and config.staging_size > 0:
-            self.staging_pool = PoolAllocator(
-                gib_to_bytes(config.staging_size), name=f"{name} staging (staging_size)", reserve_bytes=reserve
-            )
-        self._heap = HeapAllocator(f"{name}-heap")
-        self._staging = StagingArea(self.staging_pool, self._heap, one_off_reserve)
-
+        wants_lower = lower_tiers and any(t != "cpu" for t in configured_tiers(config))
+        self.pool, self.staging_pool, self._staging = manager_memory(config, name, size_gib, cpu_size_key, wants_lower)
         self._lt = LoopThread(name)
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=config.executor_workers, thread_name_prefix=f"lmcache-async-{name}-io"
         )
         self.bridge = SyncBridge(self._lt, self._timeout)
         self._hop = self.bridge.hop
-        self._cpu: PoolTier | None = None
-        self._local: list[LocalTier] = []
-        self._tiers = LowerTiers(self._read_alloc, self._promote, log=logger)
-        self._lower: list[TierGuard] = self._tiers.guards  # filled by build_tiers, in search order
-        self._wt = WriteThrough(self._lt, self._lower)
-        # The same dict as the queue's: the caller-thread paths read it without a hop or lock.
-        self._pending = self._wt.pending
-        self._cpu_hits = 0
-        self._cpu_misses = 0
+        #: Where the tiers' removal reports go (:meth:`RemovalFanout.add` a listener).
+        self.removals = RemovalFanout()
         ctx = BackendContext(
             config=config,
             metadata=self.metadata,
@@ -195,35 +170,32 @@ class StorageManager(Lifecycle):
             staging=self._staging.allocate,
             staging_pool=self.staging_pool,
             pool=self.pool,
+            on_removed=self.removals.report,
         )
-        try:
-            stack = build_tiers(ctx, lower_tiers=lower_tiers, sync_timeout=self._timeout, into=self._lower, log=logger)
+        try:  # the parts, each built from the ones before it: nothing calls back into the manager
+            stack = build_tiers(ctx, lower_tiers=lower_tiers, sync_timeout=self._timeout, log=logger)
         except BaseException:
-            self._abort_start()
+            self._lt.stop()  # build_tiers closed what it built
+            self._executor.shutdown(wait=False, cancel_futures=True)
             raise
-        self._cpu, self._cpu_backend, self._local = stack.pool_tier, stack.pool_backend, stack.local
+        self._wt = WriteThrough(self._lt, stack.guards)
+        self._front = front = Front(stack, self.pool, self._staging, self._wt)
+        self._tiers = LowerTiers(stack.guards, front, log=logger)
+        self._put = PutPath(name, front, self._tiers, logger)
+        self._read_into = ReadInto(front, self._tiers, self.bridge)
+        self._cpu, self._pending = front.cpu, front.pending
+        self._local: Sequence[LocalTier] = stack.local
+        self._lower: Sequence[TierGuard] = stack.guards
         #: Lower tiers the read paths must ask on the loop (the others answer on this thread).
-        self._loop_readers = any(not g.answers_locally for g in self._lower)
-        self._put = PutPath(name, self._cpu, self._tiers, self._staging, self._wt, logger)
+        self._loop_readers = stack.wants_loop()
         #: Local tiers that also read into caller memory (the node server's pool): memory the
-        #: caller reads itself (memory_prefix_len); read_into_sync asks them as direct readers,
-        #: in a batch, so its front asks only the other local tiers.
-        self._memory_readers = [g for g in self._lower if g.local is not None and g.direct is not None]
-        self._front_only = [t for t in self._local if not isinstance(t, DirectReader)]
-        self._read_into = ReadInto(self._read_front, self._lower, self._lower_get_indirect_sync)
+        #: caller reads itself (memory_prefix_len); read_into_sync asks them as direct readers.
+        self._where = TierMap(front, stack.guards)
+        self._memory_readers = self._where.memory_readers
         self._closed = False
         at_exit.close_at_exit(self)
 
-    # ---- allocation helpers ---------------------------------------------------------------------
-    def _read_alloc(self, shape: Sequence[int], dtype: torch.dtype, fmt: MemoryFormat) -> MemoryObj | None:
-        """Where a lower-tier read lands: the CPU pool when it has room (no second copy for
-        promotion), else the staging area, else a one-off buffer."""
-        if self._cpu is not None:
-            obj = self._cpu.allocate(shape, dtype, fmt)
-            if obj is not None:
-                return obj
-        return self._staging.allocate(shape, dtype, fmt)
-
+    # ---- allocation ------------------------------------------------------------------------------
     def allocate(
         self, shape: Sequence[int], dtype: torch.dtype, fmt: MemoryFormat = MemoryFormat.UNDEFINED
     ) -> MemoryObj | None:
@@ -241,6 +213,12 @@ class StorageManager(Lifecycle):
         if self._closed:
             raise ManagerClosedError(f"StorageManager {self.name!r} is closed")
         self._lt.check_usable()
+
+    def _check_keys(self, keys: Sequence[CacheEngineKey]) -> None:
+        self._check_usable()
+        for k in keys:
+            if type(k) is not CacheEngineKey:
+                self._check_key(k)
 
     @staticmethod
     def _check_key(key: object) -> CacheEngineKey:
@@ -407,41 +385,16 @@ class StorageManager(Lifecycle):
     flush_sync = sync_twin(flush)
 
     # ---- get -----------------------------------------------------------------------------------
-    def _front_entry(self, key: CacheEngineKey, local: Sequence[LocalTier]) -> MemoryObj | None:
-        """The entry from the CPU tier, the queued write-through or one of the ``local`` tiers,
-        with the caller's reference; None when none of them holds it."""
-        cpu = self._cpu
-        if cpu is not None:
-            obj = cpu.lookup(key)
-            if obj is not None:
-                self._cpu_hits += 1
-                return obj
-        pend = self._pending.get(key)
-        if pend is not None and pend.try_ref_count_up():
-            return pend
-        self._cpu_misses += 1
-        for tier in local:
-            obj = tier.lookup(key)
-            if obj is not None:
-                return obj
-        return None
-
-    def _get_front(self, key: CacheEngineKey) -> MemoryObj | Literal[NoAnswer.NO_ANSWER] | None:
+    def _get_front(self, key: CacheEngineKey) -> MemoryObj | Literal[CannotTell.UNKNOWN] | None:
         """The local tiers' (or the queued write-through's) answer with the caller's reference,
-        None for a miss with no lower tier to ask, :data:`NO_ANSWER` when the loop must be asked."""
+        None for a miss with no lower tier to ask, :data:`UNKNOWN` when the loop must be asked."""
         self._check_usable()
         if type(key) is not CacheEngineKey:
             self._check_key(key)
-        obj = self._front_entry(key, self._local)
+        obj = self._front.entry(key, self._local)
         if obj is not None:
             return obj
-        return NO_ANSWER if self._loop_readers else None
-
-    def _read_front(self, key: CacheEngineKey) -> MemoryObj | None:
-        """``read_into_sync``'s front (keys checked by the caller): the CPU tier, the queued
-        write-through and the local tiers that are no direct readers."""
-        self._check_usable()
-        return self._front_entry(key, self._front_only)
+        return UNKNOWN if self._loop_readers else None
 
     async def get(self, key: CacheEngineKey) -> MemoryObj | None:
         """The entry (the caller owns one reference) or None, falling through the tiers.
@@ -449,8 +402,12 @@ class StorageManager(Lifecycle):
         A lower-tier hit is promoted into the CPU tier when it has room.
         """
         r = self._get_front(key)
-        if r is not NO_ANSWER:
+        if r is not UNKNOWN:
             return r
+        return await self._get_below(key)
+
+    async def _get_below(self, key: CacheEngineKey) -> MemoryObj | None:
+        """The lower tiers' answer for a key the front missed (one hop)."""
         return await self._hop(self._tiers.get(key), _release_obj)
 
     async def batched_get(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
@@ -462,7 +419,7 @@ class StorageManager(Lifecycle):
         out: list[MemoryObj | None] = [None] * len(keys)
         missing: list[int] = []
         for i, k in enumerate(keys):
-            obj = self._front_entry(k, ())
+            obj = self._front.entry(k, ())
             if obj is None:
                 missing.append(i)
             else:
@@ -488,15 +445,16 @@ class StorageManager(Lifecycle):
             raise
         return out
 
-    def _get_hit(self, key: CacheEngineKey) -> MemoryObj | Literal[NotHere.NOT_HERE] | None:
-        """``get_sync``'s CPU hit (the caller's reference), or NOT_HERE."""
-        cpu = self._cpu
-        if cpu is not None and type(key) is CacheEngineKey and not self._closed and self._lt.usable_from_here():
-            obj = cpu.lookup(key)
-            if obj is not None:
-                self._cpu_hits += 1
+    def _get_hit(self, key: CacheEngineKey) -> MemoryObj | CannotTell | Coroutine[Any, Any, MemoryObj | None] | None:
+        """``get_sync``'s front, asked once: the entry (the caller's reference), None for a miss
+        with no loop-side tier to ask, or the rest of the read (a coroutine for the bridge);
+        UNKNOWN for a call :meth:`get` refuses (so its errors stay :meth:`get`'s)."""
+        if type(key) is CacheEngineKey and not self._closed and self._lt.usable_from_here():
+            obj = self._front.entry(key, self._local)
+            if obj is not None or not self._loop_readers:
                 return obj
-        return NOT_HERE
+            return self._get_below(key)
+        return UNKNOWN
 
     get_sync = sync_twin(get, _get_hit)
     batched_get_sync = sync_twin(batched_get)
@@ -523,31 +481,6 @@ class StorageManager(Lifecycle):
         if self._lt.in_loop_thread():
             raise LoopThreadCallError("read_into_sync was called on the manager's loop thread")
         return self._read_into.run(keys, sinks, prefix)
-
-    async def _lower_get_indirect(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
-        """The lower tiers that are no direct readers, for :meth:`read_into_sync` (one hop)."""
-        return await self._hop(self._tiers.batched_get(keys, skip_direct=True), release_objs)
-
-    def _lower_get_indirect_sync(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
-        return self.bridge.run(self._lower_get_indirect(keys))
-
-    def _promote(self, key: CacheEngineKey, obj: MemoryObj, tier_idx: int) -> MemoryObj:
-        """Index a lower-tier hit in the CPU tier when it landed in the pool; write it back to
-        the lower tiers above the one that had it. Returns the caller's reference."""
-        cpu = self._cpu
-        if cpu is not None and obj.allocator is self.pool:
-            try:
-                existing = cpu.insert(key, obj, extra_refs=1)
-            except ManagerClosedError:  # closing: the caller still gets its bytes
-                existing = None
-            if existing is not None and existing.try_ref_count_up():
-                obj.ref_count_down()
-                obj = existing
-        if tier_idx > 0:
-            obj.ref_count_up()
-            if not self._wt.enqueue(key, obj, tuple(range(tier_idx))):
-                obj.ref_count_down()
-        return obj
 
     # ---- contains -------------------------------------------------------------------------------
     def _contains_front(self, key: CacheEngineKey) -> bool | None:
@@ -592,30 +525,31 @@ class StorageManager(Lifecycle):
 
     presence_sync = sync_twin(presence)
 
-    def _prefix_front(self, keys: Sequence[CacheEngineKey]) -> tuple[int, bool]:
-        """(prefix present locally, whether lower tiers must be asked about the rest)."""
-        self._check_usable()
-        for k in keys:
-            if type(k) is not CacheEngineKey:
-                self._check_key(k)
-        return prefix_here(keys, self._cpu, self._pending, self._lower)
-
     async def _prefix_lower(self, keys: list[CacheEngineKey]) -> int:
         # Read-your-writes: a key whose write-through is still queued counts as present. Checked
         # before asking the tiers: a key released from the pending map meanwhile is in its tier.
-        pending = self._pending
-        cpu = self._cpu
-        present = [k in pending or (cpu is not None and k in cpu) for k in keys]
-        return await self._tiers.prefix_len(keys, present)
+        holds = self._front.holds
+        return await self._tiers.prefix_len(keys, [holds(k) for k in keys])
 
-    async def batched_contains(self, keys: Sequence[CacheEngineKey]) -> int:
+    async def prefix_len(self, keys: Sequence[CacheEngineKey]) -> int:
         """Length of the prefix of ``keys`` present in some tier (CPU-only: no hop, ~0.1 µs per key)."""
-        n, need_loop = self._prefix_front(keys)
+        self._check_keys(keys)
+        n, need_loop = prefix_here(keys, self._cpu, self._pending, self._lower)
         if not need_loop:
             return n
         return n + await self._hop(self._prefix_lower(list(keys[n:])))
 
-    batched_contains_sync = sync_twin(batched_contains)
+    prefix_len_sync = sync_twin(prefix_len)
+
+    async def batched_contains(self, keys: Sequence[CacheEngineKey]) -> int:
+        """Deprecated name of :meth:`prefix_len` (kept for one release; warns)."""
+        _renamed("batched_contains", "prefix_len")
+        return await self.prefix_len(keys)
+
+    def batched_contains_sync(self, keys: Sequence[CacheEngineKey]) -> int:
+        """Deprecated name of :meth:`prefix_len_sync` (kept for one release; warns)."""
+        _renamed("batched_contains_sync", "prefix_len_sync")
+        return self.prefix_len_sync(keys)
 
     def touch(self, keys: Sequence[CacheEngineKey]) -> None:
         """Mark ``keys`` recently used in every local tier (LRU). Caller's thread, no hop."""
@@ -625,7 +559,7 @@ class StorageManager(Lifecycle):
             tier.touch(keys)
 
     # ---- where entries lie (the KV connector's load-or-recompute) ---------------------------------
-    MEMORY_TIER = "cpu"
+    MEMORY_TIER = MEMORY_TIER
     """The name :meth:`locate` gives an entry held in this process's memory (the CPU tier or
     the queued write-through)."""
 
@@ -634,45 +568,11 @@ class StorageManager(Lifecycle):
         read is a memory copy on the caller's thread (the CPU tier, the node server's shared
         pool); ``available``: the tier's circuit breaker is closed (an open or half-open
         breaker means it failed or timed out lately). Any thread, no I/O."""
-        out: dict[str, tuple[bool, bool]] = {}
-        if self._cpu is not None:
-            out[self._cpu.name] = (True, True)
-        for g in self._lower:
-            out[g.name] = (g in self._memory_readers, g.breaker.state == g.breaker.CLOSED)
-        return out
+        return self._where.tier_status()
 
     def _locate_front(self, keys: Sequence[CacheEngineKey]) -> tuple[list[str | None], dict[int, int], list[Any]]:
-        """(tier per key where this thread can tell, ``{key index: guard index}`` of the keys
-        whose answer needs the loop from that tier on, the local tiers' flags per guard)."""
-        self._check_usable()
-        for k in keys:
-            if type(k) is not CacheEngineKey:
-                self._check_key(k)
-        cpu, pending = self._cpu, self._pending
-        names: list[str | None] = [None] * len(keys)
-        rest = []
-        for i, k in enumerate(keys):
-            if k in pending or (cpu is not None and k in cpu):
-                names[i] = self.MEMORY_TIER
-            else:
-                rest.append(i)
-        flags: list[Any] = [None] * len(self._lower)
-        if rest:
-            for gi, g in enumerate(self._lower):  # one batched question per local tier
-                if g.local is not None:
-                    got = g.local.present_flags([keys[i] for i in rest])
-                    flags[gi] = dict(zip(rest, got, strict=True))
-        unresolved: dict[int, int] = {}
-        for i in rest:
-            for gi, g in enumerate(self._lower):
-                r = flags[gi][i] if flags[gi] is not None else g.backend.contains_nowait(keys[i])
-                if r is None:
-                    unresolved[i] = gi
-                    break
-                if r:
-                    names[i] = g.name
-                    break
-        return names, unresolved, flags
+        self._check_keys(keys)
+        return self._where.locate_front(keys)
 
     def locate_here(self, keys: Sequence[CacheEngineKey]) -> tuple[list[str | None], bool]:
         """:meth:`locate` as far as the caller's thread can answer it, with no hop: (the tier per
@@ -680,25 +580,6 @@ class StorageManager(Lifecycle):
         Local tiers are asked (the node server: one round trip, bounded by its timeout)."""
         names, unresolved, _ = self._locate_front(keys)
         return names, bool(unresolved)
-
-    async def _locate_lower(
-        self, keys: list[CacheEngineKey], names: list[str | None], unresolved: dict[int, int], flags: list[Any]
-    ) -> list[str | None]:
-        for gi, g in enumerate(self._lower):
-            ask = [i for i, start in unresolved.items() if start <= gi]
-            if not ask:
-                continue
-            if flags[gi] is not None:
-                got: Any = [flags[gi][i] for i in ask]
-            else:
-                got = await g.call("contains", g.backend.batched_contains, [keys[i] for i in ask], n=len(ask) // 32 + 1)
-                if got is NO_ANSWER:
-                    continue
-            for i, present in zip(ask, got, strict=True):
-                if present:
-                    names[i] = g.name
-                    del unresolved[i]
-        return names
 
     async def locate(self, keys: Sequence[CacheEngineKey]) -> list[str | None]:
         """Which tier holds each key: the name of the first tier in search order that has it
@@ -708,34 +589,19 @@ class StorageManager(Lifecycle):
         names, unresolved, flags = self._locate_front(keys)
         if not unresolved:
             return names
-        return await self._hop(self._locate_lower(list(keys), names, unresolved, flags))
+        return await self._hop(self._where.locate_lower(list(keys), names, unresolved, flags))
 
     locate_sync = sync_twin(locate)
 
-    async def _probe(self, guard: TierGuard, nbytes: int) -> float | None:
-        key = CacheEngineKey("lmcache-async-probe", 1, 0, int.from_bytes(os.urandom(8), "little"), torch.uint8)
-        obj = self._staging.allocate((nbytes,), torch.uint8, MemoryFormat.UNDEFINED)
-        if obj is None:
-            return None
-        try:
-            obj.tensor.zero_()
-            ok = await guard.call("probe", guard.backend.put, key, obj)
-        finally:
-            obj.ref_count_down()
-        if ok is NO_ANSWER or not ok:
-            return None
-        try:
-            await guard.call("probe", guard.backend.flush)
-            t0 = time.perf_counter()
-            got = await guard.call("probe", guard.backend.get, key, self._staging.allocate)
-            took = time.perf_counter() - t0
-            if got is NO_ANSWER or got is None:
-                return None
-            got.ref_count_down()
-            return took
-        finally:
-            if guard.backend.supports_delete:
-                await guard.call("probe", guard.backend.remove, key)
+    async def locate_memory(self, keys: Sequence[CacheEngineKey]) -> list[tuple[str, bool] | None]:
+        """:meth:`locate` with, per held key, whether its read is a memory copy: ``(tier,
+        in_memory)`` or None. For the node server's tier, a tier declaring
+        :class:`~lmcache_async.tiers.Locator` says per entry whether it is in its pool."""
+        names = await self.locate(keys)
+        flags = self._where.in_memory(keys, names)
+        return [None if n is None else (n, bool(f)) for n, f in zip(names, flags, strict=True)]
+
+    locate_memory_sync = sync_twin(locate_memory)
 
     async def probe_read(self, tier: str, nbytes: int) -> float | None:
         """Seconds one read of an ``nbytes`` entry from lower tier ``tier`` took: an entry under
@@ -750,7 +616,7 @@ class StorageManager(Lifecycle):
         guard = next((g for g in self._lower if g.name == tier), None)
         if guard is None or guard.answers_locally:
             return None
-        return await self._hop(self._probe(guard, nbytes))
+        return await self._hop(self._where.probe(guard, nbytes))
 
     probe_read_sync = sync_twin(probe_read)
 
@@ -792,10 +658,10 @@ class StorageManager(Lifecycle):
         writes, circuit state); the pool and staging usage; pending writes. Any thread (the
         metrics exporter's included); figures may trail the loop by a few calls."""
         tiers: dict[str, dict[str, Any]] = {}
-        cpu = self._cpu_backend
+        cpu = self._front.cpu_backend
         if cpu is not None:
             figures = cpu.stats()
-            figures.update(hits=self._cpu_hits, misses=self._cpu_misses, errors=0)
+            figures.update(hits=self._front.hits, misses=self._front.misses, errors=0)
             tiers[cpu.name] = figures
         for t in self._lower:
             tiers[t.name] = t.stats()
@@ -811,10 +677,36 @@ class StorageManager(Lifecycle):
             "read_into": self._read_into.stats(),
         }
 
+    # ---- declared capabilities of the tiers, for integrations ------------------------------------
+    def leases(self, ttl_s: float, tier: str | None = None) -> PromiseLeases | None:
+        """Leases keeping promised entries readable by other processes for up to ``ttl_s``
+        seconds, on tier ``tier`` (None: a persistent tier's when one declares
+        :class:`~lmcache_async.tiers.Leasing`, else the first declaring tier's); None when no
+        such tier is configured. ``ValueError`` unless ``ttl_s`` > 0."""
+        leasing = [(g.backend.persistent, i, lz) for i, g in enumerate(self._lower) if (lz := g.backend.as_leasing())]
+        if tier is not None:
+            leasing = [x for x in leasing if x[2].name == tier]
+        if not leasing:
+            return None
+        return min(leasing, key=lambda x: (not x[0], x[1]))[2].leases(ttl_s)
+
+    def sole_batch_reader(self) -> BatchLookup | None:
+        """The :class:`~lmcache_async.tiers.BatchLookup` of the manager's only tier when there
+        is no CPU tier (a read then asks just that tier, on the caller's thread), else None."""
+        if self._cpu is not None or len(self._lower) != 1:
+            return None
+        return self._lower[0].backend.as_batch_lookup()
+
+    @property
+    def direct_put(self) -> DirectPut | None:
+        """The tier puts are written into on the caller's thread (no CPU tier, the first lower
+        tier declaring :class:`~lmcache_async.tiers.DirectPut`), else None."""
+        return self._put.direct
+
     def backend(self, name: str) -> StorageBackend | None:
         """The backend of tier ``name`` (None when not configured). For tests and tools; code
         that serves requests uses the manager's own calls (:meth:`lookup_local`, ...)."""
-        cpu = self._cpu_backend
+        cpu = self._front.cpu_backend
         if cpu is not None and cpu.name == name:
             return cpu
         for t in self._lower:
@@ -824,6 +716,10 @@ class StorageManager(Lifecycle):
 
     def __repr__(self) -> str:
         return f"StorageManager(name={self.name!r}, tiers={self.tier_names}, closed={self._closed})"
+
+
+def _renamed(old: str, new: str) -> None:
+    warnings.warn(f"StorageManager.{old} is deprecated; use StorageManager.{new}", DeprecationWarning, stacklevel=3)
 
 
 def _release_obj(obj: MemoryObj | None) -> None:

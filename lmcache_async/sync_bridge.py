@@ -22,14 +22,15 @@ for both twins.
 from __future__ import annotations
 
 import asyncio
-import enum
 import functools
 import threading
+import types
 from collections.abc import Callable, Coroutine, Generator
 from typing import Any, Concatenate, Final, Generic, Literal, ParamSpec, Protocol, TypeVar
 
 from lmcache_async.errors import LoopThreadCallError
 from lmcache_async.loop import LoopThread
+from lmcache_async.tiers.abc import UNKNOWN, CannotTell
 
 __all__ = ["NOT_HERE", "Hop", "NotHere", "SyncBridge", "sync_twin"]
 
@@ -133,27 +134,25 @@ class SyncBridge:
                 send, error = None, exc
 
 
-class NotHere(enum.Enum):
-    """The type of :data:`NOT_HERE`."""
-
-    NOT_HERE = "not here"
-
-
-NOT_HERE: Final = NotHere.NOT_HERE
-"""What a ``local`` answer of :func:`sync_twin` returns when it cannot answer by itself."""
+NotHere = CannotTell
+NOT_HERE: Final = UNKNOWN
+"""What a ``local`` answer of :func:`sync_twin` returns when it cannot answer by itself: the one
+"cannot tell" sentinel, :data:`lmcache_async.tiers.UNKNOWN`."""
 
 
 def sync_twin(
     op: Callable[Concatenate[Any, P], Coroutine[Any, Any, R]],
-    local: Callable[Concatenate[Any, P], R | Literal[NotHere.NOT_HERE]] | None = None,
+    local: Callable[Concatenate[Any, P], R | Literal[CannotTell.UNKNOWN] | Coroutine[Any, Any, R]] | None = None,
 ) -> Callable[Concatenate[_HasBridge, P], R]:
     """The blocking twin of the operation ``op`` (a coroutine method of an object with a
     ``bridge``): same arguments, same result, same errors, run by :meth:`SyncBridge.run`.
 
     ``local``, when given, is tried first with the same arguments: the operation's hot local
     answer (a CPU-tier hit) without building a coroutine. It must give exactly what ``op`` would
-    give, or :data:`NOT_HERE` (then ``op`` runs); it must itself return :data:`NOT_HERE` for
-    every call ``op`` would refuse (loop thread, closed, forked), so errors stay ``op``'s."""
+    give, or :data:`NOT_HERE` (then ``op`` runs), or a coroutine doing the rest of ``op``'s work
+    after what ``local`` already did (then that runs instead, so the local part is not done
+    twice); it must itself return :data:`NOT_HERE` for every call ``op`` would refuse (loop
+    thread, closed, forked), so errors stay ``op``'s. (``op``'s results are never coroutines.)"""
 
     if local is None:
 
@@ -167,9 +166,11 @@ def sync_twin(
         @functools.wraps(op)
         def twin(self: _HasBridge, /, *args: P.args, **kwargs: P.kwargs) -> R:
             r = here(self, *args, **kwargs)
-            if r is not NOT_HERE:
-                return r
-            return self.bridge.run(op(self, *args, **kwargs))
+            if r is NOT_HERE:
+                return self.bridge.run(op(self, *args, **kwargs))
+            if type(r) is types.CoroutineType:
+                return self.bridge.run(r)
+            return r  # type: ignore[return-value]
 
     twin.__doc__ = (
         f"Blocking twin of :meth:`{op.__name__}` for threads without an event loop: the same "

@@ -13,15 +13,14 @@ caller treats it as a miss for reads and must not delete or overwrite anything o
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar, TypeVarTuple
 
-from lmcache_async.backend import DirectReader, LocalTier, StorageBackend
 from lmcache_async.circuit import CircuitBreaker
 from lmcache_async.ratelog import RateLimitedLog
+from lmcache_async.tiers import UNKNOWN, CannotTell, DirectReader, LocalTier, StorageBackend
 
 if TYPE_CHECKING:
     from lmcache_async.keys import CacheEngineKey
@@ -42,16 +41,8 @@ WRITE_CONCURRENCY: Final = 4
 LOG_BURST_S: Final = 5.0
 
 
-class NoAnswer(enum.Enum):
-    """The type of :data:`NO_ANSWER` (a one-member enum, so type checkers narrow on ``is``)."""
-
-    NO_ANSWER = "no answer"
-
-    def __repr__(self) -> str:
-        return "NO_ANSWER"
-
-
-NO_ANSWER: Final = NoAnswer.NO_ANSWER
+NoAnswer = CannotTell
+NO_ANSWER: Final = UNKNOWN
 """A tier call that failed, timed out or was skipped (open circuit): the answer is unknown."""
 
 
@@ -89,19 +80,19 @@ class TierGuard:
         self.skipped = 0
         self.writes = 0
         self.write_failures = 0
-        #: The backend as a :class:`~lmcache_async.backend.LocalTier` when it is one (the
+        #: The backend as a :class:`~lmcache_async.tiers.LocalTier` when it is one (the
         #: manager asks it for reads on the caller's thread; the loop-path read searches skip it).
-        self.local: LocalTier | None = backend if isinstance(backend, LocalTier) else None
-        #: The backend as a :class:`~lmcache_async.backend.DirectReader` when it is one (the
+        self.local: LocalTier | None = backend.as_local()
+        #: The backend as a :class:`~lmcache_async.tiers.DirectReader` when it is one (the
         #: manager's ``read_into_sync`` reads it on the caller's thread, :meth:`read_into_here`).
-        self.direct: DirectReader | None = backend if isinstance(backend, DirectReader) else None
+        self.direct: DirectReader | None = backend.as_direct_reader()
         self.direct_counts: dict[str, int] = dict.fromkeys(("hits", "misses", "errors", "skipped"), 0)
         self._direct_lock = threading.Lock()
         self._log = RateLimitedLog(log, LOG_BURST_S)
 
     async def call(
         self, op: str, fn: Callable[[*Ts], Awaitable[T]], *args: *Ts, n: int = 1
-    ) -> T | Literal[NoAnswer.NO_ANSWER]:
+    ) -> T | Literal[CannotTell.UNKNOWN]:
         """``await fn(*args)`` under the tier's timeout and breaker; :data:`NO_ANSWER` when the
         breaker skips the tier, the call times out or it raises (``op`` names it in the log).
 
@@ -131,9 +122,9 @@ class TierGuard:
         return result
 
     def read_into_here(self, keys: Sequence[CacheEngineKey], sinks: Sequence[ReadSink], prefix: bool) -> list[bool]:
-        """The tier's :meth:`~lmcache_async.backend.DirectReader.read_into_many` on the calling
+        """The tier's :meth:`~lmcache_async.tiers.DirectReader.read_into_many` on the calling
         thread (a caller thread, never the loop), under the breaker; one flag per key, all False
-        (misses) when the backend is no :class:`~lmcache_async.backend.DirectReader`, the
+        (misses) when the backend is no :class:`~lmcache_async.tiers.DirectReader`, the
         breaker skips it or it raises (counted, logged). The ``direct_*`` counters are written
         here, under their own lock (with ``prefix``, the keys after the first one not filled
         were not asked and are not counted)."""

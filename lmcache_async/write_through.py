@@ -25,7 +25,8 @@ from typing import Final
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.loop import LoopThread
 from lmcache_async.memory import MemoryObj
-from lmcache_async.tier_guard import NO_ANSWER, TierGuard
+from lmcache_async.tier_guard import TierGuard
+from lmcache_async.tiers import UNKNOWN
 
 __all__ = ["BATCH_BYTES", "BATCH_ITEMS", "WriteItem", "WriteThrough"]
 
@@ -156,7 +157,7 @@ class WriteThrough:
     async def _write_tier(tier: TierGuard, pairs: list[tuple[CacheEngineKey, MemoryObj]]) -> None:
         async with tier.write_slots:
             res = await tier.call("put", tier.backend.batched_put, pairs, n=len(pairs))
-        if res is NO_ANSWER:
+        if res is UNKNOWN:
             tier.write_failures += len(pairs)
             return
         ok = sum(1 for r in res if r)

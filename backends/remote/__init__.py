@@ -21,10 +21,10 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from lmcache_async.backend import Allocate, BackendContext, StorageBackend
 from lmcache_async.encryption import cipher_for
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj
+from lmcache_async.tiers import Allocate, BackendContext, StorageBackend
 
 from .connector import (
     Connector,

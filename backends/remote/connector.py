@@ -32,10 +32,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lmcache_async.backend import Allocate
 from lmcache_async.errors import BackendUnavailableError
 from lmcache_async.lazy_registry import LazyRegistry
 from lmcache_async.memory import MemoryObj
+from lmcache_async.tiers import Allocate
 
 from .naming import EntryName
 from .url import redact

@@ -46,7 +46,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from lmcache_async.backend import Allocate
 from lmcache_async.backends.disk_layout import make_private_dirs
 from lmcache_async.encryption import RecordCipher, new_buffer
 from lmcache_async.memory import MemoryObj
@@ -61,6 +60,7 @@ from lmcache_async.record_files import (
     write_all,
 )
 from lmcache_async.records import PROBE_LEN, ForeignSeal, RecordError, RecordHeader
+from lmcache_async.tiers import Allocate
 
 from .codec import AllocationFailed, ForeignRecord, allocate, prepare
 from .connector import Connector, ConnectorSettings

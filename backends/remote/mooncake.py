@@ -48,13 +48,13 @@ from typing import Any
 import torch
 import xxhash
 
-from lmcache_async.backend import Allocate, BackendContext, StorageBackend
 from lmcache_async.encryption import RecordCipher, cipher_for
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import HeapAllocator, MemoryFormat, MemoryObj, PoolAllocator
 from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.record_sections import sealed_length
 from lmcache_async.records import RecordError, RecordHeader, decode_header
+from lmcache_async.tiers import Allocate, BackendContext, StorageBackend
 
 from .mooncake_calls import MooncakeCalls, MooncakeTimeout
 from .mooncake_record import header_room, padded_header, read_room, write_header

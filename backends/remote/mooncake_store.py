@@ -19,9 +19,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lmcache_async.backend import BackendContext
 from lmcache_async.errors import BackendUnavailableError
 from lmcache_async.memory import gib_to_bytes
+from lmcache_async.tiers import BackendContext
 
 from .url import parse_remote_url
 

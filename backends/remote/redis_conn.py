@@ -42,7 +42,6 @@ from typing import Any
 
 import xxhash
 
-from lmcache_async.backend import Allocate
 from lmcache_async.memory import MemoryObj
 from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.records import (
@@ -53,6 +52,7 @@ from lmcache_async.records import (
     decode_header,
     peek_header_len,
 )
+from lmcache_async.tiers import Allocate
 
 try:
     from redis.asyncio.connection import (

@@ -35,7 +35,6 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from lmcache_async.backend import Allocate
 from lmcache_async.encryption import RecordCipher, new_buffer
 from lmcache_async.memory import MemoryObj
 from lmcache_async.ratelog import RateLimitedLog
@@ -50,6 +49,7 @@ from lmcache_async.records import (
     payload_checksum,
     payload_checksum_parts,
 )
+from lmcache_async.tiers import Allocate
 
 from .codec import ForeignRecord
 from .connector import Connector, ConnectorSettings, S3Settings

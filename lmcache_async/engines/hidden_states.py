@@ -35,7 +35,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from lmcache_async.backend import Presence
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.engines._chunks import ChunkPlan, copy_in, copy_out, plan_of, release_all, wait_copies
 from lmcache_async.engines._offload import copy_maybe_off_loop, yield_to_loop
@@ -47,6 +46,7 @@ from lmcache_async.metadata import LMCacheEngineMetadata
 from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.storage_manager import StorageManager
 from lmcache_async.tensor_checks import check_storable_tensor
+from lmcache_async.tiers import Presence
 from lmcache_async.token_database import ChunkedTokenDatabase
 
 logger = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ class HiddenStateStore:
             return m
         keys = plan.keys
         try:
-            n = kv.batched_contains_sync(keys[:m])
+            n = kv.prefix_len_sync(keys[:m])
         except TimeoutError:
             return self._kv_timed_out()
         if n < m:
@@ -224,7 +224,7 @@ class HiddenStateStore:
             return m
         keys = plan.keys
         try:
-            n = await self._kv_bounded(kv, kv.batched_contains(keys[:m]))
+            n = await self._kv_bounded(kv, kv.prefix_len(keys[:m]))
         except TimeoutError:
             return self._kv_timed_out()
         if n < m:
@@ -497,7 +497,7 @@ class HiddenStateStore:
         plan = self._plan(token_ids, extras)
         sm = self.storage_manager
         hkeys = [hs_entry_key(k, layer_idx) for k in plan.keys]
-        m = sm.batched_contains_sync(hkeys)
+        m = sm.prefix_len_sync(hkeys)
         hits = self._well_shaped(plan, sm.batched_get_sync(hkeys[:m]) if m else [])
         try:
             n = self._kv_prefix(plan, len(hits))
@@ -527,7 +527,7 @@ class HiddenStateStore:
         plan = self._plan(token_ids, extras)
         sm = self.storage_manager
         hkeys = [hs_entry_key(k, layer_idx) for k in plan.keys]
-        m = await sm.batched_contains(hkeys)
+        m = await sm.prefix_len(hkeys)
         hits = self._well_shaped(plan, await sm.batched_get(hkeys[:m]) if m else [])
         try:
             n = await self._akv_prefix(plan, len(hits))

@@ -294,7 +294,7 @@ class LMCacheEngine:
         if not len(plan):
             return 0, None
         sm = self.storage_manager
-        n = self._bounded(lambda: sm.batched_contains_sync(plan.keys), 0, "retrieve")
+        n = self._bounded(lambda: sm.prefix_len_sync(plan.keys), 0, "retrieve")
         if n == 0:
             return 0, None
         objs = self._bounded(lambda: sm.batched_get_sync(plan.keys[:n]), None, "retrieve")
@@ -319,7 +319,7 @@ class LMCacheEngine:
         if not len(plan):
             return 0, None
         sm = self.storage_manager
-        n = await self._abounded(sm.batched_contains(plan.keys), 0, "retrieve")
+        n = await self._abounded(sm.prefix_len(plan.keys), 0, "retrieve")
         if n == 0:
             return 0, None
         objs = await self._abounded(sm.batched_get(plan.keys[:n]), None, "retrieve")
@@ -336,7 +336,7 @@ class LMCacheEngine:
         if not len(plan):
             return 0
         sm = self.storage_manager
-        return plan.tokens_in(self._bounded(lambda: sm.batched_contains_sync(plan.keys), 0, "lookup"))
+        return plan.tokens_in(self._bounded(lambda: sm.prefix_len_sync(plan.keys), 0, "lookup"))
 
     async def alookup(self, token_ids: Any, *, extras: KeyExtras | None = None) -> int:
         """Coroutine twin of :meth:`lookup`: answered on the caller's thread when the CPU tier
@@ -346,7 +346,7 @@ class LMCacheEngine:
         plan = ChunkPlan(self.token_database, token_ids, extras)
         if not len(plan):
             return 0
-        return plan.tokens_in(await self._abounded(self.storage_manager.batched_contains(plan.keys), 0, "lookup"))
+        return plan.tokens_in(await self._abounded(self.storage_manager.prefix_len(plan.keys), 0, "lookup"))
 
     def _timed_out(self, what: str) -> None:
         self.timeouts += 1

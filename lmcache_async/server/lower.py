@@ -27,6 +27,7 @@ import torch
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryFormat, MemoryObj
 from lmcache_async.ratelog import RateLimitedLog
+from lmcache_async.tiers import configured_tiers
 
 if TYPE_CHECKING:
     from lmcache_async.config import LMCacheEngineConfig
@@ -42,8 +43,14 @@ _CLEAR_BATCH = 256
 
 
 def wants_lower_tiers(config: LMCacheEngineConfig) -> bool:
-    """True when the configuration names a disk, remote or NIXL tier."""
-    return bool(config.local_disk or config.remote_url or config.nixl_path)
+    """True when the configuration turns on a tier below the server's pools (disk, remote, NIXL
+    or any registered tier: :func:`~lmcache_async.tiers.configured_tiers`, the manager's own
+    answer)."""
+    return bool(_lower_names(config))
+
+
+def _lower_names(config: LMCacheEngineConfig) -> list[str]:
+    return [t for t in configured_tiers(_lower_config(config)) if t not in ("cpu", "server")]
 
 
 def _lower_config(config: LMCacheEngineConfig) -> LMCacheEngineConfig:

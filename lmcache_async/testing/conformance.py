@@ -2,7 +2,7 @@
 
 Every backend's tests subclass :class:`BackendConformanceTests` and implement
 :meth:`~BackendConformanceTests.make_backend`; pytest then runs the whole contract of
-:mod:`lmcache_async.backend` against it. Third-party backends use it the same way (the
+:mod:`lmcache_async.tiers` against it. Third-party backends use it the same way (the
 package registers a pytest plugin providing the ``backend_context`` fixture)::
 
     from lmcache_async.testing import BackendConformanceTests
@@ -24,11 +24,12 @@ from typing import Any
 import pytest
 import torch
 
-from lmcache_async.backend import StorageBackend
 from lmcache_async.memory import MemoryFormat, PoolAllocator
+from lmcache_async.testing.declarations import declaration_problems
 from lmcache_async.testing.hooks import flush_backend
 from lmcache_async.testing.medium_conformance import MediumConformanceTests
 from lmcache_async.testing.objects import make_key, make_obj, same_entry
+from lmcache_async.tiers import RemovalReason, StorageBackend
 
 __all__ = ["BackendConformanceTests", "PersistentBackendConformanceTests", "make_key", "make_obj"]
 
@@ -44,6 +45,28 @@ class BackendConformanceTests(MediumConformanceTests):
             assert isinstance(getattr(backend, cap), bool), cap
         assert isinstance(backend.name, str) and backend.name
         assert isinstance(backend.stats(), dict)
+
+    async def test_declared_capabilities_are_implemented(self, backend: StorageBackend) -> None:
+        problems = declaration_problems(backend)
+        assert not problems, "\n".join(problems)
+
+    async def test_a_removal_it_reports_names_the_key_and_the_reason(
+        self, backend: StorageBackend, src_pool: PoolAllocator
+    ) -> None:
+        reports: list[tuple[str, list[Any], RemovalReason]] = []
+        backend.bind_removals(lambda tier, keys, reason: reports.append((tier, list(keys), reason)))
+        key = make_key(31)
+        src = make_obj(src_pool, (16,), torch.float32, MemoryFormat.UNDEFINED, seed=3)
+        try:
+            assert await backend.put(key, src) is True
+        finally:
+            src.ref_count_down()
+        await flush_backend(backend)
+        if not backend.supports_delete or not await backend.remove(key):
+            pytest.skip("the tier does not delete")
+        if backend.reports_removals:
+            assert (backend.name, [key], RemovalReason.DELETED) in reports, reports
+        backend.bind_removals(None)
 
     # ---- single-key semantics --------------------------------------------------------------------
     @pytest.mark.parametrize(

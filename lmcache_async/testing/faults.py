@@ -4,9 +4,12 @@
 :attr:`~FaultyTier.mode`: ``"fail"`` makes every coroutine raise ``ConnectionError`` (a server
 that went away), ``"hang"`` makes every coroutine wait forever (a peer that stopped answering;
 the wait is cancellable, as the manager's timeout needs). ``close`` is always forwarded, so a
-test can end in any mode. A wrapped :class:`~lmcache_async.backend.DirectReader` (the disk
-tier) stays one: its blocking ``read_into_many`` is forwarded in ``"ok"`` mode and raises
-``ConnectionError`` otherwise (a caller-thread read cannot hang-and-be-cancelled; it fails).
+test can end in any mode. The wrapper declares what the wrapped tier declares of the capabilities
+it can put faults in front of: a :class:`~lmcache_async.tiers.DirectReader` (the disk tier)
+stays one, its blocking ``read_into_many`` forwarded in ``"ok"`` mode and raising
+``ConnectionError`` otherwise; removal reports are forwarded under the wrapper's name (a caller-thread read cannot
+hang-and-be-cancelled; it fails). Caller-thread capabilities without a fault switch (local
+reads, direct puts, leases) are not declared.
 The wrapped backend is still the one under test: in ``"ok"`` mode the wrapper adds nothing but
 its name.
 """
@@ -17,10 +20,10 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from lmcache_async.backend import Allocate, DirectReader, StorageBackend
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj
 from lmcache_async.read_sinks import ReadSink
+from lmcache_async.tiers import Allocate, DirectReader, RemovalListener, StorageBackend
 
 __all__ = ["FaultMode", "FaultyTier"]
 
@@ -45,16 +48,31 @@ class FaultyTier(StorageBackend):
         self.name = name
         self.mode: FaultMode = "ok"
         self.injected = 0
-        if isinstance(inner, DirectReader):  # an instance attribute: the protocol check sees it
-            self.read_into_many = self._read_into_many
+        self._reader = inner.as_direct_reader()
 
-    def _read_into_many(self, keys: Sequence[CacheEngineKey], sinks: Sequence[ReadSink], prefix: bool) -> list[bool]:
-        if self.mode != "ok":
+    # ---- declared capabilities, forwarded ----------------------------------------------------
+    def as_direct_reader(self) -> DirectReader | None:
+        """The wrapped tier's direct reader behind the fault switch (None when it has none)."""
+        return self if self._reader is not None else None
+
+    def read_into_many(self, keys: Sequence[CacheEngineKey], sinks: Sequence[ReadSink], prefix: bool) -> list[bool]:
+        """The wrapped tier's direct read in ``"ok"`` mode; ``ConnectionError`` otherwise."""
+        if self.mode != "ok" or self._reader is None:
             self.injected += 1
             raise ConnectionError(f"{self.name}: injected failure")
-        reader = self.inner
-        assert isinstance(reader, DirectReader)
-        return reader.read_into_many(keys, sinks, prefix)
+        return self._reader.read_into_many(keys, sinks, prefix)
+
+    @property
+    def reports_removals(self) -> bool:
+        return self.inner.reports_removals
+
+    def bind_removals(self, listener: RemovalListener | None) -> None:
+        """The wrapped tier's reports, under this wrapper's name."""
+        super().bind_removals(listener)
+        if listener is None:
+            self.inner.bind_removals(None)
+        else:
+            self.inner.bind_removals(lambda _tier, keys, reason: listener(self.name, keys, reason))
 
     async def _gate(self) -> None:
         mode = self.mode

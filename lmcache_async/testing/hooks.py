@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_async.backend import BackendContext, StorageBackend
 from lmcache_async.memory import PoolAllocator
+from lmcache_async.tiers import BackendContext, StorageBackend
 
 __all__ = ["BackendHooks", "MediumHooks", "flush_backend", "start_backend"]
 

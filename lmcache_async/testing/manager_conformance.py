@@ -2,7 +2,7 @@
 :class:`~lmcache_async.storage_manager.StorageManager`.
 
 Subclass :class:`ManagerConformanceTests` and implement :meth:`~ManagerConformanceTests.make_tier`
-(a registry factory: synchronous, given the manager's :class:`~lmcache_async.backend.BackendContext`)::
+(a registry factory: synchronous, given the manager's :class:`~lmcache_async.tiers.BackendContext`)::
 
     from lmcache_async.testing.manager_conformance import ManagerConformanceTests
 
@@ -10,7 +10,7 @@ Subclass :class:`ManagerConformanceTests` and implement :meth:`~ManagerConforman
         def make_tier(self, ctx, location):
             return MyBackend(ctx, root=location)
 
-The suite registers the tier with :func:`~lmcache_async.backend.register_backend` (wrapped in a
+The suite registers the tier with :func:`~lmcache_async.tiers.register_backend` (wrapped in a
 :class:`~lmcache_async.testing.faults.FaultyTier` under a per-class name, so it can also make
 the tier fail or hang) and checks, through the manager's public API only: write-through after
 ``flush``, promotion of a lower-tier hit into the CPU tier, ``read_into_sync`` filling
@@ -33,7 +33,6 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
-from lmcache_async.backend import BackendContext, DirectReader, StorageBackend, register_backend
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.errors import LoopThreadCallError
 from lmcache_async.keys import CacheEngineKey
@@ -44,6 +43,7 @@ from lmcache_async.storage_manager import StorageManager
 from lmcache_async.testing.faults import FaultMode, FaultyTier
 from lmcache_async.testing.hooks import MediumHooks, flush_backend
 from lmcache_async.testing.objects import make_key
+from lmcache_async.tiers import BackendContext, StorageBackend, register_backend
 
 __all__ = ["ManagerConformanceTests", "tensor_for"]
 
@@ -212,8 +212,8 @@ class ManagerConformanceTests(MediumHooks, abc.ABC):
             assert await asyncio.to_thread(self.on_loop, loop, tier.contains(key)) is expected, key
             nowait = await asyncio.to_thread(tier.contains_nowait, key)  # a caller thread
             assert nowait is None or nowait is expected, (key, nowait)
-        assert await asyncio.to_thread(sm.batched_contains_sync, [both, below, absent]) == 2
-        assert await sm.batched_contains([below, both]) == 2
+        assert await asyncio.to_thread(sm.prefix_len_sync, [both, below, absent]) == 2
+        assert await sm.prefix_len([below, both]) == 2
 
     # ---- stats ---------------------------------------------------------------------------------
     def test_stats_from_another_thread_while_puts_run(self, stack: Any) -> None:
@@ -315,7 +315,7 @@ class ManagerConformanceTests(MediumHooks, abc.ABC):
         assert torch.equal(dsts[0], tensor_for(20)) and torch.equal(dsts[1], tensor_for(21))
         stats = sm.stats()
         assert stats["read_into"]["hits"] == 2 and stats["read_into"]["misses"] == 1
-        if isinstance(tier, DirectReader):  # read on this thread, straight from the medium
+        if tier.as_direct_reader() is not None:  # read on this thread, straight from the medium
             assert stats["tiers"][self.tier_name]["direct_hits"] == 1
         # prefix: stops at the first miss; nothing after it is read
         later = torch.zeros(4096)
@@ -364,7 +364,7 @@ class ManagerConformanceTests(MediumHooks, abc.ABC):
         assert sm.get_sync(below) is None
         assert sm.contains_sync(below) is False
         assert sm.batched_get_sync([front, below])[1] is None
-        assert sm.batched_contains_sync([front, below]) == 1
+        assert sm.prefix_len_sync([front, below]) == 1
         dst = torch.zeros(4096)
         assert sm.read_into_sync([front, below], [self.sink_over(dst), self.sink_over(torch.zeros(4096))]) == [
             True,

@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from lmcache_async.backend import StorageBackend
 from lmcache_async.records import decode_header, verify_payload
 from lmcache_async.testing.hooks import MediumHooks
+from lmcache_async.tiers import StorageBackend
 
 __all__ = ["RecordDirectoryMedium", "read_record_dir"]
 

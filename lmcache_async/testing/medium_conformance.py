@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import torch
 
-from lmcache_async.backend import BackendContext, StorageBackend
 from lmcache_async.memory import MemoryFormat, PoolAllocator
 from lmcache_async.testing.hooks import BackendHooks, MediumHooks, flush_backend
 from lmcache_async.testing.objects import make_key, make_obj
+from lmcache_async.tiers import BackendContext, StorageBackend
 
 __all__ = ["MediumConformanceTests"]
 

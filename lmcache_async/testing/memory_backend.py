@@ -1,5 +1,5 @@
 """The in-memory reference backend: the smallest tier that honours every contract of
-:mod:`lmcache_async.backend`.
+:mod:`lmcache_async.tiers`.
 
 It is written from ``backend.py`` and this kit alone, so it doubles as the model a new tier
 starts from (``docs`` has a "write your own tier" page built on it) and as a lower tier for
@@ -9,7 +9,7 @@ together with their shape, dtype and memory format; nothing outlives the process
 
 Register it for a :class:`~lmcache_async.storage_manager.StorageManager` with::
 
-    from lmcache_async.backend import register_backend
+    from lmcache_async.tiers import register_backend
     from lmcache_async.testing.memory_backend import create
 
     register_backend("memory", create)
@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from lmcache_async.backend import Allocate, BackendContext, StorageBackend
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryFormat, MemoryObj
+from lmcache_async.tiers import Allocate, BackendContext, StorageBackend
 
 __all__ = ["InMemoryBackend", "StoredRecord", "create"]
 

@@ -1,6 +1,6 @@
 """pytest plugin (entry point ``pytest11``): fixtures for the backend conformance suite.
 
-``backend_context`` is a factory returning a :class:`~lmcache_async.backend.BackendContext`
+``backend_context`` is a factory returning a :class:`~lmcache_async.tiers.BackendContext`
 bound to the running test loop, with its own executor, a 64 MiB staging pool and a 64 MiB CPU
 pool. A test class may define ``make_config(self) -> LMCacheEngineConfig`` to customise it.
 """
@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import pytest
 import torch
 
-from lmcache_async.backend import BackendContext
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.memory import HeapAllocator, MemoryFormat, MemoryObj, PoolAllocator
 from lmcache_async.metadata import LMCacheEngineMetadata
+from lmcache_async.tiers import BackendContext
 
 
 @pytest.fixture

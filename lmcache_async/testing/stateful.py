@@ -26,10 +26,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
-from lmcache_async.backend import BackendContext, StorageBackend
 from lmcache_async.memory import MemoryFormat, MemoryObj, PoolAllocator
 from lmcache_async.testing.hooks import BackendHooks, flush_backend, start_backend
 from lmcache_async.testing.objects import make_key, make_obj
+from lmcache_async.tiers import BackendContext, StorageBackend
 
 __all__ = ["SHAPES", "BackendStateMachine", "run_backend_state_machine"]
 

@@ -24,10 +24,10 @@ from typing import Any
 import torch
 import xxhash
 
-from lmcache_async.backend import BackendContext, register_backend
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj, tensor_byte_view
 from lmcache_async.testing.faults import FaultyTier
+from lmcache_async.tiers import BackendContext, register_backend
 
 SCALE_ENV = "LMCACHE_ASYNC_CHAOS_SCALE"
 

@@ -151,7 +151,7 @@ def test_backend_that_never_answers_costs_one_timeout(faulty, remote, figures):
         worst = max(worst, dt)
         _, dt = timed(lambda i=i: sm.contains_sync(chaos_key(i)))
         worst = max(worst, dt)
-        _, dt = timed(lambda: sm.batched_contains_sync([chaos_key(50), chaos_key(51)]))
+        _, dt = timed(lambda: sm.prefix_len_sync([chaos_key(50), chaos_key(51)]))
         worst = max(worst, dt)
     assert worst <= 2 * bound, f"a call against a hung tier took {worst:.2f}s (timeout {bound}s)"
     assert flush_s <= 2 * bound, f"flushing into a hung tier took {flush_s:.2f}s (timeout {bound}s)"
@@ -185,7 +185,7 @@ def _hammer(sm: StorageManager, seed: int, stop: threading.Event, errors: list[s
                         if not same_payload(obj, i, entry_size(i)):
                             errors.append(f"wrong bytes for {i}: {identity(obj)}")
             elif r < 0.9:
-                sm.batched_contains_sync([chaos_key(i), chaos_key(i + 1)])
+                sm.prefix_len_sync([chaos_key(i), chaos_key(i + 1)])
             elif r < 0.95:
                 sm.remove_sync(chaos_key(i))
             else:
@@ -269,7 +269,7 @@ def test_sync_calls_from_the_loop_thread_raise_at_once(faulty, tmp_path, metadat
         "get_sync": lambda: sm.get_sync(k),
         "contains_sync": lambda: sm.contains_sync(k),
         "batched_get_sync": lambda: sm.batched_get_sync([k]),
-        "batched_contains_sync": lambda: sm.batched_contains_sync([k]),
+        "prefix_len_sync": lambda: sm.prefix_len_sync([k]),
         "remove_sync": lambda: sm.remove_sync(k),
         "flush_sync": lambda: sm.flush_sync(),
         "clear_sync": lambda: sm.clear_sync(),
@@ -375,7 +375,7 @@ def test_every_call_after_close_raises_a_clear_error(faulty, metadata):
         lambda: sm.get_sync(k),
         lambda: sm.contains_sync(k),
         lambda: sm.batched_get_sync([k]),
-        lambda: sm.batched_contains_sync([k]),
+        lambda: sm.prefix_len_sync([k]),
         lambda: sm.remove_sync(k),
         lambda: sm.flush_sync(),
         lambda: sm.clear_sync(),
@@ -391,7 +391,7 @@ def test_every_call_after_close_raises_a_clear_error(faulty, metadata):
             lambda: sm.get(k),
             lambda: sm.contains(k),
             lambda: sm.batched_get([k]),
-            lambda: sm.batched_contains([k]),
+            lambda: sm.prefix_len([k]),
             lambda: sm.remove(k),
             lambda: sm.flush(),
             lambda: sm.clear(),
@@ -467,7 +467,7 @@ def _child_checks(sm: StorageManager, tmp_path: Path) -> int:
         lambda: sm.put_sync(chaos_key(99), torch.zeros(4)),
         lambda: sm.get_sync(k),
         lambda: sm.contains_sync(k),
-        lambda: sm.batched_contains_sync([k]),
+        lambda: sm.prefix_len_sync([k]),
         lambda: sm.remove_sync(k),
         lambda: sm.flush_sync(),
         lambda: sm.allocate((4,), torch.uint8),

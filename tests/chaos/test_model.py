@@ -146,7 +146,7 @@ class ModelRun:
     def op_prefix(self) -> None:
         start = self.rng.randrange(N_KEYS)
         ids = [(start + j) % N_KEYS for j in range(self.rng.randint(1, 8))]
-        n = self.sm.batched_contains_sync([self.key(i) for i in ids])
+        n = self.sm.prefix_len_sync([self.key(i) for i in ids])
         assert 0 <= n <= len(ids)
         for i in ids[:n]:
             assert self.state[i] is not S.ABSENT, f"prefix counted absent key {i} ({self.stack.name})"

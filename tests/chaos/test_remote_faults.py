@@ -108,7 +108,7 @@ class Load:
                     self.wrong.append(f"never-stored key {j} reported present")
             elif r < 0.9:
                 keys = [chaos_key(i), chaos_key(self.absent_base + rng.randrange(1000))]
-                n = self._timed("prefix", sm.batched_contains_sync, keys)
+                n = self._timed("prefix", sm.prefix_len_sync, keys)
                 if n is not None and n > 1:
                     self.wrong.append("batched_contains counted a never-stored key")
             elif r < 0.97:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_async.backend import BackendContext, StorageBackend
 from lmcache_async.testing import BackendConformanceTests, InMemoryBackend, make_key, make_obj
+from lmcache_async.tiers import BackendContext, StorageBackend
 
 
 class TestInMemoryConformance(BackendConformanceTests):

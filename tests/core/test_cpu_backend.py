@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_async.backend import BackendContext
 from lmcache_async.backends.cpu import CPUBackend
 from lmcache_async.memory import MemoryFormat, PoolAllocator
 from lmcache_async.testing import BackendConformanceTests, make_key
+from lmcache_async.tiers import BackendContext
 
 
 class TestCPUConformance(BackendConformanceTests):

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 import lmcache_async
-from lmcache_async.backend import get_backend_factory, known_backends, register_backend
 from lmcache_async.backends.remote import known_schemes, make_connector, register_connector
 from lmcache_async.backends.remote.connector import ConnectorSettings
 from lmcache_async.errors import BackendUnavailableError
 from lmcache_async.lazy_registry import LazyRegistry
+from lmcache_async.tiers import get_backend_factory, known_backends, register_backend
 
 Factory = Callable[[], str]
 

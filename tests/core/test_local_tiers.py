@@ -9,7 +9,11 @@ from typing import Any
 import pytest
 import torch
 
-from lmcache_async.backend import (
+from lmcache_async.backends.cpu import CPUBackend
+from lmcache_async.keys import CacheEngineKey
+from lmcache_async.memory import HeapAllocator, MemoryObj, PoolAllocator
+from lmcache_async.testing import make_key
+from lmcache_async.tiers import (
     Allocate,
     BackendContext,
     LocalTier,
@@ -17,10 +21,6 @@ from lmcache_async.backend import (
     StorageBackend,
     register_backend,
 )
-from lmcache_async.backends.cpu import CPUBackend
-from lmcache_async.keys import CacheEngineKey
-from lmcache_async.memory import HeapAllocator, MemoryObj, PoolAllocator
-from lmcache_async.testing import make_key
 
 
 class HeapTier(StorageBackend):
@@ -37,6 +37,9 @@ class HeapTier(StorageBackend):
         self.touched: list[CacheEngineKey] = []
         self.batches: list[int] = []
 
+    def as_local(self) -> HeapTier:
+        return self
+
     # caller-thread surface (LocalTier)
     def lookup(self, key: CacheEngineKey) -> MemoryObj | None:
         self.caller_threads.add(threading.get_ident())
@@ -46,7 +49,7 @@ class HeapTier(StorageBackend):
                 obj.ref_count_up()
             return obj
 
-    def lookup_many(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
+    def lookup_many(self, keys: Sequence[CacheEngineKey], alloc: Any = None) -> list[MemoryObj | None]:
         self.batches.append(len(keys))
         return [self.lookup(k) for k in keys]
 
@@ -126,8 +129,9 @@ def _local_manager(make_manager, **overrides: Any):
 
 def test_the_cpu_tier_is_a_pool_tier_and_a_heap_tier_only_a_local_one() -> None:
     cpu = CPUBackend(PoolAllocator(1 << 20))
-    assert isinstance(cpu, PoolTier) and isinstance(cpu, LocalTier)
-    assert isinstance(HeapTier(), LocalTier) and not isinstance(HeapTier(), PoolTier)
+    assert cpu.as_pool() is cpu and cpu.as_local() is cpu
+    assert isinstance(cpu.as_pool(), PoolTier) and isinstance(cpu.as_local(), LocalTier)
+    assert isinstance(HeapTier().as_local(), LocalTier) and HeapTier().as_pool() is None
 
 
 def test_a_local_lower_tier_answers_get_on_the_callers_thread(make_manager) -> None:
@@ -195,7 +199,7 @@ def test_prefix_and_touch_reach_local_tiers(make_manager) -> None:
     for k in keys[:2]:
         sm.put_sync(k, torch.zeros(4))
     sm.flush_sync()
-    assert sm.batched_contains_sync(keys) == 2
+    assert sm.prefix_len_sync(keys) == 2
     sm.touch(keys[:1])
     assert tier.touched == keys[:1]
 

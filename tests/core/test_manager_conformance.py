@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lmcache_async.backend import BackendContext, StorageBackend
 from lmcache_async.testing import InMemoryBackend
 from lmcache_async.testing.manager_conformance import ManagerConformanceTests
+from lmcache_async.tiers import BackendContext, StorageBackend
 
 
 class TestInMemoryUnderManager(ManagerConformanceTests):

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from lmcache_async import StorageManager
-from lmcache_async.backend import Allocate, BackendContext, StorageBackend, register_backend
 from lmcache_async.errors import ManagerClosedError
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj
 from lmcache_async.testing import make_key
+from lmcache_async.tiers import Allocate, BackendContext, StorageBackend, register_backend
 
 
 class GatedStart(StorageBackend):

@@ -14,11 +14,11 @@ from support.membackend import MemBackend
 
 from lmcache_async import StorageManager
 from lmcache_async import staging as staging_module
-from lmcache_async.backend import Allocate, StorageBackend, register_backend
 from lmcache_async.backends.cpu import CPUBackend
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj
 from lmcache_async.testing import make_key
+from lmcache_async.tiers import Allocate, StorageBackend, register_backend
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -87,7 +87,7 @@ class _Base(RuleBasedStateMachine):
 
     @rule(n=st.integers(1, 6))
     def prefix(self, n: int) -> None:
-        got = self.sm.batched_contains_sync(KEYS[:n])
+        got = self.sm.prefix_len_sync(KEYS[:n])
         if self.lossless:
             expected = 0
             while expected < n and expected in self.model:

@@ -159,9 +159,9 @@ def test_batched_ops(make_manager):
     for i, g in enumerate(got[:4]):
         assert torch.all(g.tensor == i)
         g.ref_count_down()
-    assert sm.batched_contains_sync(keys) == 4
-    assert sm.batched_contains_sync([keys[0], keys[5], keys[1]]) == 1
-    assert sm.batched_contains_sync([]) == 0
+    assert sm.prefix_len_sync(keys) == 4
+    assert sm.prefix_len_sync([keys[0], keys[5], keys[1]]) == 1
+    assert sm.prefix_len_sync([]) == 0
 
 
 def test_remove_and_clear_return_pool_to_zero(make_manager):
@@ -207,7 +207,7 @@ def test_stats_reports_every_tier_field(make_manager):
         (lambda sm: sm.put_sync(make_key(1), torch.zeros(1), fmt=3), TypeError),
         (lambda sm: sm.get_sync(b"key"), TypeError),
         (lambda sm: sm.contains_sync(None), TypeError),
-        (lambda sm: sm.batched_contains_sync([make_key(1), 5]), TypeError),
+        (lambda sm: sm.prefix_len_sync([make_key(1), 5]), TypeError),
         (lambda sm: sm.batched_put_sync([make_key(1)], []), ValueError),
     ],
 )
@@ -294,7 +294,7 @@ def test_batched_get_falls_through_per_key(make_manager):
     for i, g in enumerate(got[:4]):
         assert torch.equal(g.tensor, t1m(i))
         g.ref_count_down()
-    assert sm.batched_contains_sync(keys + [make_key(99)]) == 4
+    assert sm.prefix_len_sync(keys + [make_key(99)]) == 4
 
 
 def test_remove_reaches_lower_tiers_even_while_writing(make_manager):
@@ -372,7 +372,7 @@ async def test_awaitable_from_a_foreign_loop(make_manager):
     got = await sm.batched_get([make_key(1), make_key(3)])
     assert got[1] is None
     got[0].ref_count_down()
-    assert await sm.batched_contains([make_key(1), make_key(2), make_key(3)]) == 2
+    assert await sm.prefix_len([make_key(1), make_key(2), make_key(3)]) == 2
     assert await sm.remove(make_key(2))
     await sm.clear()
     assert not await sm.contains(make_key(1))
@@ -431,7 +431,7 @@ def test_calls_after_close_raise(make_manager):
         lambda: sm.put_sync(make_key(1), torch.zeros(1)),
         lambda: sm.get_sync(make_key(1)),
         lambda: sm.contains_sync(make_key(1)),
-        lambda: sm.batched_contains_sync([make_key(1)]),
+        lambda: sm.prefix_len_sync([make_key(1)]),
         lambda: sm.remove_sync(make_key(1)),
     ):
         with pytest.raises(ManagerClosedError):

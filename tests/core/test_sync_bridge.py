@@ -11,10 +11,10 @@ import torch
 from support import membackend
 
 from lmcache_async import StorageManager
-from lmcache_async.backend import Presence
 from lmcache_async.errors import LoopThreadCallError
 from lmcache_async.sync_bridge import SyncBridge
 from lmcache_async.testing import make_key
+from lmcache_async.tiers import Presence
 
 membackend.register()
 
@@ -25,7 +25,7 @@ TWINS = [
     "batched_get",
     "contains",
     "presence",
-    "batched_contains",
+    "prefix_len",
     "remove",
     "clear",
     "flush",
@@ -108,14 +108,14 @@ def test_batched_get_sync_bound_releases_local_hits(make_manager) -> None:
     entry.ref_count_down()
 
 
-@pytest.mark.parametrize("name", ["put", "get", "contains", "batched_contains", "clear", "flush"])
+@pytest.mark.parametrize("name", ["put", "get", "contains", "prefix_len", "clear", "flush"])
 def test_sync_twins_refuse_the_loop_thread(make_manager, name: str) -> None:
     sm = make_manager()
     args = {
         "put": (make_key(0), torch.zeros(4)),
         "get": (make_key(0),),
         "contains": (make_key(0),),
-        "batched_contains": ([make_key(0)],),
+        "prefix_len": ([make_key(0)],),
         "clear": (),
         "flush": (),
     }[name]
@@ -141,7 +141,7 @@ def test_a_local_hit_never_crosses_to_a_busy_loop(make_manager) -> None:
         obj = sm.get_sync(make_key(0))
         assert obj is not None
         obj.ref_count_down()
-        assert sm.batched_contains_sync([make_key(0)]) == 1
+        assert sm.prefix_len_sync([make_key(0)]) == 1
         assert sm.put_sync(make_key(1), torch.ones(8))
     finally:
         release.set()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lmcache_async.backend import BackendContext
 from lmcache_async.backends.disk import DiskBackend
 from lmcache_async.testing import PersistentBackendConformanceTests
+from lmcache_async.tiers import BackendContext
 
 
 class TestDiskConformance(PersistentBackendConformanceTests):

@@ -145,8 +145,8 @@ def backend_context_factory():
     import asyncio
     import concurrent.futures
 
-    from lmcache_async.backend import BackendContext
     from lmcache_async.metadata import LMCacheEngineMetadata
+    from lmcache_async.tiers import BackendContext
 
     loop = asyncio.new_event_loop()
     ex = concurrent.futures.ThreadPoolExecutor(1)

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_async.backend import Presence
 from lmcache_async.backends import disk_store
 from lmcache_async.backends.disk import DiskBackend
 from lmcache_async.backends.disk_layout import ACCT_NAME, key_digest
 from lmcache_async.memory import PoolAllocator
+from lmcache_async.tiers import Presence
 
 from .disk_testkit import dir_bytes, entry_files, key, make_entry, path_of, put_entry, same_bytes, tmp_files
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from lmcache_async import StorageManager
-from lmcache_async.backend import BackendContext
 from lmcache_async.backends.disk import DiskBackend
 from lmcache_async.encryption import RecordCipher, load_cipher, write_key_file
 from lmcache_async.memory import MemoryObj, PoolAllocator
 from lmcache_async.records import decode_header, encode_header, payload_checksum
 from lmcache_async.testing import PersistentBackendConformanceTests, make_key, make_obj
+from lmcache_async.tiers import BackendContext
 
 
 def _cipher(tmp_path: Path, name: str) -> RecordCipher:

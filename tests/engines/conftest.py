@@ -12,10 +12,10 @@ import torch
 from engines._data import CHUNK
 
 from lmcache_async import LMCacheEngineConfig, LMCacheEngineMetadata, register_backend
-from lmcache_async.backend import Allocate, BackendContext, StorageBackend
 from lmcache_async.engines.kv import LMCacheEngine
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj
+from lmcache_async.tiers import Allocate, BackendContext, StorageBackend
 
 EngineFactory = Callable[..., LMCacheEngine]
 

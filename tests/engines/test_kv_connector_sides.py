@@ -350,7 +350,7 @@ def test_saves_follow_chunked_prefill_and_decode_blocks(tmp_path: Path) -> None:
         assert [(r.first_block, r.block_ids) for r in meta.saves] == [(2, tuple(SRC_BLOCKS[2:6]))]
         worker.save(meta)
         assert worker.counters["saved_chunks"] == 3
-        assert store.storage_manager.batched_contains_sync(store.token_database.keys(PROMPT)) == 3
+        assert store.storage_manager.prefix_len_sync(store.token_database.keys(PROMPT)) == 3
         sched.finished("r")
     finally:
         store.close()

@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from lmcache_async import LMCacheEngineConfig
-from lmcache_async.backend import BackendContext
 from lmcache_async.backends import nixl_work
 from lmcache_async.backends.nixl import DirectoryInUseError, NixlBackend, NixlSettings, create
 from lmcache_async.backends.nixl_io import EMPTY_MAGIC, RECORD_SUFFIX, TMP_SUFFIX
 from lmcache_async.memory import HeapAllocator, MemoryFormat, MemoryObj
 from lmcache_async.metadata import LMCacheEngineMetadata
 from lmcache_async.testing import make_key
+from lmcache_async.tiers import BackendContext
 
 pytestmark = pytest.mark.nixl
 

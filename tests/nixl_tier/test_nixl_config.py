@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_async.backend import BackendContext
 from lmcache_async.backends.nixl import NixlBackend, NixlSettings, create, storage_root
 from lmcache_async.backends.nixl_agent import INSTALL_HINT
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.errors import BackendUnavailableError, ConfigError
 from lmcache_async.memory import GiB, MemoryFormat
 from lmcache_async.testing import make_key
+from lmcache_async.tiers import BackendContext
 
 
 def _cfg(**kw: object) -> LMCacheEngineConfig:

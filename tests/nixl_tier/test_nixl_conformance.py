@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_async.backend import BackendContext
 from lmcache_async.backends.nixl import NixlBackend, NixlSettings
 from lmcache_async.testing import PersistentBackendConformanceTests
+from lmcache_async.tiers import BackendContext
 
 pytestmark = pytest.mark.nixl
 

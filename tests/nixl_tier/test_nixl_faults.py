@@ -21,7 +21,6 @@ import pytest
 import torch
 import xxhash
 
-from lmcache_async.backend import BackendContext
 from lmcache_async.backends.nixl import NixlBackend, NixlSettings
 from lmcache_async.backends.nixl_agent import NixlTransferError, load_nixl, parked_count
 from lmcache_async.backends.nixl_io import RECORD_SUFFIX, TMP_SUFFIX
@@ -30,6 +29,7 @@ from lmcache_async.memory import MemoryFormat, MemoryObj, PoolAllocator
 from lmcache_async.metadata import LMCacheEngineMetadata
 from lmcache_async.records import encode_header
 from lmcache_async.testing import make_key
+from lmcache_async.tiers import BackendContext
 
 pytestmark = pytest.mark.nixl
 

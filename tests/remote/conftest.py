@@ -17,7 +17,6 @@ from typing import Any, NoReturn
 import pytest
 import torch
 
-from lmcache_async.backend import BackendContext
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.memory import HeapAllocator, MemoryFormat, MemoryObj, PoolAllocator
 from lmcache_async.metadata import LMCacheEngineMetadata
@@ -32,6 +31,7 @@ from lmcache_async.testing.servers import (
     valkey_binary,
     weed_binary,
 )
+from lmcache_async.tiers import BackendContext
 
 REQUIRE_ENV = "LMCACHE_ASYNC_REQUIRE_SERVERS"
 # Read once at import: the suite-wide fixture that isolates tests from LMCACHE_* variables

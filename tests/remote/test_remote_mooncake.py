@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from lmcache_async import StorageManager
-from lmcache_async.backend import BackendContext
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import HeapAllocator, MemoryObj, PoolAllocator
 from lmcache_async.records import decode_header
 from lmcache_async.testing import PersistentBackendConformanceTests, make_key, make_obj
 from lmcache_async.testing.servers import MooncakeServers, ServerError, is_loopback_listener, mooncake_binaries
+from lmcache_async.tiers import BackendContext
 
 REQUIRE_ENV = "LMCACHE_ASYNC_REQUIRE_MOONCAKE"
 REQUIRE_MOONCAKE = os.environ.get(REQUIRE_ENV) == "1"
@@ -548,7 +548,7 @@ def test_killed_master_gives_misses_within_twice_the_timeout_then_recovers(
         assert time.monotonic() - t0 < 2 * timeout
         t0 = time.monotonic()
         assert sm.contains_sync(make_key(100 + i)) is False
-        assert sm.batched_contains_sync([k, make_key(100 + i)]) == 0
+        assert sm.prefix_len_sync([k, make_key(100 + i)]) == 0
         assert time.monotonic() - t0 < 2 * 2 * timeout  # two calls, each within twice the timeout
     assert sm.put_sync(make_key(200), _tensor(200))  # accepted; its write-through fails quietly
     sm.flush_sync(30)
@@ -596,7 +596,7 @@ def test_two_managers_share_entries_through_the_store(
     for i, k in enumerate(keys):
         assert a.put_sync(k, _tensor(i))
     a.flush_sync(30)
-    assert b.batched_contains_sync(keys) == 6
+    assert b.prefix_len_sync(keys) == 6
     for i, k in enumerate(keys):
         got = b.get_sync(k)
         assert got is not None

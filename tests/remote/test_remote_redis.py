@@ -517,7 +517,7 @@ def test_killed_server_gives_misses_within_twice_the_timeout_then_recovers(
         t0 = time.monotonic()
         assert sm.get_sync(make_key(100 + i)) is None
         assert sm.contains_sync(make_key(100 + i)) is False
-        assert sm.batched_contains_sync([k, make_key(100 + i)]) == 0
+        assert sm.prefix_len_sync([k, make_key(100 + i)]) == 0
         assert time.monotonic() - t0 < 2 * timeout * 3  # three calls, each bounded by 2x the timeout
     assert sm.put_sync(make_key(200), _tensor(200))  # accepted; its write-through fails quietly
     sm.flush_sync(30)
@@ -580,7 +580,7 @@ def test_two_managers_share_entries_through_one_server(
     for i, k in enumerate(keys):
         assert a.put_sync(k, _tensor(i))
     a.flush_sync(30)
-    assert b.batched_contains_sync(keys) == 6
+    assert b.prefix_len_sync(keys) == 6
     for i, k in enumerate(keys):
         got = b.get_sync(k)
         assert got is not None

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from lmcache_async import StorageManager
-from lmcache_async.backend import BackendContext, StorageBackend
 from lmcache_async.backends.remote import RemoteBackend
 from lmcache_async.backends.remote import s3 as s3_connector
 from lmcache_async.config import LMCacheEngineConfig
@@ -24,6 +23,7 @@ from lmcache_async.encryption import RecordCipher, load_cipher, write_key_file
 from lmcache_async.memory import MemoryObj, PoolAllocator
 from lmcache_async.testing import PersistentBackendConformanceTests, make_key, make_obj
 from lmcache_async.testing.servers import SeaweedServer
+from lmcache_async.tiers import BackendContext, StorageBackend
 
 from .s3_support import objects, raw_store, records
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from lmcache_async import LMCacheEngineConfig, StorageManager
-from lmcache_async.backend import LocalTier
 from lmcache_async.cli import main
 from lmcache_async.server.server import default_socket_path
 from lmcache_async.testing.conformance import make_key
@@ -54,7 +53,7 @@ def test_server_tier_is_a_local_tier(shared_server) -> None:  # type: ignore[no-
     sm = StorageManager(_config(shared_server.socket, "cli-local"), name="local")
     try:
         tier = sm.backend("server")
-        assert tier is not None and isinstance(tier, LocalTier)
+        assert tier is not None and tier.as_local() is tier
     finally:
         sm.close_sync()
 

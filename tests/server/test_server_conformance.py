@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_async.backend import BackendContext
 from lmcache_async.backends.server_tier import ServerTier
 from lmcache_async.server.client import ServerClient
 from lmcache_async.testing import PersistentBackendConformanceTests
+from lmcache_async.tiers import BackendContext
 
 
 class TestServerTier(PersistentBackendConformanceTests):

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from lmcache_async.integration.vllm.ec_server_leases import LEASE_PREFIX, ServerHolds
+from lmcache_async.backends.server_leases import LEASE_PREFIX, ServerHolds
 from lmcache_async.integration.vllm.impl import LMCacheECConnectorImpl
 from lmcache_async.server.client import ServerClient
 

@@ -12,7 +12,6 @@ import torch
 from support.server_config import server_tier_config
 
 from lmcache_async import LMCacheEngineConfig, StorageManager
-from lmcache_async.backend import DirectReader, LocalTier
 from lmcache_async.read_sinks import ReadSink
 from lmcache_async.testing.conformance import make_key
 
@@ -35,7 +34,7 @@ def test_the_server_tier_reads_into_caller_memory_and_answers_on_the_callers_thr
     sm = StorageManager(_config(shared_server.socket, "into-proto"), name="proto")
     try:
         tier = sm.backend("server")
-        assert isinstance(tier, DirectReader) and isinstance(tier, LocalTier)
+        assert tier.as_direct_reader() is tier and tier.as_local() is tier
     finally:
         sm.close_sync()
 

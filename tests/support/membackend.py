@@ -7,9 +7,9 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from lmcache_async.backend import Allocate, BackendContext, StorageBackend, register_backend
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj
+from lmcache_async.tiers import Allocate, BackendContext, StorageBackend, register_backend
 
 
 class MemBackend(StorageBackend):

@@ -3,7 +3,7 @@
 A large tensor allocated afresh pays one page fault per 4 KiB page on its first write (4096 of
 them for 16 MiB), which costs several times the copy into it. :class:`PayloadBuffers` keeps a
 pool of memory touched once at start-up (``payload_buffer_size``) and hands out blocks of it
-(:meth:`PayloadBuffers.allocate`, a :class:`~lmcache_async.backend.Allocate`): a put encodes
+(:meth:`PayloadBuffers.allocate`, a :class:`~lmcache_async.tiers.Allocate`): a put encodes
 its record into one, a read from a tier lands in one.
 
 :meth:`PayloadBuffers.take` turns a block holding a tensor payload into the tensor handed to a

@@ -44,12 +44,10 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
-from lmcache_async.backend import Allocate
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.errors import ManagerClosedError
 from lmcache_async.integration.omni.buffers import PayloadBuffers
@@ -57,11 +55,14 @@ from lmcache_async.integration.omni.codec import CorruptPayload, OmniCodec, deco
 from lmcache_async.integration.omni.options import StageOptions, omni_serializer
 from lmcache_async.keys import TAG_PREFIX, CacheEngineKey, stable_u64_from_str
 from lmcache_async.memory import MemoryFormat, MemoryObj, gib_to_bytes
-from lmcache_async.put_path import DirectPutTier
 from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.storage_manager import StorageManager
+from lmcache_async.tiers import BatchLookup
 
-__all__ = ["OmniStageStore", "ReadsInto", "stage_key"]
+__all__ = ["OmniStageStore", "stage_key"]
+
+ReadsInto = BatchLookup
+"""The older name of :class:`lmcache_async.tiers.BatchLookup`."""
 
 logger = logging.getLogger(__name__)
 
@@ -93,31 +94,10 @@ def _check_put_key(value: object, name: str) -> str:
     return value
 
 
-@runtime_checkable
-class ReadsInto(Protocol):
-    """A tier that reads entries on the caller's thread into buffers the caller supplies (the
-    node server's client tier): one copy out of the tier. ``lookup_many`` returns one entry
-    per key (a buffer from ``alloc`` with one reference the caller owns) or None per miss or
-    trouble; it never raises for storage trouble and never runs on the manager's loop."""
-
-    name: str
-
-    @property
-    def call_timeout_s(self) -> float:
-        """The longest one caller-thread call takes (waiting for the tier's connection included)."""
-        ...
-
-    def lookup_many(self, keys: Sequence[CacheEngineKey], alloc: Allocate | None = None) -> list[MemoryObj | None]: ...
-
-
-def _sole_reader(manager: StorageManager) -> ReadsInto | None:
-    """The manager's tier when it is its only one and a :class:`ReadsInto` (no CPU tier, so
+def _sole_reader(manager: StorageManager) -> BatchLookup | None:
+    """The manager's tier when it is its only one and a :class:`~lmcache_async.tiers.BatchLookup` (no CPU tier, so
     the manager's own read would ask just that tier, on the caller's thread), else None."""
-    names = manager.tier_names
-    if len(names) != 1:
-        return None
-    tier = manager.backend(names[0])
-    return tier if isinstance(tier, ReadsInto) and manager.pool is None else None
+    return manager.sole_batch_reader()
 
 
 def stage_key(namespace: str, from_stage: str, to_stage: str, put_key: str) -> CacheEngineKey:
@@ -162,7 +142,7 @@ class OmniStageStore:
             raise
         self._reader = _sole_reader(self.manager)
         #: The manager's puts land in its only tier on the caller's thread (no write-through).
-        self._direct_only = isinstance(self._reader, DirectPutTier)
+        self._direct_only = self._reader is not None and self.manager.direct_put is not None
         self._shared = self.manager.has_lower_tiers
         self._lock = threading.Lock()
         self._tracked: OrderedDict[str, set[CacheEngineKey]] = OrderedDict()
@@ -351,7 +331,7 @@ class OmniStageStore:
         ``time.monotonic()`` instant) passes; then None. Returns by the deadline even when a
         tier hangs: each poll runs on a worker thread and is abandoned (its result dropped,
         the entry left in place) when the deadline comes first, except a poll of a
-        :class:`ReadsInto` tier whose own bound on a call ends well before the deadline, which
+        :class:`~lmcache_async.tiers.BatchLookup` tier whose own bound on a call ends well before the deadline, which
         runs on this thread. Polls back off from 0.5 ms to ``poll_interval_s``."""
         self._check_open()
         if isinstance(deadline, bool) or not isinstance(deadline, (int, float)):

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lmcache_async.backend import Presence
 from lmcache_async.dtypes import dtype_name
 from lmcache_async.engines.encoder_cache import ECCacheEngine
 from lmcache_async.integration.vllm.ec_counters import ECCounters, describe_error
@@ -27,10 +28,10 @@ from lmcache_async.integration.vllm.ec_vllm_objects import (
     item_identifier,
     safe_item_count,
 )
-from lmcache_async.integration.vllm.leases import LeaseDir, PromiseLeases
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj
 from lmcache_async.storage_manager import StorageManager
+from lmcache_async.tiers import Presence, PromiseLeases
 
 
 @dataclass
@@ -73,8 +74,9 @@ def release_fetched(res: _Fetched, leases: PromiseLeases | None = None) -> None:
     if lease is not None:
         if leases is not None:
             leases.drop(lease)
-        else:
-            LeaseDir.drop(lease)
+        else:  # a disk lease is a hard link: dropping it is unlinking it
+            with contextlib.suppress(OSError):
+                os.unlink(lease)
 
 
 class ECSchedulerSide(ECCounters):

@@ -1,111 +1,35 @@
-"""Server holds: an encoder-cache entry kept readable on the node cache server until a worker
-in another process has loaded it.
+"""Server holds for the encoder-cache connector: the ``server`` tier's leases.
 
-The analogue of :mod:`.leases` for a connector whose shared tier is the cache server
-(``tier_order`` with ``server`` and no ``disk``): when the scheduler promises an item it asks
-the server to hold the entry (a namespace-wide pin with a TTL); the lease string travels to the
-worker in the step's metadata; the worker reads the held entry when the key itself is gone
-(removed or evicted after the promise) and drops the hold once it loaded. A hold nobody drops
-(a worker that died, a request aborted before its load) ends at its TTL on the server; a server
-restart ends every hold (the worker's read then fails like any unreadable promise).
-
-Every call is a blocking round trip bounded by the tier's ``remote_timeout_s``; none raises for
-storage trouble. Lease strings look like ``server-hold:<generation hex>:<token hex>``.
+The holds themselves are the ``server`` tier's :class:`~lmcache_async.tiers.Leasing` capability
+(:class:`lmcache_async.backends.server_leases.ServerHolds`), reached through
+:meth:`StorageManager.leases <lmcache_async.storage_manager.StorageManager.leases>`; this module
+keeps the connector's choice (server holds only without a ``disk`` tier) and the older names.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+import importlib
+import warnings
+from typing import Any
 
-import torch
-
-from lmcache_async.keys import CacheEngineKey
 from lmcache_async.storage_manager import StorageManager
+from lmcache_async.tiers import PromiseLeases
 
-__all__ = ["LEASE_PREFIX", "HoldingTier", "ServerHolds", "server_holds_of"]
-
-LEASE_PREFIX = "server-hold:"
-
-
-@runtime_checkable
-class HoldingTier(Protocol):
-    """What the holds need of a tier (the ``server`` tier,
-    :class:`lmcache_async.backends.server_tier.ServerTier`, provides it)."""
-
-    @property
-    def generation(self) -> int:
-        """The pool generation of the server the tier is connected to (0 before any connection)."""
-        ...
-
-    def hold(self, keys: Sequence[CacheEngineKey], ttl_s: float) -> list[int]: ...
-
-    def unhold(self, tokens: Sequence[int]) -> bool: ...
-
-    def read_held(self, token: int) -> torch.Tensor | None: ...
+__all__ = ["server_holds_of"]
 
 
-def _parse(lease: str) -> tuple[int, int] | None:
-    if not lease.startswith(LEASE_PREFIX):
-        return None
-    parts = lease[len(LEASE_PREFIX) :].split(":")
-    if len(parts) != 2:
-        return None
-    try:
-        gen, token = int(parts[0], 16), int(parts[1], 16)
-    except ValueError:
-        return None
-    return (gen, token) if token > 0 else None
-
-
-class ServerHolds:
-    """Promise leases held on the cache server behind ``tier``; the same calls as
-    :class:`~lmcache_async.integration.vllm.leases.LeaseDir`. ``ttl_s`` bounds each hold."""
-
-    def __init__(self, tier: HoldingTier, ttl_s: float) -> None:
-        if not ttl_s > 0:
-            raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
-        self.tier = tier
-        self.ttl_s = float(ttl_s)
-
-    def take(self, key: CacheEngineKey) -> str | None:
-        """Hold the entry of ``key``: the lease string, or None (not on the server, refused,
-        or the server could not be asked)."""
-        token = self.tier.hold([key], self.ttl_s)[0]
-        if not token:
-            return None
-        return f"{LEASE_PREFIX}{self.tier.generation:x}:{token:x}"
-
-    def drop(self, lease: str) -> bool:
-        """Drop the hold named by ``lease``; False when it is not a server hold or the server
-        could not be told (the hold then ends at its TTL)."""
-        parsed = _parse(lease)
-        return parsed is not None and self.tier.unhold([parsed[1]])
-
-    def owns(self, lease: str) -> bool:
-        """True when ``lease`` is a well-formed server-hold string (no I/O)."""
-        return _parse(lease) is not None
-
-    def read(self, lease: str, key: CacheEngineKey) -> torch.Tensor:
-        """The held entry of ``key`` (a private copy). ``OSError`` when the hold is gone or the
-        server could not be asked; ``ValueError`` when ``lease`` is not a server hold."""
-        parsed = _parse(lease)
-        if parsed is None:
-            raise ValueError(f"not a server hold: {lease!r}")
-        out = self.tier.read_held(parsed[1])
-        if out is None:
-            raise OSError(f"the server no longer holds {key.to_string()} (hold dropped, expired or server restarted)")
-        return out
-
-    def reap(self) -> int:
-        """Nothing to reap here: the server ends holds at their TTL. Returns 0."""
-        return 0
-
-
-def server_holds_of(sm: StorageManager, ttl_s: float) -> ServerHolds | None:
+def server_holds_of(sm: StorageManager, ttl_s: float) -> PromiseLeases | None:
     """Holds on the manager's ``server`` tier, or None when it has none (or also has a ``disk``
     tier, whose disk leases are used instead)."""
     if "server" not in sm.tier_names or "disk" in sm.tier_names:
         return None
-    tier = sm.backend("server")
-    return ServerHolds(tier, ttl_s) if isinstance(tier, HoldingTier) else None
+    return sm.leases(ttl_s, tier="server")
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("LEASE_PREFIX", "ServerHolds"):  # moved beside the server tier; kept for one release
+        warnings.warn(
+            f"{__name__}.{name} moved to lmcache_async.backends.server_leases", DeprecationWarning, stacklevel=2
+        )
+        return getattr(importlib.import_module("lmcache_async.backends.server_leases"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

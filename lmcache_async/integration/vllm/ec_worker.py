@@ -18,8 +18,8 @@ from lmcache_async.engines.encoder_cache import ECCacheEngine
 from lmcache_async.integration.vllm.ec_counters import ECCounters, describe_error
 from lmcache_async.integration.vllm.ec_engines import Handoff, release_entry
 from lmcache_async.integration.vllm.ec_vllm_objects import ECLoadMetadata, worker_device
-from lmcache_async.integration.vllm.leases import PromiseLeases
 from lmcache_async.records import RecordError
+from lmcache_async.tiers import PromiseLeases
 
 
 class ECWorkerSide(ECCounters):

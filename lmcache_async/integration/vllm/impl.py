@@ -45,13 +45,11 @@ import logging
 from typing import Any
 
 from lmcache_async.dtypes import dtype_name
-from lmcache_async.encryption import cipher_for
 from lmcache_async.engines.encoder_cache import ECCacheEngine
 from lmcache_async.integration.vllm.ec_config import (
     CONFIG_FILE_KEY,
     CONNECTOR_KEYS,
     load_connector_config,
-    strip_file_url,
 )
 from lmcache_async.integration.vllm.ec_counters import COUNTERS, describe_error
 from lmcache_async.integration.vllm.ec_engines import acquire_engine, handoff_of, release_engine
@@ -68,7 +66,6 @@ from lmcache_async.integration.vllm.ec_vllm_objects import (
     worker_device,
 )
 from lmcache_async.integration.vllm.ec_worker import ECWorkerSide
-from lmcache_async.integration.vllm.leases import LeaseDir
 
 __all__ = [
     "CONFIG_FILE_KEY",
@@ -146,16 +143,8 @@ class LMCacheECConnectorImpl(ECSchedulerSide, ECWorkerSide):
         self._sm = sm
         self._cpu_lookup = sm.lookup_local
         self._has_lower = sm.has_lower_tiers
-        disk_root = getattr(self._engine.config, "local_disk", None)
-        self._leases = (
-            LeaseDir(
-                strip_file_url(disk_root),
-                max_age_s=knobs["lease_max_age_s"],
-                cipher=cipher_for(self._engine.config),  # the disk tier's key: its records are sealed
-            )
-            if disk_root and "disk" in sm.tier_names
-            else None
-        )
+        # The disk tier's leases (hard-linked records, sealed like the tier's own) when it has one.
+        self._leases = sm.leases(knobs["lease_max_age_s"], tier="disk")
         self._handoff = handoff_of(self._engine)
         self._is_worker = self.role == "worker"
         if self._is_worker:

@@ -1,0 +1,76 @@
+"""Storage tiers: the contract (:mod:`lmcache_async.tiers.abc`) and the registry
+(:mod:`lmcache_async.tiers.registry`).
+
+A tier is written against :mod:`~lmcache_async.tiers.abc` alone, checked with the conformance
+kit (:mod:`lmcache_async.testing.conformance`) and registered by name; see ``docs/own_tier.md``.
+"""
+
+from lmcache_async.tiers.abc import (
+    CAPABILITIES,
+    UNKNOWN,
+    Allocate,
+    BackendContext,
+    BatchLookup,
+    CannotTell,
+    DirectPut,
+    DirectReader,
+    Leasing,
+    LocalTier,
+    Locator,
+    PoolTier,
+    Presence,
+    PromiseLeases,
+    RemovalListener,
+    RemovalReason,
+    StorageBackend,
+)
+from lmcache_async.tiers.registry import (
+    BUILTIN_TIER_KEYS,
+    ENTRY_POINT_GROUP,
+    TIER_NAMES,
+    BackendFactory,
+    TierSpec,
+    configured_tiers,
+    get_backend_factory,
+    get_tier_spec,
+    is_configured,
+    known_backends,
+    register_backend,
+    register_tier,
+    tier_config_errors,
+    tier_settings,
+)
+
+__all__ = [
+    "BUILTIN_TIER_KEYS",
+    "CAPABILITIES",
+    "ENTRY_POINT_GROUP",
+    "TIER_NAMES",
+    "UNKNOWN",
+    "Allocate",
+    "BackendContext",
+    "BackendFactory",
+    "BatchLookup",
+    "CannotTell",
+    "DirectPut",
+    "DirectReader",
+    "Leasing",
+    "LocalTier",
+    "Locator",
+    "PoolTier",
+    "Presence",
+    "PromiseLeases",
+    "RemovalListener",
+    "RemovalReason",
+    "StorageBackend",
+    "TierSpec",
+    "configured_tiers",
+    "get_backend_factory",
+    "get_tier_spec",
+    "is_configured",
+    "known_backends",
+    "register_backend",
+    "register_tier",
+    "tier_config_errors",
+    "tier_settings",
+]
