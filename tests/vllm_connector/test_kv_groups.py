@@ -129,6 +129,28 @@ def test_a_record_part_reads_its_own_groups_blocks_and_null_blocks_are_never_wri
             assert not b[NULL_BLOCK_ID].any()  # the null block is neither read back nor written
 
 
+def test_the_block_axis_one_layout_copies_each_part_through_its_own_ids() -> None:
+    """CUDA's flash-attention layout ``[2, num_blocks, block_size, heads, head]`` (block axis 1),
+    exercised on CPU tensors: index copies per part, null blocks skipped on the way in."""
+    from lmcache_async.integration.vllm.kv_layout import FLASH_ATTN_LAYOUT, gather_blocks
+
+    g = torch.Generator().manual_seed(5)
+    src_t = {n: torch.randn(2, NB, BS, HEADS, HEAD, generator=g) for n in ("f1", "w0", "f3", "w2")}
+    src = PagedCaches(src_t, BS, BPC, FLASH_ATTN_LAYOUT, layer_parts=PARTS, null_block=NULL_BLOCK_ID)
+    record = torch.zeros(src.record_shape)
+    gather_blocks(src, [3, 4], record, None, [[NULL_BLOCK_ID, 7]])
+    dst_t = {n: torch.zeros(2, NB, BS, HEADS, HEAD) for n in src_t}
+    dst = PagedCaches(dst_t, BS, BPC, FLASH_ATTN_LAYOUT, layer_parts=PARTS, null_block=NULL_BLOCK_ID)
+    scatter_blocks(dst, [10, 11], record, 0, None, [[NULL_BLOCK_ID, 12]])
+    for name, part in zip(src.layer_names, PARTS, strict=True):
+        if part == 0:
+            assert torch.equal(dst_t[name][:, 10], src_t[name][:, 3])
+            assert torch.equal(dst_t[name][:, 11], src_t[name][:, 4])
+        else:
+            assert torch.equal(dst_t[name][:, 12], src_t[name][:, 7])
+            assert not dst_t[name][:, NULL_BLOCK_ID].any()
+
+
 @pytest.fixture
 def store(tmp_path: Path) -> Iterator[KVStore]:
     cfg = LMCacheEngineConfig(
