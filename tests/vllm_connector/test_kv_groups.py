@@ -265,3 +265,52 @@ def test_a_block_run_carries_and_validates_its_other_parts() -> None:
     assert run.part_ids(2) == [[[5, 6], [0, 9]], [[7], [10]]]
     with pytest.raises(ValueError, match="group_block_ids"):
         BlockRun("r", 0, (1, 2), (3,), group_block_ids=((1,),))
+
+
+def test_the_connector_warns_once_naming_a_group_it_cannot_restore(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import json
+    import logging
+
+    from vllm.config import KVTransferConfig, ModelConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "num_hidden_layers": 2,
+                "vocab_size": 256,
+                "max_position_embeddings": 512,
+                "torch_dtype": "float32",
+            }
+        )
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        vcfg = VllmConfig(
+            model_config=ModelConfig(model=str(tmp_path), skip_tokenizer_init=True, dtype="float32"),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="LMCacheKVConnector",
+                kv_connector_module_path="lmcache_async.integration.vllm",
+                kv_role="kv_both",
+                kv_load_failure_policy="recompute",
+                kv_connector_extra_config={"chunk_size": 256, "max_local_cpu_size": 0.01, "staging_size": 0.01},
+            ),
+        )
+    mamba = MambaSpec(block_size=int(vcfg.cache_config.block_size), shapes=((2, 3),), dtypes=(torch.float32,))
+    kvc = kv_config((["a"], full(int(vcfg.cache_config.block_size))), (["m"], mamba))
+    with caplog.at_level(logging.WARNING, logger="lmcache_async"):
+        conn = LMCacheKVConnector(vcfg, KVConnectorRole.SCHEDULER, kvc)
+    try:
+        named = [r for r in caplog.records if "1:MambaSpec" in r.getMessage()]
+        assert len(named) == 1
+        assert conn.get_num_new_matched_tokens(vreq("z"), 0) == (0, False)
+    finally:
+        conn.shutdown()
