@@ -1,7 +1,7 @@
 """One real vLLM engine run for the KV-connector tests: ``python kv_child.py SPEC.json RESULT.json``.
 
 SPEC keys: ``model`` (directory), ``kv`` (``None`` or the ``kv_connector_extra_config`` dict),
-``connector`` (class name, default ``LMCacheKVConnector``), ``speculative`` (vLLM's
+``connector`` (class name, default ``LMCacheKVConnector``; ``module``: where vLLM finds it), ``speculative`` (vLLM's
 ``speculative_config`` dict or None; ``hs_group`` phases read its hidden-state group),
 ``executor`` (vLLM's ``distributed_executor_backend``; ``"mp"`` puts the worker in a process of
 its own, so the scheduler's connector sees only the shared tiers),
@@ -158,7 +158,7 @@ def main(spec_path: str, result_path: str) -> int:
 
             kwargs["kv_transfer_config"] = KVTransferConfig(
                 kv_connector=spec.get("connector") or "LMCacheKVConnector",
-                kv_connector_module_path="lmcache_async.integration.vllm",
+                kv_connector_module_path=spec.get("module") or "lmcache_async.integration.vllm",
                 kv_role="kv_both",
                 kv_load_failure_policy="recompute",
                 kv_connector_extra_config=kv,

@@ -12,7 +12,10 @@ chunked prefill of 1,024 tokens a step (so vLLM drops window blocks while a prom
 3. ``load``: a new process on that directory: prompt 0 restored (tokens equal), then asked again
    without resetting vLLM's prefix cache (vLLM's own hit, the TTFT baseline of the same process);
    then one record of prompt 1 is damaged before its load: that request is recomputed (tokens
-   equal, the engine alive, the failure reported by request and counted).
+   equal, the engine alive, the failure reported by request and counted);
+4. ``block_errors``: the same fault reported by block id (``block_errors_connector``: how the
+   connector reported it before) — vLLM's scheduler refuses that with several groups and the
+   engine dies. The reproduction the request-level channel fixes.
 """
 
 from __future__ import annotations
@@ -95,6 +98,14 @@ def swa_runs(kv_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> di
         {**base, "kv": kv, "llm": llm, "phases": phases},
         barriers={"own-hit": lambda: None, "damage": lambda: damage(damaged)},
     )
+    other = record_file(model, prompts[0], 3, disk)
+    old = {"connector": "BlockErrorsKVConnector", "module": "block_errors_connector"}
+    out["block_errors"] = run_kv_engine(
+        work,
+        "block_errors",
+        {**base, **old, "kv": kv, "llm": llm, "phases": [{"prompts": [0], "barrier": "damage"}]},
+        barriers={"damage": lambda: damage(other)},
+    )
     return out
 
 
@@ -149,3 +160,10 @@ def test_a_damaged_record_recomputes_the_request_and_the_engine_lives(swa_runs: 
     assert worker["failed_requests"] == 1 and worker["load_failures"] == 1
     assert sched["loads_failed"] == 1 and sched["loads_refused_after_failure"] >= 1
     assert swa_runs["load"]["alive"]
+
+
+def test_the_same_fault_reported_by_block_id_would_end_the_engine(swa_runs: dict[str, Any]) -> None:
+    """What the request-level channel avoids: vLLM raises on block ids with several groups."""
+    old = swa_runs["block_errors"]
+    assert not old["alive"] and old["error"] is not None
+    assert "not supported for models with multiple KV cache groups" in old["error"] + old.get("traceback", "")
