@@ -132,13 +132,22 @@ class ServerTier(StorageBackend):
         return True
 
     def locate_many(self, keys: Sequence[CacheEngineKey]) -> list[bool | None] | CannotTell:
-        """Per key: True when the server holds it (its answer covers the shared pool and the
-        entries it stages back from its own lower tiers on a read), None when it does not;
-        :data:`~lmcache_async.tiers.UNKNOWN` when it could not be asked."""
-        flags = self.client.contains([_kb(k) for k in keys])
-        if flags is None:
+        """Per key: True when the entry is in the server's shared pool (a read is a memory
+        copy), False when only the server's own lower tiers hold it (a read stages it back
+        first), None when the server does not hold it; :data:`~lmcache_async.tiers.UNKNOWN`
+        when it could not be asked. Two round trips at most (the pool, then the rest)."""
+        raw = [_kb(k) for k in keys]
+        in_pool = self.client.contains(raw, pool_only=True)
+        if in_pool is None:
             return UNKNOWN
-        return [True if f else None for f in flags]
+        rest = [i for i, f in enumerate(in_pool) if not f]
+        below = self.client.contains([raw[i] for i in rest]) if rest else []
+        if below is None:
+            return UNKNOWN
+        out: list[bool | None] = [True if f else None for f in in_pool]
+        for i, f in zip(rest, below, strict=True):
+            out[i] = False if f else None
+        return out
 
     def lookup(self, key: CacheEngineKey) -> MemoryObj | None:
         """The entry copied into a staging buffer the caller owns, or None (miss or trouble)."""

@@ -74,6 +74,11 @@ class Front:
             if obj is not None:
                 self.hits += 1
                 return obj
+        return self.below_cpu(key, local)
+
+    def below_cpu(self, key: CacheEngineKey, local: Sequence[LocalTier]) -> MemoryObj | None:
+        """:meth:`entry` after a CPU-tier miss the caller saw itself (the pending writes, then
+        the ``local`` tiers); counts the miss."""
         pend = self.pending.get(key)
         if pend is not None and pend.try_ref_count_up():
             return pend

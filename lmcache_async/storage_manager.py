@@ -450,7 +450,13 @@ class StorageManager(Lifecycle):
         with no loop-side tier to ask, or the rest of the read (a coroutine for the bridge);
         UNKNOWN for a call :meth:`get` refuses (so its errors stay :meth:`get`'s)."""
         if type(key) is CacheEngineKey and not self._closed and self._lt.usable_from_here():
-            obj = self._front.entry(key, self._local)
+            cpu = self._cpu
+            if cpu is not None:  # the hot path, inline: a CPU hit builds nothing
+                obj = cpu.lookup(key)
+                if obj is not None:
+                    self._front.hits += 1
+                    return obj
+            obj = self._front.below_cpu(key, self._local)
             if obj is not None or not self._loop_readers:
                 return obj
             return self._get_below(key)

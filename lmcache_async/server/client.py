@@ -300,16 +300,15 @@ class ServerClient:
         return w.frame(Op.UNGRANT, 0)
 
     # ---- operations --------------------------------------------------------------------------------
-    def contains(self, keys: Sequence[bytes], touch: bool = False) -> list[bool] | None:
+    def contains(self, keys: Sequence[bytes], touch: bool = False, pool_only: bool = False) -> list[bool] | None:
         """Presence of each key (one round trip for the batch); a key longer than
-        :data:`MAX_KEY_BYTES` (which no server stores) is absent."""
+        :data:`MAX_KEY_BYTES` (which no server stores) is absent. ``pool_only``: presence in the
+        server's shared pool only (its own lower tiers are not asked)."""
         if not keys:
             return []
         if (fit := self._fitting(keys)) is not None:
-            return _spread(fit, self.contains([keys[i] for i in fit], touch), len(keys), False)
-        head = b"\x01" if touch else b"\x00"
-        if len(keys) <= MAX_BATCH:
-            return self._locked("CONTAINS", self._flags_locked, Op.CONTAINS, encode_keys(keys, head), len(keys))
+            return _spread(fit, self.contains([keys[i] for i in fit], touch, pool_only), len(keys), False)
+        head = bytes([int(touch) | (2 if pool_only else 0)])
         out: list[bool] = []
         for i in range(0, len(keys), MAX_BATCH):
             part = keys[i : i + MAX_BATCH]

@@ -652,8 +652,8 @@ class CacheServer:
         assert ns is not None and st is not None
         w = Writer()
         if op is Op.CONTAINS:
-            keys, flags = _contains(ns, r)
-            if self.lower is not None and not all(flags):
+            keys, flags, pool_only = _contains(ns, r)
+            if self.lower is not None and not pool_only and not all(flags):
                 missing = [i for i, f in enumerate(flags) if not f]
                 found = await self.lower.contains(ns.name, [keys[i] for i in missing])
                 for i, f in zip(missing, found, strict=True):
@@ -948,12 +948,13 @@ def event_loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop] | N
     return cast("Callable[[], asyncio.AbstractEventLoop]", uvloop.new_event_loop)
 
 
-def _contains(ns: Namespace, r: Reader) -> tuple[list[bytes], list[bool]]:
-    """A CONTAINS body's keys and their presence in the pool."""
-    touch = r.u8()
+def _contains(ns: Namespace, r: Reader) -> tuple[list[bytes], list[bool], bool]:
+    """A CONTAINS body's keys, their presence in the pool, and whether the client asked about the
+    pool only (flag bit 1; bit 0 touches the entries): then the lower tiers are not asked."""
+    head = r.u8()
     keys = r.keys()
     r.done()
-    return keys, ns.contains(keys, bool(touch))
+    return keys, ns.contains(keys, bool(head & 1)), bool(head & 2)
 
 
 def _locate(

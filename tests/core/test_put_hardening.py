@@ -172,7 +172,7 @@ def test_entry_larger_than_every_tier_can_hold_is_refused_at_once(make_manager):
     assert sm.put_sync(k, huge) is False
     st = sm.stats()
     assert st["put_too_large"] == 1 and st["put_rejected"] == 1
-    assert sm._heap.used_bytes == 0 and st["pending_writes"] == 0
+    assert sm._staging.heap.used_bytes == 0 and st["pending_writes"] == 0
     sm.flush_sync(timeout=30)
     assert lower.puts == 0 and not sm.contains_sync(k)
 
@@ -185,7 +185,7 @@ def test_entry_larger_than_the_cpu_pool_and_the_disk_budget_is_refused_without_a
     assert sm.put_sync(make_key(13), huge) is False
     st = sm.stats()
     assert st["put_too_large"] == 1 and st["pending_writes"] == 0
-    assert sm._heap.used_bytes == 0
+    assert sm._staging.heap.used_bytes == 0
     sm.flush_sync(timeout=30)
     assert sm.stats()["tiers"]["disk"]["entries"] == 0
 
@@ -228,7 +228,7 @@ def test_one_off_write_buffer_never_eats_into_the_memory_reserve(make_manager, m
     assert sm.put_sync(make_key(10), torch.ones(1).expand(8 * MiB // 4)) is False
     st = sm.stats()
     assert st["one_off_refused"] == 1 and st["put_rejected"] == 1 and st["put_too_large"] == 0
-    assert sm._heap.used_bytes == 0
+    assert sm._staging.heap.used_bytes == 0
     t = _t(2 * MiB)  # larger than the staging area, within what memory allows
     assert sm.put_sync(make_key(11), t)
     sm.flush_sync(timeout=30)
@@ -246,7 +246,7 @@ def test_one_off_read_buffer_never_eats_into_the_memory_reserve(make_manager, mo
     _short_of_memory(monkeypatch, 2 * MiB)
     assert sm.get_sync(k) is None
     assert sm.stats()["one_off_refused"] >= 1
-    assert sm._heap.used_bytes == 0
+    assert sm._staging.heap.used_bytes == 0
     monkeypatch.undo()
     got = _read(sm, k)
     assert got is not None and torch.equal(got, t)

@@ -614,7 +614,7 @@ def test_staged_writes_beyond_the_staging_area_are_bounded(make_manager):
     membackend.last().delay = 1.0
     accepted = sum(sm.put_sync(make_key(i), t1m(i)) for i in range(20))
     assert accepted <= 4  # the CPU tier's two entries plus one one-off buffer at a time
-    assert sm._heap.used_bytes <= MiB
+    assert sm._staging.heap.used_bytes <= MiB
 
 
 def test_sync_call_in_flight_during_close_gets_a_named_error(make_manager):

@@ -66,7 +66,7 @@ def test_two_managers_on_the_server_tier_alone_share_entries(shared_server) -> N
         values = [torch.randn(16, 32) for _ in keys]
         assert all(writer.batched_put_sync(keys, values))
         writer.flush_sync()
-        assert reader.batched_contains_sync(keys) == 4
+        assert reader.prefix_len_sync(keys) == 4
         for k, v in zip(keys, values, strict=True):
             got = reader.get_sync(k)
             assert got is not None and torch.equal(got.tensor, v)

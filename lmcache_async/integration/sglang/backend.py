@@ -188,7 +188,7 @@ class LMCacheHiCacheStorage(HiCacheStorage):
             return 0
         ckeys = [ready[1].key(k) for k in keys]
         try:
-            return int(self._guard("batch_exists", lambda: self.manager.batched_contains_sync(ckeys)))
+            return int(self._guard("batch_exists", lambda: self.manager.prefix_len_sync(ckeys)))
         except _Fault:
             return 0
 
