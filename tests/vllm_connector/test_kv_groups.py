@@ -314,3 +314,15 @@ def test_the_connector_warns_once_naming_a_group_it_cannot_restore(
         assert conn.get_num_new_matched_tokens(vreq("z"), 0) == (0, False)
     finally:
         conn.shutdown()
+
+
+def test_a_model_of_sliding_layers_only_masks_its_one_group_the_same_way(store: KVStore) -> None:
+    sm = store.storage_manager
+    layout = describe_groups(kv_config((["w0", "w1"], window_of(2))))
+    assert not layout.several and layout.windowed
+    sched = KVSchedulerSide(lambda: sm, store.token_database, BS, BPC, groups=layout)
+    sched.after_alloc(vreq("v"), None, 0)
+    (run,) = sched.build_meta(step("v", (WIN_IDS,), 8, len(PROMPT) - 8)).saves
+    assert run.first_block == 2 and run.group_block_ids == ()
+    assert run.block_ids == (NULL_BLOCK_ID, 14, NULL_BLOCK_ID, 16, NULL_BLOCK_ID, 18, NULL_BLOCK_ID, 20)
+    assert sched.num_new_matched_tokens(vreq("w"), 0) == (0, False)  # nothing stored yet

@@ -362,7 +362,7 @@ class LMCacheKVConnector(KVConnectorBase_V1, SupportsHMA):
             logger.info("LMCacheKVConnector: no KV records for this model (groups %s)", self.groups.unsupported)
             return
         layers, parts = self._record_layers(self._attention_layers_only(kv_caches))
-        null = NULL_BLOCK_ID if self.groups.several else None
+        null = NULL_BLOCK_ID if self.groups.several or self.groups.windowed else None
         caches = self._worker().register(layers, layer_parts=parts, null_block=null)
         logger.info(
             "LMCacheKVConnector: %d layers, layout %s, record %s %s (%d bytes per chunk of %d tokens)",

@@ -121,7 +121,7 @@ class LMCacheKVHiddenStatesConnector(LMCacheKVConnector):
         group = HiddenStateGroup(kv_caches[hs_names[0]], self.aux_layer_ids)
         attention = {name: t for name, t in kv_caches.items() if name != hs_names[0]}
         layers, parts = self._record_layers(attention)
-        null = NULL_BLOCK_ID if self.groups.several else None
+        null = NULL_BLOCK_ID if self.groups.several or self.groups.windowed else None
         caches = self._worker().register(layers, group, layer_parts=parts, null_block=null)
         logger.info(
             "LMCacheKVHiddenStatesConnector: %d KV layers (record %s), hidden-state group %s for layers %s",

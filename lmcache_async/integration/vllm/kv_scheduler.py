@@ -145,8 +145,9 @@ class KVSchedulerSide:
         layout = groups if groups is not None else GroupLayout(attention=(kv_group,))
         self.other_parts: tuple[int, ...] = layout.attention[1:]
         """The KV-cache groups of the record's parts after the primary one (``kv_group``)."""
-        self.part_retained: tuple[int | None, ...] = layout.retained[1:]
-        """Per other part: the tokens its sliding window keeps (None: full attention)."""
+        self.part_retained: tuple[int | None, ...] = layout.retained
+        """Per part (the primary first): the tokens its sliding window keeps (None: full
+        attention)."""
         self.chunk_aligned = layout.windowed
         """A sliding-window part: hits end on chunk boundaries (a window part holds the blocks
         before its chunk's end, :func:`~.kv_groups.window_first_block`)."""
@@ -455,13 +456,7 @@ class KVSchedulerSide:
         parts, first = self._save_parts(r, first, ready)
         if first < ready:
             meta.saves.append(
-                BlockRun(
-                    req_id,
-                    first * bpc,
-                    tuple(r.block_ids[first * bpc : ready * bpc]),
-                    tuple(r.hashes[first:ready]),
-                    group_block_ids=parts,
-                )
+                BlockRun(req_id, first * bpc, parts[0], tuple(r.hashes[first:ready]), group_block_ids=parts[1:])
             )
         if self.hs_group is not None:
             cs = self.chunk_size
@@ -470,16 +465,17 @@ class KVSchedulerSide:
         self.counters["saves_planned"] += 1
 
     def _save_parts(self, r: _Req, first: int, ready: int) -> tuple[tuple[tuple[int, ...], ...], int]:
-        """The other parts' block ids of chunks ``first .. ready - 1`` (a sliding-window part:
-        the blocks before its window at each chunk's end are null) and the first chunk to save:
-        a chunk whose window holds a null block (vLLM had dropped it, e.g. behind a prefix-cache
-        hit) is not saved, nor is any before it."""
+        """Every part's block ids (the primary first) from the first chunk to save through chunk
+        ``ready - 1`` (a sliding-window part: the blocks before its window at each chunk's end
+        are null), and that first chunk: a chunk whose window holds a null block (vLLM had
+        dropped it, e.g. behind a prefix-cache hit) is not saved, nor is any before it."""
         bpc, bs = self.blocks_per_chunk, self.block_size
-        out: list[list[int]] = [[] for _ in self.other_parts]
+        every = [r.block_ids, *r.part_ids]
+        out: list[list[int]] = [[] for _ in every]
         start = first
         for c in range(first, ready):
             for k, retained in enumerate(self.part_retained):
-                ids = r.part_ids[k][c * bpc : (c + 1) * bpc]
+                ids = every[k][c * bpc : (c + 1) * bpc]
                 if retained is not None:
                     keep = window_first_block((c + 1) * self.chunk_size, retained, bs)
                     ids = list(mask_window(ids, c * bpc, keep))

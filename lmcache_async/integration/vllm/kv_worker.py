@@ -240,7 +240,8 @@ class KVWorkerSide:
     def _fail(self, block_ids: Any, req_id: str) -> None:
         """Record ``block_ids`` of request ``req_id`` as not loaded: by block id, or (more than
         one KV-cache group) the request as a whole."""
-        ids = list(block_ids)
+        null = self.caches.null_block if self.caches is not None else None
+        ids = [b for b in block_ids if b != null]  # a null block is no request's: never name it
         if ids:
             with self._lock:
                 self.counters["load_failures"] += 1
