@@ -25,9 +25,16 @@ scheduler thread (:mod:`.kv_lookup`; the hook answers None, "ask again", meanwhi
 deadlines the worker enforces, and a request whose load failed is never offered one again
 (``load_policy``, ``max_load_s``; docs/vllm.md, "Load or recompute").
 
+The connector declares vLLM's ``SupportsHMA``: with a model that mixes layer kinds (full and
+sliding-window attention, ``extract_hidden_states``) vLLM keeps its hybrid KV-cache manager and
+several KV-cache groups, and each chunk's record holds every attention group as a part
+(:mod:`.kv_groups`; a sliding-window part only the blocks inside the window).
+
 A cache fault never ends the engine or a request: lookups that fail are misses, loads that fail
 are reported through ``get_block_ids_with_load_errors`` (vLLM recomputes those blocks when
-``kv_load_failure_policy`` is ``"recompute"``; the connector warns at start-up otherwise).
+``kv_load_failure_policy`` is ``"recompute"``; the connector warns at start-up otherwise) or,
+with several KV-cache groups, where vLLM refuses block ids, by request (``failed_recving`` of
+``get_transfer_results``: vLLM recomputes the request).
 Importing this module imports vLLM; ``import lmcache_async.integration.vllm`` does not.
 """
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["NULL_BLOCK_ID", "GroupLayout", "describe_groups", "window_first_block"]
+__all__ = ["NULL_BLOCK_ID", "GroupLayout", "describe_groups", "mask_window", "window_first_block"]
 
 NULL_BLOCK_ID = 0
 """vLLM's null block (``vllm.v1.attention.backends.utils.NULL_BLOCK_ID``): a placeholder in a
