@@ -13,7 +13,9 @@ chunked prefill of 1,024 tokens a step (so vLLM drops window blocks while a prom
    without resetting vLLM's prefix cache (vLLM's own hit, the TTFT baseline of the same process);
    then one record of prompt 1 is damaged before its load: that request is recomputed (tokens
    equal, the engine alive, the failure reported by request and counted);
-4. ``block_errors``: the same fault reported by block id (``block_errors_connector``: how the
+4. ``load_off``: a new process with the hybrid manager off reads the same records (every block
+   of a window layer is then held, but the window kernel reads only the window): same tokens;
+5. ``block_errors``: the same fault reported by block id (``block_errors_connector``: how the
    connector reported it before) — vLLM's scheduler refuses that with several groups and the
    engine dies. The reproduction the request-level channel fixes.
 """
@@ -98,6 +100,7 @@ def swa_runs(kv_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> di
         {**base, "kv": kv, "llm": llm, "phases": phases},
         barriers={"own-hit": lambda: None, "damage": lambda: damage(damaged)},
     )
+    out["load_off"] = run_kv_engine(work, "load_off", {**base, "kv": kv, "llm": no_hma, "phases": [{"prompts": [0]}]})
     other = record_file(model, prompts[0], 3, disk)
     old = {"connector": "BlockErrorsKVConnector", "module": "block_errors_connector"}
     out["block_errors"] = run_kv_engine(
@@ -167,3 +170,10 @@ def test_the_same_fault_reported_by_block_id_would_end_the_engine(swa_runs: dict
     old = swa_runs["block_errors"]
     assert not old["alive"] and old["error"] is not None
     assert "not supported for models with multiple KV cache groups" in old["error"] + old.get("traceback", "")
+
+
+def test_an_engine_with_the_hybrid_manager_off_reads_the_same_records(swa_runs: dict[str, Any]) -> None:
+    ref = {r["prompt"]: r["tokens"] for r in _ok(swa_runs["baseline"])}
+    (r,) = _ok(swa_runs["load_off"])
+    assert not swa_runs["load_off"]["kv_config"]["hybrid_manager"]
+    assert r["num_cached_tokens"] == chunk_aligned_hit() and r["tokens"] == ref[0]

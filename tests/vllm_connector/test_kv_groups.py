@@ -326,3 +326,15 @@ def test_a_model_of_sliding_layers_only_masks_its_one_group_the_same_way(store: 
     assert run.first_block == 2 and run.group_block_ids == ()
     assert run.block_ids == (NULL_BLOCK_ID, 14, NULL_BLOCK_ID, 16, NULL_BLOCK_ID, 18, NULL_BLOCK_ID, 20)
     assert sched.num_new_matched_tokens(vreq("w"), 0) == (0, False)  # nothing stored yet
+
+
+def test_record_layers_keep_model_order_whatever_order_the_groups_hand_them() -> None:
+    from lmcache_async.integration.vllm.kv_connector import model_order
+
+    handed = ["model.layers.0.attn", "model.layers.2.attn", "model.layers.10.attn", "model.layers.1.attn"]
+    assert sorted(handed, key=model_order) == [
+        "model.layers.0.attn",
+        "model.layers.1.attn",
+        "model.layers.2.attn",
+        "model.layers.10.attn",
+    ]

@@ -44,6 +44,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -140,6 +141,12 @@ def chunk_record_bytes(kv_cache_config: Any, groups: tuple[int, ...], blocks_per
         return total or None
     except Exception:
         return None
+
+
+def model_order(layer_name: str) -> tuple[tuple[int, int | str], ...]:
+    """Sort key putting layer names in model order: digit runs compare as numbers
+    (``model.layers.2.self_attn.attn`` before ``model.layers.10.self_attn.attn``)."""
+    return tuple((0, int(p)) if p.isdigit() else (1, p) for p in re.split(r"(\d+)", layer_name) if p)
 
 
 def _worker_rank() -> int:
@@ -383,13 +390,16 @@ class LMCacheKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _record_layers(self, kv_caches: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[int] | None]:
         """The layers of the record's parts and each one's part (None: one group, every layer
-        in part 0). Layers of groups the connector does not restore are left out."""
+        in part 0). Layers of groups the connector does not restore are left out. With several
+        groups vLLM hands the layers group by group; the record keeps them in model order (as
+        one group has them), so an engine running the same model with the hybrid manager off
+        reads the same records layer for layer."""
         if not self.groups.several:
             return kv_caches, None
-        kept = {n: t for n, t in kv_caches.items() if self.groups.position(n) is not None}
-        if not kept:  # no attention group: nothing is loaded or saved (the scheduler offers none)
+        names = sorted((n for n in kv_caches if self.groups.position(n) is not None), key=model_order)
+        if not names:  # no attention group: nothing is loaded or saved (the scheduler offers none)
             return kv_caches, None
-        return kept, [self.groups.position(n) or 0 for n in kept]
+        return {n: kv_caches[n] for n in names}, [self.groups.position(n) or 0 for n in names]
 
     def _attention_layers_only(self, kv_caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``kv_caches`` without the hidden-state layers of vLLM's ``extract_hidden_states`` path
