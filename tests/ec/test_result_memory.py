@@ -112,6 +112,16 @@ def test_recycled_results_are_bit_exact_for_every_dtype(dtype: torch.dtype) -> N
     assert torch.equal(out.view(torch.uint8), src.view(torch.uint8))
 
 
+@pytest.mark.parametrize("rows", [64, 1024])  # 256 KiB (one memmove) and 4 MiB (torch's copy_)
+def test_strided_conjugate_and_negative_sources_are_copied_by_value(rows: int) -> None:
+    rb = ResultBuffers(64 * MiB)
+    base = torch.randn(rows, 512, dtype=torch.complex64)
+    for src in (base.t(), base.conj(), base.conj().imag, base[:, ::2]):
+        out = rb.copy_of(src)
+        assert out.is_contiguous() and not out.is_conj() and not out.is_neg()
+        assert torch.equal(out, src.resolve_conj().resolve_neg())
+
+
 def test_clear_leaves_held_results_intact() -> None:
     rb = ResultBuffers(64 * MiB)
     src = _entry(4)
