@@ -25,13 +25,13 @@ import torch
 from lmcache_async.memory import copy_payload
 
 MIN_RECYCLED_BYTES = 64 << 10
-"""Results smaller than this are plain ``clone`` results (glibc's bins recycle them well)."""
+"""Results smaller than this get plain ``torch.empty`` memory (glibc's bins recycle them well)."""
 
 PARALLEL_COPY_BYTES = 1 << 20
 """Results of at least this size are copied with torch's ``copy_`` (its worker threads split the
 copy: 1.6 x faster than one ``memmove`` at 1 MiB with a free core); smaller ones with one
-``memmove``, which never waits for a worker thread on a busy core (the hand-off costs more
-than the split saves at 256 KiB, and milliseconds when the cores are busy)."""
+``memmove``, which never waits for a worker thread (at 256 KiB the split saves a few µs with a
+free core and costs milliseconds when the cores are busy)."""
 
 _ALIGN = 64
 _PROBES = 4
