@@ -10,7 +10,8 @@ text holds the image token where the picture goes), ``phases`` (each ``{"prompts
 "barrier": name or None, "hs": None | "save" | "load", "cache_salt": salt or None, "lora": adapter
 name or None}``), ``lora_modules`` (``{name: [int id, path]}``), ``llm`` (more ``LLM`` keyword
 arguments, e.g. ``enable_lora``), ``logprobs`` (record each greedy token's log-probability),
-``max_tokens``, ``hs_layers``, ``workdir``. A phase's ``params`` become the requests'
+``max_tokens``, ``hs_layers``, ``workdir``, ``kv_events`` (vLLM's ``KVEventsConfig`` keyword
+arguments: the engine publishes KV events, its own and the connector's). A phase's ``params`` become the requests'
 ``kv_transfer_params``; ``keep_prefix`` keeps vLLM's own prefix cache (a repeated prompt
 hits it: the baseline of a connector hit). RESULT's ``kv_config`` is vLLM's KV-cache layout.
 Each prompt is generated alone (so its prefill is one forward the hooks see whole) after vLLM's
@@ -152,6 +153,10 @@ def main(spec_path: str, result_path: str) -> int:
         if spec.get("speculative"):
             kwargs["speculative_config"] = spec["speculative"]
         kwargs.update(spec.get("llm") or {})
+        if spec.get("kv_events"):
+            from vllm.config import KVEventsConfig
+
+            kwargs["kv_events_config"] = KVEventsConfig(**spec["kv_events"])
         kv = spec.get("kv")
         if kv is not None:
             from vllm.config import KVTransferConfig

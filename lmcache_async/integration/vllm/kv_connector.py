@@ -68,6 +68,13 @@ from lmcache_async.integration.vllm.kv_engine import (
     load_kv_connector_config,
     release_store,
 )
+from lmcache_async.integration.vllm.kv_event_reports import (
+    LMCacheKVReports,
+    SchedulerEvents,
+    ServerDescriber,
+    WorkerEventReports,
+    events_enabled,
+)
 from lmcache_async.integration.vllm.kv_groups import NULL_BLOCK_ID, GroupLayout, describe_groups
 from lmcache_async.integration.vllm.kv_hidden import publish_hidden_states, restore_hidden_states
 from lmcache_async.integration.vllm.kv_layout import check_chunk_alignment
@@ -80,6 +87,8 @@ from lmcache_async.metadata import LMCacheEngineMetadata
 from lmcache_async.storage_manager import StorageManager
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -223,6 +232,25 @@ class LMCacheKVConnector(KVConnectorBase_V1, SupportsHMA):
             )
         else:
             self._start_scheduler_side(config, kv_cache_config)
+        self._event_reports: WorkerEventReports | None = None
+        self._describer: ServerDescriber | None = None
+        if events_enabled(vllm_config):
+            self._start_events(world)
+
+    def _start_events(self, world_size: int) -> None:
+        """vLLM publishes KV events: the worker reports what its tiers hold and drop (the
+        manager's removal listeners), the scheduler describes and publishes (:mod:`.kv_event_reports`)."""
+        if self.worker_side is not None:
+            reports = WorkerEventReports(self.store.storage_manager, self.metadata.worker_id)
+            self.store.storage_manager.removals.add(reports.tier_removed)
+            self.worker_side.reports = self._event_reports = reports
+        elif self.scheduler_side is not None:
+            chunk_size = self.block_size * self.blocks_per_chunk
+            describer = None
+            if "server" in self._lookup_manager().tier_names:  # lmcache-async serve --events publishes it
+                describer = ServerDescriber(self._lookup_manager, self.store.token_database.make_key, world_size)
+            self._describer = describer
+            self.scheduler_side.events = SchedulerEvents(world_size, self.block_size, chunk_size, describer)
 
     def _start_scheduler_side(self, config: LMCacheEngineConfig, kv_cache_config: Any) -> None:
         """Build the scheduler side, probe the lower tiers (bounded) and register its metrics;
@@ -357,6 +385,24 @@ class LMCacheKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.scheduler_side is not None:
             self.scheduler_side.after_step(connector_output)
 
+    def take_events(self) -> Iterable[Any]:
+        """The KV events since the last call (scheduler side, vLLM publishes them with its own):
+        ``BlockStored`` when a chunk became durable on a tier, ``BlockRemoved`` when a tier
+        dropped it; medium ``CPU`` or ``STORAGE``, ownership ``lmcache_async:<tier>``. Empty when
+        vLLM runs without ``--kv-events-config``."""
+        side = self.scheduler_side
+        if side is None or side.events is None:
+            return ()
+        return side.events.take_events()
+
+    def get_kv_connector_kv_cache_events(self) -> LMCacheKVReports | None:
+        """This worker's reports since the last step (saves durable on a tier, removals) for the
+        scheduler's :meth:`update_connector_output`; None without KV events."""
+        reports = self._event_reports
+        if reports is None:
+            return None
+        return LMCacheKVReports(reports.take())
+
     # ---- worker side ----
     def _worker(self) -> KVWorkerSide:
         if self.worker_side is None:
@@ -474,8 +520,15 @@ class LMCacheKVConnector(KVConnectorBase_V1, SupportsHMA):
     def stats(self) -> dict[str, Any]:
         """Counters of this connector's side and its manager's per-tier stats."""
         if self.worker_side is not None:
-            return self.worker_side.stats()
+            out_w = self.worker_side.stats()
+            if self._event_reports is not None:
+                out_w["events"] = dict(self._event_reports.counters)
+            return out_w
         out: dict[str, Any] = self._sched().stats()
+        if self._sched().events is not None:
+            out["events"] = self._sched().events.stats()
+            if self._describer is not None:
+                out["events"]["describe"] = dict(self._describer.counters)
         out["manager"] = self._lookup_manager().stats()
         return out
 
@@ -484,6 +537,12 @@ class LMCacheKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.store.storage_manager.flush_sync()
 
     def shutdown(self) -> None:
+        reports, self._event_reports = getattr(self, "_event_reports", None), None
+        describer, self._describer = getattr(self, "_describer", None), None
+        if describer is not None:
+            describer.close()
+        if reports is not None:
+            self.store.storage_manager.removals.discard(reports.tier_removed)
         if self.worker_side is not None:
             self.worker_side.close()
         if self.scheduler_side is not None:

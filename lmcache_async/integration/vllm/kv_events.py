@@ -84,6 +84,16 @@ class KVEventSource:
                 if chunk is not None:
                     self._queue(tier, self._tiers[tier].discard(chunk))
 
+    def holds(self, key: Hashable) -> bool:
+        """True when some tier holds ``key`` (a save of it was reported and not removed since)."""
+        with self._lock:
+            return any(key in held for held in self._held.values())
+
+    def tiers_of(self, key: Hashable) -> list[str]:
+        """The tiers holding ``key``."""
+        with self._lock:
+            return [tier for tier, held in self._held.items() if key in held]
+
     def take_events(self) -> list[Any]:
         """The events since the last call, in order (removals leaves first, stores parents first)."""
         with self._lock:

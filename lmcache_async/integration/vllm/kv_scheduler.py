@@ -198,6 +198,9 @@ class KVSchedulerSide:
             0,
         )
         self._unkeyed: set[str] = set()
+        self.events: Any = None
+        """The KV events' scheduler half (:class:`~.kv_event_reports.SchedulerEvents`) when
+        vLLM publishes KV events, else None (nothing is described or tracked)."""
 
     # ---- keys ----
     def _keyed(self, request: Any) -> _Req | None:
@@ -226,6 +229,8 @@ class KVSchedulerSide:
             self.counters["keyed_with_extras"] += 1
         r = _Req(self.db.chunk_hashes(tokens, extras), len(tokens), part_ids=[[] for _ in self.other_parts])
         self._reqs[req_id] = r
+        if self.events is not None:
+            self.events.track(req_id, request)
         return r
 
     # ---- lookup ----
@@ -276,6 +281,8 @@ class KVSchedulerSide:
             if per > 1:
                 names = [names[i] if None not in names[i : i + per] else None for i in range(0, len(names), per)]
             self.counters["lookups"] += 1
+            if self.events is not None:
+                self.events.looked_up(r.hashes[:n_chunks], names, {t: s[1] for t, s in sm.tier_status().items()})
             found = 0
             while found < len(names) and names[found] is not None:
                 found += 1
@@ -458,6 +465,8 @@ class KVSchedulerSide:
             meta.saves.append(
                 BlockRun(req_id, first * bpc, parts[0], tuple(r.hashes[first:ready]), group_block_ids=parts[1:])
             )
+            if self.events is not None:
+                self.events.planned(req_id, r.hashes, first, ready)
         if self.hs_group is not None:
             cs = self.chunk_size
             meta.hs_saves.append(HSRun(req_id, tuple(r.hashes[:ready]), first * cs, ready * cs, tuple(r.hs_block_ids)))
@@ -491,6 +500,8 @@ class KVSchedulerSide:
         failed (it is never offered a load again, and a tier it used that is failing now is
         priced unavailable); one in ``finished_recving`` (asynchronous) or still clean a step
         after its synchronous load succeeded. Scheduler thread."""
+        if self.events is not None:
+            self.events.apply(getattr(output, "kv_cache_events", None))
         invalid = set(getattr(output, "invalid_block_ids", None) or ())
         failed = set(getattr(output, "failed_recving", None) or ())
         finished = set(getattr(output, "finished_recving", None) or ())
@@ -535,6 +546,8 @@ class KVSchedulerSide:
         """Forget a finished request (saves are synchronous: its blocks may be freed now)."""
         self._planned.pop(req_id, None)
         self._refused.discard(req_id)
+        if self.events is not None:
+            self.events.forget(req_id)
         self.lookups.forget(req_id)
         self._reqs.pop(req_id, None)
         self._unkeyed.discard(req_id)

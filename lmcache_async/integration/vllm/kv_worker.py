@@ -160,6 +160,9 @@ class KVWorkerSide:
         self._inflight: dict[str, tuple[BlockRun, concurrent.futures.Future[_Fetched | None], HSRun | None]] = {}
         self._log = RateLimitedLog(logger)
         self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
+        self.reports: Any = None
+        """The KV events' worker half (:class:`~.kv_event_reports.WorkerEventReports`) when vLLM
+        publishes KV events, else None (saves and loads report nothing)."""
 
     def _add(self, **deltas: int) -> None:
         with self._lock:
@@ -355,6 +358,8 @@ class KVWorkerSide:
                 break
             if ok < j - i:
                 self._tier_failed(tiers[i + ok])
+                if self.reports is not None:
+                    self._report_failed_read(tiers[i + ok], keys[i + ok])
                 break
             i = j
         self._add(loaded_chunks=loaded, loaded_blocks=done, loaded_bytes=done * caches.num_layers * caches.block_bytes)
@@ -384,6 +389,15 @@ class KVWorkerSide:
         )
         if self.costs is not None and tier:
             self.costs.mark_unavailable(tier)
+
+    def _report_failed_read(self, tier: str, key: Any) -> None:
+        """A read of ``key`` from ``tier`` came back short while the tier answers (its breaker
+        closed): the record is gone or damaged there (KV events withdraw it)."""
+        try:
+            if self.manager.tier_status().get(tier, (False, False))[1]:
+                self.reports.read_failed(tier, key)
+        except Exception:
+            return
 
     def _tier_failed(self, tier: str) -> None:
         """A read from ``tier`` came back short: when its breaker is open (it failed or timed
@@ -546,6 +560,8 @@ class KVWorkerSide:
                 return
             gather_chunks(caches, chunk_ids, values, chunk_others, self._stream)
             stored = sm.batched_put_sync(keys, values)
+            if self.reports is not None:
+                self.reports.saved(keys, stored)
         finally:
             for obj in objs:
                 obj.ref_count_down()
