@@ -168,6 +168,13 @@ class ServerTier(StorageBackend):
         got = self.client.read_into([_kb(k) for k in keys], sinks, prefix)
         return [False] * len(keys) if got is None else got
 
+    def describe(self, keys: Sequence[CacheEngineKey], chunks: Sequence[Any]) -> list[bool] | None:
+        """Tell the server which vLLM blocks the committed entries ``keys`` hold (``chunks``:
+        :class:`~lmcache_async.events.chunks.Chunk` each), so ``lmcache-async serve --events``
+        publishes them; see :meth:`ServerClient.describe
+        <lmcache_async.server.client.ServerClient.describe>`. Caller's thread, one round trip."""
+        return self.client.describe([(_kb(k), c) for k, c in zip(keys, chunks, strict=True)])
+
     def contains_nowait(self, key: CacheEngineKey) -> bool | None:
         """Presence asked over the socket; None when the server could not be asked."""
         got = self.client.contains([_kb(key)])

@@ -318,6 +318,24 @@ class ServerClient:
             out.extend(got)
         return out
 
+    def describe(self, items: Sequence[tuple[bytes, Any]]) -> list[bool] | None:
+        """Tell the server what committed entries hold in vLLM's terms (``DESCRIBE``, protocol
+        4): ``(key, chunk)`` pairs, each chunk a :class:`~lmcache_async.events.chunks.Chunk`
+        (needs msgspec, the ``events`` extra). Per entry whether the server recorded it (one it
+        does not hold, or a server without ``--events``, records nothing; a recorded entry is
+        published on its KV-event stream); None when the server could not be asked. One round
+        trip per :data:`MAX_BATCH` entries."""
+        from lmcache_async.events.describe import encode_describe
+
+        out: list[bool] = []
+        for i in range(0, len(items), MAX_BATCH):
+            part = items[i : i + MAX_BATCH]
+            got = self._locked("DESCRIBE", self._flags_locked, Op.DESCRIBE, encode_describe(part), len(part))
+            if got is None:
+                return None
+            out.extend(got)
+        return out
+
     def _flags_locked(self, conn: _Connection, deadline: float, op: Op, body: bytes, n: int) -> list[bool]:
         """One request answered by a u16 count and one u8 flag per key."""
         v = _exchange(conn, op, body, deadline, self._pending(conn))

@@ -131,3 +131,22 @@ def test_a_restarted_server_is_seen_as_empty(make_event_server: type, setup: tup
 def test_every_chunk_holds_whole_blocks() -> None:
     p = prompt_of(tuple(range(1, 65)), None)
     assert all(len(c.block_hashes) == CHUNK_BLOCKS for c in p.chunks)
+
+
+def test_the_server_tiers_client_describes_what_it_committed(setup: tuple) -> None:
+    """``ServerClient.describe`` (the data client the server tier uses) sends DESCRIBE itself."""
+    srv, cache, sub = setup
+    p = make_prompts(random.Random(6), 1)[0]
+    import torch
+
+    from lmcache_async.memory import MemoryFormat
+
+    obj = cache.pool.allocate((16, 256), torch.float32, MemoryFormat.KV_2LTD)
+    assert obj is not None
+    try:
+        assert cache.client.put([(p.keys[0], obj)]) == [True]
+    finally:
+        obj.ref_count_down()
+    assert cache.client.describe([(p.keys[0], p.chunks[0]), (b"absent", p.chunks[1])]) == [True, False]
+    stored = [e for e in _events(_drain(sub, srv)) if isinstance(e, BlockStored)]
+    assert [e.block_hashes for e in stored] == [list(p.chunks[0].block_hashes)]
