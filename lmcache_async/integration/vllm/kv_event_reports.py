@@ -64,6 +64,8 @@ CHECKS_PER_STEP = 512
 MAX_DESCRIBES_IN_FLIGHT = 64
 """``DESCRIBE`` batches queued for the node server at most (beyond, a batch is dropped, counted)."""
 
+_MASK64 = (1 << 64) - 1
+
 Report = tuple[str, str, int, int]
 """``(kind, tier, chunk hash, worker rank)``; ``kind`` is ``"stored"`` or ``"removed"``."""
 
@@ -198,15 +200,14 @@ class SchedulerEvents:
         chunk_size: int,
         describe_server: Callable[[list[tuple[int, Chunk]]], None] | None = None,
     ) -> None:
-        from vllm.v1.core.kv_cache_utils import (
-            generate_block_hash_extra_keys,
-            maybe_convert_block_hash,
-            to_event_extra_keys,
-        )
+        from vllm import envs
+        from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
 
         self._extra_keys = generate_block_hash_extra_keys
-        self._convert = maybe_convert_block_hash
         self._event_keys = to_event_extra_keys
+        self._int_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+        """vLLM's ``maybe_convert_block_hash``, its setting read once: the low 64 bits of each
+        hash as an int (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``), else the hash bytes."""
         self.source = KVEventSource()
         self.world_size = max(int(world_size), 1)
         self.block_size = block_size
@@ -248,6 +249,9 @@ class SchedulerEvents:
         while len(self._described) > MAX_DESCRIBED:
             self._described.popitem(last=False)
 
+    def _convert(self, h: Any) -> Any:
+        return int.from_bytes(h, "big") & _MASK64 if self._int_hashes else h
+
     def describe(self, request: Any, c: int) -> Chunk | None:
         """Chunk ``c`` of ``request`` in vLLM's terms; None when vLLM has not hashed its blocks."""
         bs, cs = self.block_size, self.chunk_size
@@ -258,13 +262,22 @@ class SchedulerEvents:
         start = c * cs
         block_hashes = tuple(self._convert(h) for h in hashes[c * per : (c + 1) * per])
         parent = self._convert(hashes[c * per - 1]) if c else None
-        tokens = tuple(int(t) for t in request.all_token_ids[start : start + cs])
-        extras = []
-        mm = 0
-        for b in range(per):
-            keys, mm = self._extra_keys(request, start + b * bs, start + (b + 1) * bs, mm)
-            extras.append(keys)
-        event_keys = self._event_keys(extras)
+        tokens = tuple(request.all_token_ids[start : start + cs])
+        plain = not (
+            getattr(request, "lora_request", None)
+            or getattr(request, "mm_features", None)
+            or getattr(request, "cache_salt", None)
+            or getattr(request, "prompt_embeds", None) is not None
+        )
+        if plain:  # what vLLM's helpers give a block with no extra keys, without calling them
+            event_keys: list[Any] | None = [None] * per
+        else:
+            extras = []
+            mm = 0
+            for b in range(per):
+                keys, mm = self._extra_keys(request, start + b * bs, start + (b + 1) * bs, mm)
+                extras.append(keys)
+            event_keys = self._event_keys(extras)
         lora = getattr(request, "lora_request", None)
         return Chunk(
             block_hashes, parent, tokens, bs, getattr(lora, "lora_name", None) if lora else None,
