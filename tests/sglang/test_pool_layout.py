@@ -134,3 +134,32 @@ def test_mla_geometry_gathers_along_its_page_axis(layout: str) -> None:
     for got, want in zip(outs, _expected(pages, ids), strict=True):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert not flat[:16].any()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_page_sink_lands_a_record_where_scatter_puts_it(make_pool: Any, sgl: Any, layout: str) -> None:
+    """HostPoolPages.sink names exactly the page's bytes, in record order, on SGLang's real
+    pools: filling it from a stored record writes that page as scatter would, and nothing else."""
+    from lmcache_async.config import LMCacheEngineConfig
+    from lmcache_async.keys import CacheEngineKey
+    from lmcache_async.memory import MemoryFormat
+    from lmcache_async.metadata import LMCacheEngineMetadata
+    from lmcache_async.storage_manager import StorageManager
+
+    pages = _pages(make_pool, sgl, layout)
+    src = _expected(pages, [2, 7])
+    before = pages.paged.clone()
+    sinks = [pages.sink(5), pages.sink(0)]
+    assert all(s.fits(pages.record_shape, pages.dtype) for s in sinks)
+    assert len(sinks[0].pieces) == pages.rows
+    cfg = LMCacheEngineConfig.from_defaults(max_local_cpu_size=1 / 16)
+    with StorageManager(cfg, LMCacheEngineMetadata("m")) as sm:
+        keys = [CacheEngineKey("m", 1, 0, i, pages.dtype) for i in range(2)]
+        assert all(sm.batched_put_sync(keys, src, MemoryFormat.UNDEFINED))
+        assert sm.read_into_sync(keys, sinks) == [True, True]
+    want = before.clone()
+    want.select(pages.page_axis, 5).copy_(src[0])
+    want.select(pages.page_axis, 0).copy_(src[1])
+    assert torch.equal(pages.paged.view(torch.uint8), want.view(torch.uint8))
+    with pytest.raises(ValueError, match="outside"):
+        pages.sink(pages.page_num)

@@ -11,9 +11,12 @@ The factory calls ``LMCacheHiCacheStorage(storage_config, kwargs)``, then SGLang
 controller calls :meth:`register_mem_pool_host` with its host KV pool. With ``interface_v1``
 SGLang moves pages zero-copy: :meth:`batch_set_v1` gathers each page straight from the host pool
 into a block of our CPU pool (one copy; lower tiers are written in the background) and
-:meth:`batch_get_v1` scatters each record straight into the host pool. The older tensor
-interface (:meth:`get`, :meth:`set`, :meth:`batch_get`, :meth:`batch_set`) moves the same
-records through SGLang's flat page tensors.
+:meth:`batch_get_v1` reads each record straight into its host-pool page through the manager's
+one read path (:meth:`StorageManager.read_into_sync`, each page a
+:meth:`~lmcache_async.integration.sglang.pool_layout.HostPoolPages.sink`: a CPU-tier hit is
+copied run by run, a disk record is read from its file into the page and checked there). The
+older tensor interface (:meth:`get`, :meth:`set`, :meth:`batch_get`, :meth:`batch_set`) moves
+the same records through SGLang's flat page tensors, read the same way.
 
 Threads: SGLang calls from its prefetch threads (``batch_exists``, ``batch_get_v1``) and its
 backup thread (``batch_set_v1``), concurrently. Every call is bounded: CPU-tier work runs on the
@@ -44,6 +47,7 @@ from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryFormat, MemoryObj
 from lmcache_async.metadata import LMCacheEngineMetadata
 from lmcache_async.ratelog import RateLimitedLog
+from lmcache_async.read_sinks import ReadSink
 from lmcache_async.storage_manager import StorageManager
 
 logger = logging.getLogger(__name__)
@@ -275,8 +279,10 @@ class LMCacheHiCacheStorage(HiCacheStorage):
 
         True: that page now holds the record's bytes. False: not stored, unreadable (damaged or
         vanished record, counted by its tier), of another geometry, or a fault (timeout, failing
-        tier, closed); SGLang uses the leading run of True. A page whose key is False is not
-        written."""
+        tier, closed); SGLang uses the leading run of True. A page whose key is False holds
+        bytes not to be used (a record found damaged after it was read into the page may have
+        written part of it). Every tier reads through the manager's one read path,
+        :meth:`StorageManager.read_into_sync`, straight into the pages."""
         keys = self._check_keys(keys)
         n = len(keys)
         ready = self._ready("batch_get_v1")
@@ -286,42 +292,17 @@ class LMCacheHiCacheStorage(HiCacheStorage):
         run = pages.pages_of(host_indices, n)
         ckeys = [namespace.key(k) for k in keys]
         self._add(get_pages=n)
-        try:
-            objs = self._guard("batch_get_v1", lambda: self.manager.batched_get_sync(ckeys))
-        except _Fault:
-            return [False] * n
-        try:
-            return self._guard("batch_get_v1", lambda: self._load(pages, objs, run.page_ids))
-        except _Fault:
-            return [False] * n
-        finally:
-            for obj in objs:
-                if obj is not None:
-                    obj.ref_count_down()
+        return self._read(ckeys, [pages.sink(pid) for pid in run.page_ids], "batch_get_v1")
 
-    def _load(self, pages: HostPoolPages, objs: list[MemoryObj | None], page_ids: list[int]) -> list[bool]:
-        results = [False] * len(objs)
-        misses = mismatched = 0
-        for i, (obj, pid) in enumerate(zip(objs, page_ids, strict=True)):
-            if obj is None:
-                misses += 1
-                continue
-            rec = obj.tensor
-            if not pages.fits(rec):
-                mismatched += 1
-                self._log.warning(
-                    "SGLang backend: record is %s %s, the pool's pages are %s %s; treated as a miss",
-                    tuple(rec.shape),
-                    rec.dtype,
-                    pages.record_shape,
-                    pages.dtype,
-                    key="mismatch",
-                )
-                continue
-            pages.scatter(pid, rec)
-            results[i] = True
-        self._add(get_hits=len(objs) - misses - mismatched, get_misses=misses, get_mismatched=mismatched)
-        return results
+    def _read(self, keys: list[CacheEngineKey], sinks: list[ReadSink], what: str) -> list[bool]:
+        """``read_into_sync`` of ``keys`` into ``sinks``, counted; all False on a fault."""
+        try:
+            flags = self._guard(what, lambda: self.manager.read_into_sync(keys, sinks))
+        except _Fault:
+            return [False] * len(keys)
+        hits = sum(flags)
+        self._add(get_hits=hits, get_misses=len(keys) - hits)
+        return flags
 
     # ---- tensor interface (SGLang's generic page path) --------------------------------------------
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
@@ -346,33 +327,11 @@ class LMCacheHiCacheStorage(HiCacheStorage):
         targets = self._targets(pages, target_locations, n)
         ckeys = [namespace.key(k) for k in keys]
         self._add(get_pages=n)
-        try:
-            objs = self._guard("batch_get", lambda: self.manager.batched_get_sync(ckeys))
-        except _Fault:
-            return [None] * n
-        out: list[torch.Tensor | None] = [None] * n
-        misses = mismatched = 0
-        try:
-            for i, obj in enumerate(objs):
-                if obj is None:
-                    misses += 1
-                    continue
-                rec = obj.tensor
-                if not pages.fits(rec):
-                    mismatched += 1
-                    continue
-                dst = targets[i]
-                if dst is None:
-                    out[i] = rec.flatten().clone()
-                else:
-                    dst.view(pages.record_shape).copy_(rec)
-                    out[i] = dst
-        finally:
-            for obj in objs:
-                if obj is not None:
-                    obj.ref_count_down()
-        self._add(get_hits=n - misses - mismatched, get_misses=misses, get_mismatched=mismatched)
-        return out
+        flat = pages.record_bytes // pages.paged.element_size()
+        dsts = [torch.empty(flat, dtype=pages.dtype) if t is None else t for t in targets]
+        sinks = [ReadSink(pages.record_shape, pages.dtype, ((t.data_ptr(), pages.record_bytes),)) for t in dsts]
+        flags = self._read(ckeys, sinks, "batch_get")
+        return [t if ok else None for t, ok in zip(dsts, flags, strict=True)]
 
     @staticmethod
     def _targets(pages: HostPoolPages, target_locations: Any, n: int) -> list[torch.Tensor | None]:
@@ -387,9 +346,10 @@ class LMCacheHiCacheStorage(HiCacheStorage):
                 continue
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"target_locations[{i}] must be a tensor, got {type(t).__name__}")
-            if t.numel() != numel or t.dtype != pages.dtype or not t.is_contiguous():
+            if t.numel() != numel or t.dtype != pages.dtype or not t.is_contiguous() or t.device.type != "cpu":
                 raise ValueError(
-                    f"target_locations[{i}] is {tuple(t.shape)} {t.dtype}; a page is {numel} contiguous {pages.dtype}"
+                    f"target_locations[{i}] is {tuple(t.shape)} {t.dtype} on {t.device}; "
+                    f"a page is {numel} contiguous {pages.dtype} in host memory"
                 )
         return targets
 
@@ -464,11 +424,18 @@ class LMCacheHiCacheStorage(HiCacheStorage):
         return None
 
     def stats(self) -> dict[str, Any]:
-        """Our counters, the pool geometry and the manager's per-tier stats (any thread)."""
+        """Our counters, the pool geometry and the manager's per-tier stats (any thread).
+
+        ``get_mismatched`` (stored records of another geometry, answered as misses) is the
+        manager read path's count (``manager["read_into"]["mismatches"]``): shared by every
+        backend on this manager."""
         with self._lock:
             out: dict[str, Any] = dict(self.counters)
         out["pool"] = self.pages.describe() if self.pages is not None else None
-        out["manager"] = self.manager.stats() if not self.manager.closed else None
+        manager = self.manager.stats() if not self.manager.closed else None
+        out["manager"] = manager
+        if manager is not None:
+            out["get_mismatched"] = manager["read_into"]["mismatches"]
         return out
 
     def close(self) -> None:
