@@ -131,7 +131,7 @@ class DiskBackend(StorageBackend):
             write_retry_max_s=write_retry_max_s,
             cipher=cipher,
         )
-        self.store.on_damaged = self._damaged
+        self.store.on_removed = self._removed
         self._executor = executor
         self._staging = staging
         self._writing: dict[bytes, asyncio.Future[bool]] = {}
@@ -468,7 +468,7 @@ class DiskBackend(StorageBackend):
         try:
             return os.stat(entry_path(self.root, digest)).st_size >= 64
         except (FileNotFoundError, NotADirectoryError):
-            if digest in self.store and self.store.forget_vanished(digest):
+            if digest in self.store and self.store.forget_vanished(digest, key.to_string()):
                 self._repair_later(digest[0])
             return False
 
@@ -515,16 +515,22 @@ class DiskBackend(StorageBackend):
 
     @property
     def reports_removals(self) -> bool:
-        """Removals and records found damaged (and deleted) on a read are reported."""
+        """Every removal this tier makes is reported with the entry's key: :meth:`remove`
+        (DELETED), budget evictions (EVICTED, also of other processes' records: the record
+        header names their key), files found deleted behind its back (DELETED) and records found
+        damaged and deleted (DAMAGED), and what :meth:`clear` deletes (DELETED, shard by shard)."""
         return True
 
-    def _damaged(self, kstr: str) -> None:
-        """The store deleted the damaged record of ``kstr`` (any thread)."""
-        try:
-            key = CacheEngineKey.from_string(kstr)
-        except ValueError:
-            return
-        self.report_removed([key], RemovalReason.DAMAGED)
+    def _removed(self, kstrs: list[str], reason: RemovalReason) -> None:
+        """The store dropped the entries of ``kstrs`` on its own (any thread; see
+        :attr:`DiskStore.on_removed`)."""
+        keys = []
+        for kstr in kstrs:
+            try:
+                keys.append(CacheEngineKey.from_string(kstr))
+            except ValueError:  # a record header naming no key of ours (a foreign writer)
+                continue
+        self.report_removed(keys, reason)
 
     async def remove(self, key: CacheEngineKey) -> bool:
         _check_key(key)

@@ -23,13 +23,14 @@ import os
 
 # re-exported: the disk tier's record-file naming, reaping and raw I/O live in the shared module
 from lmcache_async.record_files import HOST_TAG as HOST_TAG
-from lmcache_async.record_files import STALE_TEMP_S, TEMP_SUFFIX, parse_temp_name, temp_name, temp_reapable
+from lmcache_async.record_files import STALE_TEMP_S, TEMP_SUFFIX, parse_temp_name, read_header, temp_name, temp_reapable
 from lmcache_async.record_files import process_start_time as process_start_time
 from lmcache_async.record_files import publish_noreplace as publish_noreplace
 from lmcache_async.record_files import read_exact_into as read_exact_into
 from lmcache_async.record_files import reap_temp as reap_temp
 from lmcache_async.record_files import write_all as write_all
 from lmcache_async.record_files import writer_alive as writer_alive
+from lmcache_async.records import RecordError
 
 NUM_SHARDS = 256
 ENTRY_SUFFIX = ".lmc"
@@ -58,6 +59,23 @@ def entry_path(root: str, digest: bytes) -> str:
     """Path of the entry file for ``digest``."""
     h = digest.hex()
     return f"{root}/{h[:2]}/{h}{ENTRY_SUFFIX}"
+
+
+def entry_key(root: str, digest: bytes) -> str | None:
+    """The key string the record header of ``digest``'s entry file names (one open and one
+    header read; blocking). None, never an error, when there is no such file, its header is not
+    a well-formed record header, or it names a key whose digest is not ``digest``."""
+    try:
+        fd = os.open(entry_path(root, digest), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        key = read_header(fd).key
+    except (OSError, RecordError):
+        return None
+    finally:
+        os.close(fd)
+    return key if key_digest(key) == digest else None
 
 
 def parse_entry_name(fname: str) -> bytes | None:

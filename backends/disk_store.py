@@ -35,12 +35,14 @@ from lmcache_async.backends.disk_budget import (
     EntryFile,
     Ledger,
     Repairs,
+    ShardListing,
     list_shard,
 )
 from lmcache_async.backends.disk_layout import (
     ENTRY_SUFFIX,
     NUM_SHARDS,
     ensure_dir,
+    entry_key,
     entry_path,
     fsync_dir,
     key_digest,
@@ -65,7 +67,7 @@ from lmcache_async.records import (
     header_length,
     payload_checksum,
 )
-from lmcache_async.tiers import Allocate
+from lmcache_async.tiers import Allocate, RemovalReason
 
 if TYPE_CHECKING:
     from lmcache_async.encryption import RecordCipher
@@ -121,14 +123,20 @@ class DiskStore:
     ) -> None:
         self.root = root
         self.budget_bytes = budget_bytes
-        #: Called with the key string of a record found damaged on a read (and deleted); any thread.
-        self.on_damaged: Callable[[str], None] | None = None
+        self.on_removed: Callable[[list[str], RemovalReason], None] | None = None
+        """Told the key strings of entries the store dropped on its own and why: budget
+        evictions (EVICTED), files found deleted behind its back (DELETED), records found
+        damaged and deleted (DAMAGED). Called on the thread that found them, possibly under the
+        directory lock: it must be quick and must not call back into the store. Only entries
+        whose key is known are reported (kept in the index, else read from the record header)."""
         self.cipher = cipher
         """Seals written records and opens read ones (None: plain records only)."""
         self._key_id = cipher.key_id if cipher is not None else None
         self.fsync: FsyncPolicy = fsync
         self._budget = DirBudget(root)
-        self._index: LruIndex[bytes, int] = LruIndex()  # digest -> file bytes, LRU first
+        # digest -> its key string when this process wrote or read it (None: found by the scan;
+        # the record header names it), weighted by the file's bytes, LRU first
+        self._index: LruIndex[bytes, str | None] = LruIndex()
         self._ilock = threading.Lock()
         self._scan_removed: set[bytes] | None = None
         self._scan_cleared = False
@@ -191,6 +199,16 @@ class DiskStore:
     def _path(self, digest: bytes) -> str:
         return entry_path(self.root, digest)
 
+    def _report(self, kstrs: list[str], reason: RemovalReason) -> None:
+        """Hand ``kstrs`` to :attr:`on_removed` (nothing for none; its errors are dropped)."""
+        listener = self.on_removed
+        if listener is None or not kstrs:
+            return
+        try:
+            listener(kstrs, reason)
+        except Exception:  # pragma: no cover - a listener must not break the store
+            logger.debug("disk tier: removal listener failed", exc_info=True)
+
     def _note_removed(self, digest: bytes) -> None:
         """Forget ``digest`` (index lock NOT held by the caller)."""
         with self._ilock:
@@ -198,8 +216,9 @@ class DiskStore:
             if self._scan_removed is not None:
                 self._scan_removed.add(digest)
 
-    def _note_present(self, digest: bytes, size: int, still_there: Callable[[], bool]) -> None:
-        """Index ``digest`` (most recently used) unless its file was deleted meanwhile.
+    def _note_present(self, digest: bytes, size: int, still_there: Callable[[], bool], kstr: str) -> None:
+        """Index ``digest`` under its key string ``kstr`` (most recently used) unless its file
+        was deleted meanwhile.
 
         ``still_there`` looks at the file again *after* the insertion: a deletion racing this
         either comes later and forgets the entry itself (every deletion unlinks first, then
@@ -207,7 +226,7 @@ class DiskStore:
         in between drops out of the index, which only costs a lookup an ``os.stat``.
         """
         with self._ilock:
-            self._index.put(digest, size, size)
+            self._index.put(digest, kstr, size)
             if self._scan_removed is not None:
                 self._scan_removed.discard(digest)
         try:
@@ -299,16 +318,18 @@ class DiskStore:
             repairs.shard(led, digest[0])
         return None
 
-    def _pop_victim(self, exclude: bytes | None) -> bytes | None:
+    def _pop_victim(self, exclude: bytes | None) -> tuple[bytes, str | None] | None:
         with self._ilock:
-            victim = self._index.pop_oldest(None if exclude is None else lambda d, _size: d == exclude)
-        return None if victim is None else victim[0]
+            return self._index.pop_oldest(None if exclude is None else lambda d, _kstr: d == exclude)
 
-    def _evict_unindexed(self, led: Ledger, need: int, exclude: bytes | None, repairs: Repairs) -> bool:
+    def _evict_unindexed(
+        self, led: Ledger, need: int, exclude: bytes | None, repairs: Repairs, evicted: list[str]
+    ) -> bool:
         """Evict files this process has not indexed (oldest mtime first, shard by shard) until
-        ``need`` more bytes fit in the budget. A shard whose accounting claims more bytes than
-        its files hold (files deleted behind the tier's back) is recounted instead of paying for
-        the missing bytes with real entries. True when anything was evicted or recounted."""
+        ``need`` more bytes fit in the budget, appending the key each record header names to
+        ``evicted``. A shard whose accounting claims more bytes than its files hold (files
+        deleted behind the tier's back) is recounted instead of paying for the missing bytes
+        with real entries. True when anything was evicted or recounted."""
         budget = self.budget_bytes
         progress = False
         for _ in range(NUM_SHARDS):
@@ -329,9 +350,12 @@ class DiskStore:
                     return True
                 if e.digest == exclude:
                     continue
+                kstr = entry_key(self.root, e.digest)
                 if self._unlink_entry(led, e.digest, e.ino) is not None:
                     self.count("evictions")
                     progress = True
+                    if kstr is not None:
+                        evicted.append(kstr)
         return progress
 
     def _make_room(self, led: Ledger, need: int, exclude: bytes | None) -> bool:
@@ -345,18 +369,32 @@ class DiskStore:
         if need > budget:
             return False
         repairs = Repairs()
-        while led.total_bytes + need > budget:
-            victim = self._pop_victim(exclude)
-            if victim is None:
-                if self._evict_unindexed(led, need, exclude, repairs) or repairs.everything(led):
-                    continue
-                return False
-            if self._unlink_entry(led, victim, repairs=repairs) is not None:
-                self.count("evictions")
-        return True
+        evicted: list[str] = []
+        vanished: list[str] = []
+        try:
+            while led.total_bytes + need > budget:
+                victim = self._pop_victim(exclude)
+                if victim is None:
+                    if self._evict_unindexed(led, need, exclude, repairs, evicted) or repairs.everything(led):
+                        continue
+                    return False
+                digest, kstr = victim
+                if kstr is None:  # found by the scan: its record header names it
+                    kstr = entry_key(self.root, digest)
+                if self._unlink_entry(led, digest, repairs=repairs) is not None:
+                    self.count("evictions")
+                    if kstr is not None:
+                        evicted.append(kstr)
+                elif kstr is not None:  # its file was already gone
+                    vanished.append(kstr)
+            return True
+        finally:
+            self._report(evicted, RemovalReason.EVICTED)
+            self._report(vanished, RemovalReason.DELETED)
 
-    def _discard_corrupt(self, digest: bytes, ino: int, why: str) -> None:
-        """Count and delete a damaged file (unless a fresh record replaced it meanwhile)."""
+    def _discard_corrupt(self, digest: bytes, ino: int, why: str, kstr: str | None = None) -> None:
+        """Count and delete a damaged file (unless a fresh record replaced it meanwhile); the
+        key ``kstr`` (when known) is reported DAMAGED unless a fresh record replaced it."""
         self.count("corrupt")
         self.warn("corrupt", "disk tier: %s is damaged (%s); deleted", self._path(digest), why)
         try:
@@ -366,19 +404,25 @@ class DiskStore:
         except OSError as exc:  # read-only filesystem: it stays, and stays a miss
             self._note_removed(digest)
             self.warn("corrupt-rm", "disk tier: cannot delete a damaged file: %s", exc)
+        if kstr is not None and not _replaced(self._path(digest), ino):
+            self._report([kstr], RemovalReason.DAMAGED)
 
-    def forget_vanished(self, digest: bytes) -> bool:
-        """A lookup found no file for ``digest``: drop its index entry (any thread, no I/O).
+    def forget_vanished(self, digest: bytes, kstr: str | None = None) -> bool:
+        """A lookup found no file for ``digest`` (the entry of ``kstr``, when the caller knows
+        it): drop its index entry (any thread, no I/O).
 
-        True when it was indexed (counted as ``vanished``): the file was deleted behind the
-        tier's back and the accounting may still count it, so the caller has its shard
-        recounted (:meth:`repair_shard`)."""
+        True when it was indexed (counted as ``vanished``, its key reported DELETED): the file
+        was deleted behind the tier's back and the accounting may still count it, so the caller
+        has its shard recounted (:meth:`repair_shard`)."""
         with self._ilock:
-            known = self._index.pop(digest) is not None
-            if known and self._scan_removed is not None:
-                self._scan_removed.add(digest)
+            known = digest in self._index
+            if known:
+                kstr = self._index.pop(digest) or kstr
+                if self._scan_removed is not None:
+                    self._scan_removed.add(digest)
         if known:
             self.count("vanished")
+            self._report([kstr] if kstr is not None else [], RemovalReason.DELETED)
         return known
 
     def repair_shard(self, shard: int) -> None:
@@ -391,9 +435,9 @@ class DiskStore:
         except OSError:
             pass
 
-    def _vanished(self, digest: bytes) -> None:
+    def _vanished(self, digest: bytes, kstr: str) -> None:
         """A file the index knew is gone: forget it and repair the shard's accounting."""
-        if self.forget_vanished(digest):
+        if self.forget_vanished(digest, kstr):
             self.repair_shard(digest[0])
 
     # ---- whole-file operations (executor threads) ------------------------------------------------
@@ -460,7 +504,7 @@ class DiskStore:
                 except OSError:
                     pass
         if status == STORED:
-            self._note_present(digest, total, functools.partial(_exists, path))
+            self._note_present(digest, total, functools.partial(_exists, path), kstr)
             self.count("stored")
             self._write_ok()
         elif status == NO_SPACE:
@@ -583,7 +627,7 @@ class DiskStore:
             if bad_payload is not None:
                 bad = (st.st_ino, bad_payload)
                 return None
-            self._note_present(digest, st.st_size, functools.partial(_linked, fd))
+            self._note_present(digest, st.st_size, functools.partial(_linked, fd), kstr)
             return EXISTS
         except OSError as exc:
             self.count("read_errors")
@@ -592,7 +636,7 @@ class DiskStore:
         finally:
             os.close(fd)
             if bad is not None:
-                self._discard_corrupt(digest, *bad)
+                self._discard_corrupt(digest, *bad, kstr)
 
     def _read_record(self, digest: bytes, kstr: str, land: Callable[[int, RecordHeader], str | None]) -> bool:
         """Open the entry's file, check its header against ``kstr`` and let ``land(fd, header)``
@@ -603,7 +647,7 @@ class DiskStore:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
-            self._vanished(digest)
+            self._vanished(digest, kstr)
             return False
         except OSError as exc:
             self.count("read_errors")
@@ -631,7 +675,7 @@ class DiskStore:
                     os.utime(fd)  # keeps the LRU order across restarts and processes
                 except OSError:
                     pass
-            self._note_present(digest, st.st_size, functools.partial(_linked, fd))
+            self._note_present(digest, st.st_size, functools.partial(_linked, fd), kstr)
             self.count("read_hits")
             return True
         except OSError as exc:
@@ -641,10 +685,7 @@ class DiskStore:
         finally:
             os.close(fd)
             if bad is not None:
-                self._discard_corrupt(digest, *bad)
-                on_damaged = self.on_damaged
-                if on_damaged is not None:
-                    on_damaged(kstr)
+                self._discard_corrupt(digest, *bad, kstr)
 
     def read(self, digest: bytes, kstr: str, alloc: Allocate) -> MemoryObj | None:
         """The verified record in a buffer from ``alloc`` (the caller's reference), or None."""
@@ -696,12 +737,26 @@ class DiskStore:
             with self._budget.locked() as led:
                 listing = list_shard(self.root, shard)
                 if listing.entries or led.shard(shard) != (0, 0):
+                    kstrs = self._keys_of(listing) if self.on_removed is not None else []
                     led.delete_listed(listing)
+                    self._report(kstrs, RemovalReason.DELETED)
         with self._ilock:
             self._index.clear()
             if self._scan_removed is not None:
                 self._scan_removed = set()
                 self._scan_cleared = True
+
+    def _keys_of(self, listing: ShardListing) -> list[str]:
+        """The key strings of the entries in ``listing`` (from the index, else from each record
+        header; entries whose key cannot be read are left out)."""
+        with self._ilock:
+            known = [self._index.get(e.digest) for e in listing.entries]
+        out = []
+        for e, kstr in zip(listing.entries, known, strict=True):
+            kstr = kstr if kstr is not None else entry_key(self.root, e.digest)
+            if kstr is not None:
+                out.append(kstr)
+        return out
 
     def scan_group(self, shards: list[int]) -> list[tuple[int, bytes, int]]:
         """Recount ``shards`` exactly (under the lock), reap dead writers' temporary files and
@@ -741,11 +796,13 @@ class DiskStore:
         except OSError:
             return False
         problem = None
+        kstr: str | None = None
         try:
             hdr = read_header(fd)
             if key_digest(hdr.key) != e.digest:
                 problem = "file name does not match the key it holds"
             elif e.size != hdr.total_len:
+                kstr = hdr.key
                 problem = "file is truncated" if e.size < hdr.total_len else "trailing bytes"
         except RecordError as exc:
             problem = str(exc)
@@ -754,7 +811,7 @@ class DiskStore:
         finally:
             os.close(fd)
         if problem is not None:
-            self._discard_corrupt(e.digest, e.ino, problem)
+            self._discard_corrupt(e.digest, e.ino, problem, kstr)
             return False
         return True
 
@@ -765,13 +822,14 @@ class DiskStore:
             cleared = self._scan_cleared
             self._scan_removed = None
             self._scan_cleared = False
-            merged: LruIndex[bytes, int] = LruIndex()
+            merged: LruIndex[bytes, str | None] = LruIndex()
             if not cleared:
                 for _mt, d, size in found:
                     if d not in removed:
-                        merged.put(d, size, size)
-            for d, size in self._index.items():  # touched since start: most recent
-                merged.put(d, size, size)
+                        merged.put(d, None, size)
+            old = self._index
+            for d, kstr in old.items():  # touched since start: most recent
+                merged.put(d, kstr, old.size(d) or 0)
             self._index = merged
             return len(merged)
 
@@ -786,6 +844,14 @@ def _exists(path: str) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+def _replaced(path: str, ino: int) -> bool:
+    """True when ``path`` now holds another file than inode ``ino`` (a fresh record)."""
+    try:
+        return os.stat(path, follow_symlinks=False).st_ino != ino
+    except OSError:
+        return False
 
 
 def _linked(fd: int) -> bool:
