@@ -273,6 +273,9 @@ def events(session: nox.Session) -> None:
     # --dist loadfile: the router-agreement workload (a module fixture) runs once, on one worker.
     session.run("pytest", "tests/events", "-p", "no:cacheprovider", "-rs", "-n", str(TEST_WORKERS),
                 "--dist", "loadfile", *session.posargs, env=env)  # fmt: skip
+    # the KV connector's event wiring imports vLLM: its tests run in the e2e venv
+    session.run(vllm, "-m", "pytest", "tests/events/test_kv_event_wiring.py", "-p", "no:cacheprovider", "-rs",
+                "-W", "ignore::DeprecationWarning", env=env, external=True)  # fmt: skip
 
 
 @nox.session(venv_backend="none")
