@@ -6,6 +6,8 @@ the manager itself — so none of them calls back into the manager:
 
 * **lookups** — :meth:`Front.entry` answers from the CPU tier, then the queued write-through,
   then the local lower tiers it is given, on the caller's thread (one CPU lookup per key);
+  :meth:`Front.entries` answers a batch (one ``lookup_many`` per local tier), :meth:`Front.lookup`,
+  :meth:`Front.held_prefix` and :meth:`Front.touch` the manager's other caller-thread questions;
 * **allocation for reads** — :meth:`Front.read_alloc`: a lower-tier read lands in a CPU-pool block
   when one is free (no second copy to promote it), else in the staging area;
 * **promotion** — :meth:`Front.promote` indexes a lower-tier hit in the CPU tier and queues its
@@ -24,6 +26,7 @@ import torch
 
 from lmcache_async.errors import ManagerClosedError
 from lmcache_async.keys import CacheEngineKey
+from lmcache_async.lower_tiers import release_objs
 from lmcache_async.memory import MemoryFormat, MemoryObj, PoolAllocator
 from lmcache_async.staging import StagingArea
 from lmcache_async.tier_stack import TierStack
@@ -96,10 +99,70 @@ class Front:
             raise ManagerClosedError("the manager is closed")
         return self.entry(key, self.front_only)
 
+    def entries(
+        self, keys: Sequence[CacheEngineKey], local: Sequence[LocalTier]
+    ) -> tuple[list[MemoryObj | None], list[int]]:
+        """:meth:`entry` for each of ``keys``: one result per key (the caller's references) and
+        the indices of the keys still missing. Each of the ``local`` tiers is asked once for the
+        keys still missing (``lookup_many``, one round trip); one that raises has every reference
+        taken so far released, and the error goes on."""
+        out: list[MemoryObj | None] = [None] * len(keys)
+        missing: list[int] = []
+        for i, k in enumerate(keys):
+            obj = self.entry(k, ())
+            if obj is None:
+                missing.append(i)
+            else:
+                out[i] = obj
+        try:
+            for tier in local:
+                if not missing:
+                    break
+                here = tier.lookup_many([keys[i] for i in missing])
+                still = []
+                for i, obj in zip(missing, here, strict=True):
+                    if obj is None:
+                        still.append(i)
+                    else:
+                        out[i] = obj
+                missing = still
+        except BaseException:
+            release_objs(out)
+            raise
+        return out, missing
+
+    def lookup(self, key: CacheEngineKey, local: Sequence[LocalTier]) -> MemoryObj | None:
+        """The entry from the CPU tier, then each of the ``local`` tiers in order, with the
+        caller's reference; None when none holds it. The pending writes are not asked and
+        nothing is counted."""
+        cpu = self.cpu
+        obj = cpu.lookup(key) if cpu is not None else None
+        for tier in local if obj is None else ():
+            obj = tier.lookup(key)
+            if obj is not None:
+                break
+        return obj
+
     def holds(self, key: CacheEngineKey) -> bool:
         """True when the CPU tier holds ``key`` or its write-through is queued (lock-free)."""
         cpu = self.cpu
         return (cpu is not None and key in cpu) or key in self.pending
+
+    def held_prefix(self, keys: Sequence[CacheEngineKey]) -> int:
+        """Length of the prefix of ``keys`` that :meth:`holds` answers True for."""
+        cpu = self.cpu
+        n = cpu.prefix_len(keys) if cpu is not None else 0
+        pending = self.pending
+        while n < len(keys) and (keys[n] in pending or (cpu is not None and keys[n] in cpu)):
+            n += 1
+        return n
+
+    def touch(self, keys: Sequence[CacheEngineKey], local: Sequence[LocalTier]) -> None:
+        """Mark ``keys`` recently used in the CPU tier and each of the ``local`` tiers (LRU)."""
+        if self.cpu is not None:
+            self.cpu.touch(keys)
+        for tier in local:
+            tier.touch(keys)
 
     # ---- reads from below (the loop) ------------------------------------------------------------
     def read_alloc(self, shape: Sequence[int], dtype: torch.dtype, fmt: MemoryFormat) -> MemoryObj | None:

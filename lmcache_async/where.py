@@ -125,6 +125,15 @@ class TierMap:
                     out[i] = where
         return out
 
+    def probe_target(self, tier: str, nbytes: int) -> TierGuard | None:
+        """The guard of lower tier ``tier`` a probe of ``nbytes`` reads from; None when ``tier`` is
+        not a lower tier or answers on the caller's thread. ``ValueError`` naming ``nbytes``
+        unless it is a positive int."""
+        if not isinstance(nbytes, int) or nbytes <= 0:
+            raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
+        guard = next((g for g in self.guards if g.name == tier), None)
+        return None if guard is None or guard.answers_locally else guard
+
     async def probe(self, guard: TierGuard, nbytes: int) -> float | None:
         """Seconds one read of an ``nbytes`` entry from ``guard``'s tier took (see
         :meth:`StorageManager.probe_read <lmcache_async.storage_manager.StorageManager.probe_read>`)."""
