@@ -381,7 +381,9 @@ def test_a_load_past_its_deadline_stops_at_a_chunk_boundary_and_writes_nothing_a
         for s, d in zip([9, 3], DST_BLOCKS[:2], strict=True):
             assert torch.equal(dst[name][d], src[name][s])
         assert not dst[name][DST_BLOCKS[2:]].any()  # nothing written after the abandon
-    assert book.read_time("disk", 1) == math.inf  # priced unavailable a while
+    # priced by the late piece it waited out, not priced out: a slow read is not a failure
+    assert book.read_params("disk") is not None and book.snapshot()["unavailable"] == []
+    assert book.read_time("disk", 1) != math.inf
 
 
 def test_with_several_groups_an_abandoned_load_fails_its_request_not_block_ids(

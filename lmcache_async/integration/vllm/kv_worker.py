@@ -27,8 +27,11 @@ Framework-free (no vLLM import). Runs on vLLM's model-runner thread.
   copy on the load thread, so after the thread stops nothing writes into vLLM's blocks — and
   the rest of the run is reported failed (recomputed). Waiting out one piece beats staging
   every slow read: staging would copy every byte twice on a hit that was judged worth loading.
-  Each piece's time feeds the :class:`~.kv_costs.CostBook` (bytes, seconds per tier); an
-  abandoned or failing tier is priced unavailable for a while. The model-runner thread also
+  Each piece's time feeds the :class:`~.kv_costs.CostBook` (bytes, seconds per tier), the
+  late piece of an abandoned load included, so a slow tier is priced by what it did; a failing
+  tier (its breaker open) is priced unavailable for a while. An abandon alone does not price a
+  tier out: one slow first read of a fresh process must not keep a fast tier from every later
+  hit. The model-runner thread also
   times steps that compute many tokens: the engine's prefill rate.
 * **Save** (:meth:`KVWorkerSide.save`, from ``wait_for_save``): each planned chunk the CPU tier
   does not already hold is gathered straight into a block of the manager's pool (one copy; on
@@ -377,7 +380,9 @@ class KVWorkerSide:
         return n
 
     def _abandon(self, run: BlockRun, tier: str, blocks_left: int) -> None:
-        """The run passed its deadline: counted, logged, its tier priced unavailable a while."""
+        """The run passed its deadline: counted and logged. The tier is priced by the timed
+        pieces (recorded before this), not priced out: a tier that is failing is priced
+        unavailable by :meth:`_tier_failed` when its read comes back short."""
         self._add(abandoned_loads=1, abandoned_blocks=blocks_left)
         self._log.warning(
             "KV connector: request %s: load abandoned after %.3f s (%d blocks left, tier %s); recomputing",
@@ -387,8 +392,6 @@ class KVWorkerSide:
             tier or "?",
             key="abandon",
         )
-        if self.costs is not None and tier:
-            self.costs.mark_unavailable(tier)
 
     def _report_failed_read(self, tier: str, key: Any) -> None:
         """A read of ``key`` from ``tier`` came back short while the tier answers (its breaker
