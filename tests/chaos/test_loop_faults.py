@@ -73,7 +73,7 @@ def assert_released(sm: StorageManager) -> None:
     for pool in (sm.pool, sm.staging_pool):
         if pool is not None:
             assert pool.used_bytes == 0 and pool.num_objects == 0, f"{pool.name}: {pool.stats()}"
-    assert sm._heap.used_bytes == 0, "a one-off read buffer leaked"
+    assert sm._staging.heap.used_bytes == 0, "a one-off read buffer leaked"
 
 
 def evict_cpu(sm: StorageManager) -> None:
