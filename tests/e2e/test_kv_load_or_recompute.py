@@ -11,10 +11,10 @@ Three engines, each in its own process:
    of a recomputed prompt must not time out and open the breaker the reads are judged by)
    (``remote_timeout_s`` above a chunk's read time: slow, not failing). Prompt 0 under
    ``load_policy: auto`` (the process's first request), then prompt 2 (never stored: the
-   uncached TTFT in this process, printed): prompt 0 must finish with the baseline's tokens
-   within 1.1 x the slower uncached run of it (the no-connector process's first request, this
-   process's own) (the connector probed the tier at start-up and priced the load against the
-   prefill rate the store run measured). Then prompt 1 with ``load_policy: always`` and
+   uncached TTFT in this process, printed): prompt 0 must finish with the baseline's tokens,
+   recomputed, none of its chunks read through the proxy (the connector probed the tier at start-up
+   and priced the load against the prefill rate the store run measured; the TTFT ratio is the
+   bench's, on paired medians). Then prompt 1 with ``load_policy: always`` and
    ``max_load_s`` (``kv_transfer_params``): Redis is stopped (SIGSTOP) mid-load; the load is
    abandoned at its deadline, the request recomputed with the baseline's tokens, the engine
    stays alive, and the abandon is counted.
@@ -42,6 +42,8 @@ if importlib.util.find_spec("vllm") is None:
     if os.environ.get("LMCACHE_ASYNC_REQUIRE_VLLM") == "1":
         raise RuntimeError("LMCACHE_ASYNC_REQUIRE_VLLM=1 but vLLM is not importable in this environment")
     pytest.skip("vLLM is not installed here; `nox -s e2e` builds its environment", allow_module_level=True)
+
+from lmcache_async.integration.vllm.kv_lookup import PROBE_LARGE_MAX_BYTES, PROBE_ROUNDS, PROBE_SMALL_BYTES
 
 from .engines import Redis
 from .kv_engines import CHUNK, make_prompts, run_kv_engine
@@ -82,6 +84,7 @@ def runs(kv_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, lr_redis:
         assert lr_redis.proc is not None
         pid = lr_redis.proc.pid
         start = proxy.bytes_down
+        stall["bytes_before"] = start  # what the first two phases read through the proxy
 
         def run() -> None:
             deadline = time.monotonic() + 60
@@ -123,6 +126,7 @@ def runs(kv_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, lr_redis:
             t.join(STALL_FOR_S + 65)
         proxy.stop()
     out["proxy_bytes_down"] = proxy.bytes_down
+    out["proxy_bytes_before_stall"] = stall.get("bytes_before")
     return out
 
 
@@ -150,16 +154,24 @@ def test_a_slow_tier_costs_no_more_than_recomputing(runs: dict[str, Any]) -> Non
         f"[e2e] slow tier: TTFT {first['ttft_s']:.3f} s vs uncached {uncached['ttft_s']:.3f} s in the same process "
         f"({first['ttft_s'] / uncached['ttft_s']:.2f}x; no-connector process {ref[0]['ttft_s']:.3f} s), "
         f"cached {first['num_cached_tokens']} tokens; costs {sched['costs']}; hook {sched.get('hook_s')}; "
-        f"decisions { {k: v for k, v in sched.items() if k.startswith('decision_')} }"
+        f"decisions { {k: v for k, v in sched.items() if k.startswith('decision_')} }; "
+        f"proxy bytes before the stall phase {runs['proxy_bytes_before_stall']}"
     )
     assert sched["probes"] >= 2 and "remote" in sched["costs"]["tiers"]  # calibrated at start-up
     decided = {k: v for k, v in sched.items() if k.startswith("decision_")}
     assert sum(decided.values()) >= 2, decided
-    # Uncached TTFTs of this shared host swing by 2-6x under other work, so the bound takes the
-    # slower of the two uncached runs of this prompt length: the no-connector process's first
-    # request of the same prompt (a fresh process's first forward is slower in vLLM itself) and
-    # this process's own uncached run; 0.25 s of slack. The bench gives the paired medians.
-    assert first["ttft_s"] <= 1.1 * max(ref[0]["ttft_s"], uncached["ttft_s"]) + 0.25
+    # The decision, not a timing, is what this test holds: the slow tier's load was priced above the
+    # prefill it replaces, so prompt 0 was recomputed (nothing restored) and its chunks never crossed
+    # the proxy: it carried the start-up probes' reads and less than one more chunk (2 MiB), where
+    # loading the prompt would carry 22 chunks.
+    assert decided["decision_slower"] >= 1 and first["num_cached_tokens"] == 0, decided
+    before = runs["proxy_bytes_before_stall"]
+    probes = PROBE_ROUNDS * (PROBE_SMALL_BYTES + PROBE_LARGE_MAX_BYTES)
+    assert before is not None and before < probes + (2 << 20), (before, probes)
+    # A sanity bound with room for this shared 2-core host (its uncached TTFTs swing by 2x under other
+    # work): loading the prompt through the proxy would cost ~6 s more. The 1.1x figure is measured
+    # by the bench on paired medians (`python -m lmcache_async_bench.vllm_kv_slow --slow-only`).
+    assert first["ttft_s"] <= max(ref[0]["ttft_s"], uncached["ttft_s"]) + 1.5
 
 
 def test_a_stall_mid_load_is_abandoned_at_its_deadline_and_recomputed(runs: dict[str, Any]) -> None:
