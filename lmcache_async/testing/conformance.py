@@ -13,6 +13,10 @@ package registers a pytest plugin providing the ``backend_context`` fixture)::
 
 Backends whose entries survive a restart subclass :class:`PersistentBackendConformanceTests`
 instead: it also reopens the backend on the same location and expects every entry back.
+
+A tier with a byte budget also implements ``make_bounded_backend(ctx, location, capacity_bytes)``
+(the tier built small): if it declares ``reports_removals``, the suite then checks that what it
+evicts it reports, and holds no more (:mod:`lmcache_async.testing.eviction_conformance`).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 
 from lmcache_async.memory import MemoryFormat, PoolAllocator
 from lmcache_async.testing.declarations import declaration_problems
+from lmcache_async.testing.eviction_conformance import EvictionConformanceTests
 from lmcache_async.testing.hooks import flush_backend
 from lmcache_async.testing.medium_conformance import MediumConformanceTests
 from lmcache_async.testing.objects import make_key, make_obj, same_entry
@@ -34,10 +39,12 @@ from lmcache_async.tiers import RemovalReason, StorageBackend
 __all__ = ["BackendConformanceTests", "PersistentBackendConformanceTests", "make_key", "make_obj"]
 
 
-class BackendConformanceTests(MediumConformanceTests):
+class BackendConformanceTests(MediumConformanceTests, EvictionConformanceTests):
     """Generic tests every backend must pass. Subclass and implement :meth:`make_backend`
     (and the medium hooks where the medium can be read directly). Includes the medium checks
-    and the Hypothesis state machine of :class:`MediumConformanceTests`."""
+    and the Hypothesis state machine of :class:`MediumConformanceTests`, and the eviction check
+    of :class:`~lmcache_async.testing.eviction_conformance.EvictionConformanceTests` (a tier
+    with a byte budget implements its ``make_bounded_backend`` hook)."""
 
     # ---- capabilities --------------------------------------------------------------------------
     async def test_capabilities_are_bools(self, backend: StorageBackend) -> None:

@@ -15,6 +15,9 @@ class TestInMemoryConformance(BackendConformanceTests):
     async def make_backend(self, ctx: BackendContext, location: Path) -> InMemoryBackend:
         return InMemoryBackend(ctx)
 
+    async def make_bounded_backend(self, ctx: BackendContext, location: Path, capacity_bytes: int) -> InMemoryBackend:
+        return InMemoryBackend(ctx, capacity_bytes=capacity_bytes)  # refuses, never evicts
+
     def medium_keys(self, backend: StorageBackend, location: Path) -> set[str] | None:
         assert isinstance(backend, InMemoryBackend)
         return set(backend.snapshot())

@@ -17,6 +17,9 @@ class TestCPUConformance(BackendConformanceTests):
     async def make_backend(self, ctx: BackendContext, location: Path) -> CPUBackend:
         return CPUBackend(PoolAllocator(64 << 20, name="cpu-under-test", pretouch=False))
 
+    async def make_bounded_backend(self, ctx: BackendContext, location: Path, capacity_bytes: int) -> CPUBackend:
+        return CPUBackend(PoolAllocator(capacity_bytes, name="cpu-bounded", pretouch=False))
+
 
 def _fill(cpu: CPUBackend, key, n: int = 1024):
     obj = cpu.allocate((n,), torch.float32, MemoryFormat.UNDEFINED)

@@ -34,6 +34,9 @@ class TestSealedDiskConformance(PersistentBackendConformanceTests):
     async def make_backend(self, ctx: BackendContext, location: Path) -> DiskBackend:
         return DiskBackend(location, 1 << 30, executor=ctx.executor, staging=ctx.staging, cipher=self.cipher)
 
+    async def make_bounded_backend(self, ctx: BackendContext, location: Path, capacity_bytes: int) -> DiskBackend:
+        return DiskBackend(location, capacity_bytes, executor=ctx.executor, staging=ctx.staging, cipher=self.cipher)
+
 
 def _files(root: Path) -> list[Path]:
     return [p for p in root.rglob("*.lmc") if not p.name.startswith(".")]

@@ -16,16 +16,20 @@ pytestmark = pytest.mark.nixl
 class TestNixlPosixFilesConformance(PersistentBackendConformanceTests):
     """One file per entry (``nixl_pool_size: 0``)."""
 
-
     async def make_backend(self, ctx: BackendContext, location: Path) -> NixlBackend:
         return NixlBackend(ctx, NixlSettings(plugin="POSIX", path=str(location), max_bytes=256 << 20))
+
+    async def make_bounded_backend(self, ctx: BackendContext, location: Path, capacity_bytes: int) -> NixlBackend:
+        return NixlBackend(ctx, NixlSettings(plugin="POSIX", path=str(location), max_bytes=capacity_bytes))
 
 
 class TestNixlPosixSlotsConformance(PersistentBackendConformanceTests):
     """Pre-created slot files (``nixl_pool_size: 64``)."""
 
-
     async def make_backend(self, ctx: BackendContext, location: Path) -> NixlBackend:
+        return NixlBackend(ctx, NixlSettings(plugin="POSIX", path=str(location), pool_size=64, max_bytes=256 << 20))
+
+    async def make_bounded_backend(self, ctx: BackendContext, location: Path, capacity_bytes: int) -> NixlBackend:
         return NixlBackend(
-            ctx, NixlSettings(plugin="POSIX", path=str(location), pool_size=64, max_bytes=256 << 20)
+            ctx, NixlSettings(plugin="POSIX", path=str(location), pool_size=64, max_bytes=capacity_bytes)
         )

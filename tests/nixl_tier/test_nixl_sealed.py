@@ -34,6 +34,10 @@ class TestSealedNixlConformance(PersistentBackendConformanceTests):
         settings = NixlSettings(plugin="POSIX", path=str(location), max_bytes=256 << 20, chunk_bytes=64 << 10)
         return NixlBackend(ctx, settings, cipher=_cipher(location.parent, "conformance.key"))
 
+    async def make_bounded_backend(self, ctx: BackendContext, location: Path, capacity_bytes: int) -> NixlBackend:
+        settings = NixlSettings(plugin="POSIX", path=str(location), max_bytes=capacity_bytes, chunk_bytes=64 << 10)
+        return NixlBackend(ctx, settings, cipher=_cipher(location.parent, "conformance.key"))
+
 
 def _cipher(tmp_path: Path, name: str) -> RecordCipher:
     path = tmp_path / name

@@ -3,6 +3,7 @@ conformance kit, a YAML ``tiers:`` section, the StorageManager and ``lmcache-asy
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,18 +12,23 @@ import torch
 
 from lmcache_async.config import LMCacheEngineConfig, load_engine_config
 from lmcache_async.errors import ConfigError
-from lmcache_async.memory import MemoryObj
+from lmcache_async.keys import CacheEngineKey
+from lmcache_async.memory import MemoryObj, PoolAllocator
 from lmcache_async.storage_manager import StorageManager
 from lmcache_async.testing import BackendConformanceTests, make_key
 from lmcache_async.testing.declarations import declaration_problems
+from lmcache_async.testing.eviction_conformance import KEY_BASE, eviction_problems
 from lmcache_async.tiers import BackendContext, RemovalReason, StorageBackend, configured_tiers, known_backends
 
-example_tier = pytest.importorskip("example_tier", reason="install tests/third_party_tier (nox does)")
+example_tier: Any = pytest.importorskip("example_tier", reason="install tests/third_party_tier (nox does)")
 
 
 class TestExampleTierConformance(BackendConformanceTests):
     async def make_backend(self, ctx: BackendContext, location: Path) -> StorageBackend:
         return example_tier.ExampleTier(ctx, example_tier.ExampleSettings(capacity_bytes=256 << 20))
+
+    async def make_bounded_backend(self, ctx: BackendContext, location: Path, capacity_bytes: int) -> StorageBackend:
+        return example_tier.ExampleTier(ctx, example_tier.ExampleSettings(capacity_bytes=capacity_bytes))
 
 
 def _yaml(tmp_path: Path, text: str) -> LMCacheEngineConfig:
@@ -67,7 +73,10 @@ def test_the_manager_writes_through_reads_back_and_hears_its_evictions(tmp_path:
             assert sm.put_sync(make_key(100 + i), torch.full((512,), float(i)))
         sm.flush_sync()
         assert any(t == "example" and r is RemovalReason.EVICTED for t, _, r in heard)
-        sm.backend("cpu").clear_nowait()  # the entry is then only in the example tier
+        cpu = sm.backend("cpu")
+        front = cpu.as_pool() if cpu is not None else None
+        assert front is not None
+        front.clear_nowait()  # the entry is then only in the example tier
         got = sm.get_sync(make_key(105))
         assert isinstance(got, MemoryObj) and torch.equal(got.tensor, torch.full((512,), 5.0))
         got.ref_count_down()
@@ -84,6 +93,23 @@ def test_a_tier_declaring_a_capability_it_lacks_fails_the_kit_naming_it(backend_
     tier = _DeclaresLocal(backend_context(), example_tier.ExampleSettings())
     problems = declaration_problems(tier)
     assert len(problems) == 1 and "capability 'local'" in problems[0] and "lookup" in problems[0]
+
+
+class _EvictsSilently(example_tier.ExampleTier):
+    """Declares reports_removals (as the example does) but drops its eviction reports."""
+
+    def report_removed(self, keys: Sequence[CacheEngineKey], reason: RemovalReason) -> None:
+        if reason is not RemovalReason.EVICTED:
+            super().report_removed(keys, reason)
+
+
+async def test_a_tier_evicting_without_reporting_fails_the_kit_naming_the_key(backend_context: Any) -> None:
+    pool = PoolAllocator(8 << 20, name="src", pretouch=False)
+    tier = _EvictsSilently(backend_context(), example_tier.ExampleSettings(capacity_bytes=64 << 10))
+    problems = await eviction_problems(tier, pool, 64 << 10, wait_s=0.5)
+    assert problems and f"no longer holds key {make_key(KEY_BASE)}" in problems[0], problems
+    assert "EVICTED missing" in problems[0]
+    assert await eviction_problems(example_tier.ExampleTier(backend_context(), tier.settings), pool, 64 << 10) == []
 
 
 def test_lmcache_async_serve_uses_it_as_a_lower_tier(tmp_path: Path) -> None:
