@@ -67,7 +67,7 @@ from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj, gib_to_bytes
 from lmcache_async.read_sinks import ReadSink
 from lmcache_async.records import header_length
-from lmcache_async.tiers import Allocate, BackendContext, RemovalReason, StorageBackend
+from lmcache_async.tiers import UNKNOWN, Allocate, BackendContext, CannotTell, RemovalReason, StorageBackend
 
 if TYPE_CHECKING:
     from lmcache_async.backends.disk_leases import LeaseDir
@@ -484,14 +484,14 @@ class DiskBackend(StorageBackend):
         """Presence of each key; raises OSError when a lookup cannot tell (see :meth:`contains`)."""
         return [self._lookup(_check_key(k)) for k in keys]
 
-    def contains_nowait(self, key: CacheEngineKey) -> bool | None:
-        """One ``os.stat`` of the entry's file (any thread; see :meth:`_lookup`). None (unknown: the
+    def contains_nowait(self, key: CacheEngineKey) -> bool | CannotTell:
+        """One ``os.stat`` of the entry's file (any thread; see :meth:`_lookup`). UNKNOWN (the
         manager then asks :meth:`contains` on its loop, which raises and so is counted) when the
         tier is closed or the file cannot be looked at; False only when there is no such file."""
         try:
             return self._lookup(key)
         except OSError:
-            return None
+            return UNKNOWN
 
     async def contains(self, key: CacheEngineKey) -> bool:
         """True when the entry's file is there. Raises OSError when that cannot be told (closed

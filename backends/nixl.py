@@ -96,7 +96,7 @@ from lmcache_async.memory import MemoryObj, PoolAllocator
 from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.record_sections import SEAL_SECTION_LEN, TAG_LEN, sealed_length
 from lmcache_async.records import MAX_KEY_LEN, MAX_RANK, ForeignSeal, RecordError, header_length
-from lmcache_async.tiers import Allocate, BackendContext, StorageBackend
+from lmcache_async.tiers import UNKNOWN, Allocate, BackendContext, CannotTell, StorageBackend
 
 logger = logging.getLogger(__name__)
 
@@ -477,12 +477,12 @@ class NixlBackend(StorageBackend):
         )
 
     # ---- contains -------------------------------------------------------------------------------
-    def contains_nowait(self, key: CacheEngineKey) -> bool | None:
-        """Index lookup on the caller's thread (None until the index was rebuilt)."""
+    def contains_nowait(self, key: CacheEngineKey) -> bool | CannotTell:
+        """Index lookup on the caller's thread (UNKNOWN until the index was rebuilt)."""
         if self._closed:
             return False
         if not self._ready.is_set():
-            return None
+            return UNKNOWN
         return key in self._index
 
     async def contains(self, key: CacheEngineKey) -> bool:

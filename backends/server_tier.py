@@ -119,11 +119,19 @@ class ServerTier(StorageBackend):
     def as_leasing(self) -> ServerTier:
         return self
 
+    def as_describer(self) -> ServerTier:
+        return self
+
     def leases(self, ttl_s: float) -> ServerHolds:
         """Holds on this tier's server (:class:`~lmcache_async.tiers.Leasing`)."""
         from lmcache_async.backends.server_leases import ServerHolds
 
         return ServerHolds(self, ttl_s)
+
+    @property
+    def evicted_elsewhere(self) -> bool:
+        """The server evicts from its shared pool on its own and publishes that itself."""
+        return True
 
     @property
     def reports_removals(self) -> bool:
@@ -175,10 +183,11 @@ class ServerTier(StorageBackend):
         <lmcache_async.server.client.ServerClient.describe>`. Caller's thread, one round trip."""
         return self.client.describe([(_kb(k), c) for k, c in zip(keys, chunks, strict=True)])
 
-    def contains_nowait(self, key: CacheEngineKey) -> bool | None:
-        """Presence asked over the socket; None when the server could not be asked."""
+    def contains_nowait(self, key: CacheEngineKey) -> bool | CannotTell:
+        """Presence asked over the socket; :data:`~lmcache_async.tiers.UNKNOWN` when the server
+        could not be asked."""
         got = self.client.contains([_kb(key)])
-        return None if got is None else got[0]
+        return UNKNOWN if got is None else got[0]
 
     def prefix_len(self, keys: Sequence[CacheEngineKey]) -> int:
         """How many leading keys the server holds (0 when it could not be asked)."""

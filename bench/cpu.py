@@ -136,7 +136,7 @@ def bench_lookups(opts: BenchOptions) -> list[Result]:
 
         async def miss_via_hop() -> None:
             for _ in range(n):
-                await sm._run_async(noop())  # the bridge a lower-tier miss takes
+                await sm.loop_thread.run_async(noop())  # the bridge a lower-tier miss takes
 
         samples_hit, samples_hop = [], []
         for _ in range(opts.reps):

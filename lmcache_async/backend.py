@@ -6,8 +6,7 @@
 
 from __future__ import annotations
 
-import warnings
-from typing import Any
+from lmcache_async.deprecation import moved_names
 
 _MOVED = {
     "Allocate": "abc",
@@ -28,15 +27,4 @@ _MOVED = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    where = _MOVED.get(name)
-    if where is None:
-        raise AttributeError(f"module 'lmcache_async.backend' has no attribute {name!r}")
-    warnings.warn(
-        f"lmcache_async.backend.{name} moved to lmcache_async.tiers; the old path goes away in the next release",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    import importlib
-
-    return getattr(importlib.import_module(f"lmcache_async.tiers.{where}"), name)
+__getattr__ = moved_names(__name__, {name: f"lmcache_async.tiers.{where}" for name, where in _MOVED.items()})

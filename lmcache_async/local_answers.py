@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj
 from lmcache_async.tier_guard import TierGuard
-from lmcache_async.tiers import LocalTier, PoolTier
+from lmcache_async.tiers import UNKNOWN, LocalTier, PoolTier
 
 __all__ = ["contains_here", "memory_prefix", "prefix_here"]
 
@@ -22,13 +22,14 @@ def contains_here(
     key: CacheEngineKey, cpu: PoolTier | None, pending: Mapping[CacheEngineKey, MemoryObj], lower: Sequence[TierGuard]
 ) -> bool | None:
     """True/False when this thread can tell whether some tier holds ``key``; None when a lower
-    tier that cannot answer here (``contains_nowait`` gave None) must be asked on the loop."""
+    tier that cannot answer here (``contains_nowait`` gave :data:`~lmcache_async.tiers.UNKNOWN`)
+    must be asked on the loop."""
     if (cpu is not None and key in cpu) or key in pending:
         return True
     need_loop = False
     for tier in lower:
-        r = tier.backend.contains_nowait(key)
-        if r is None:
+        r = tier.contains_nowait(key)
+        if r is UNKNOWN:
             need_loop = True
         elif r:
             return True
@@ -59,8 +60,8 @@ def prefix_here(
         # a later key may be local again (queued write-through, CPU) after a lower-tier hit
         found = k in pending or (cpu is not None and k in cpu)
         for tier, local_flags in () if found else zip(lower, flags, strict=True):
-            r = tier.backend.contains_nowait(k) if local_flags is None else local_flags[n - start]
-            if r is None:
+            r = tier.contains_nowait(k) if local_flags is None else local_flags[n - start]
+            if r is UNKNOWN:
                 need_loop = True
             elif r:
                 found = True

@@ -18,7 +18,7 @@ import threading
 import warnings
 from collections.abc import Callable, Generator, Sequence
 from types import TracebackType
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, Self, TypeVar
 
 from lmcache_async import at_exit
 from lmcache_async.errors import LoopThreadCallError
@@ -29,7 +29,7 @@ from lmcache_async.staging import StagingArea
 from lmcache_async.tiers import PoolTier
 from lmcache_async.write_through import WriteThrough
 
-__all__ = ["CLOSE_FLUSH_S", "START_TIMEOUT_FLOOR_S", "Detachable", "Lifecycle", "Opening"]
+__all__ = ["CLOSE_FLUSH_S", "START_TIMEOUT_FLOOR_S", "ClosedByLifecycle", "Detachable", "Lifecycle", "Opening"]
 
 logger = logging.getLogger(__name__)
 
@@ -228,6 +228,62 @@ class Lifecycle:
             stacklevel=1,
             source=source,
         )
+
+
+class ClosedByLifecycle:
+    """The closing half of a manager's public surface, written once over its :class:`Lifecycle`:
+    ``close_sync``/``close``/``aclose``, ``with`` and ``async with`` blocks, the ``closed`` flag,
+    and closing (with a ``ResourceWarning``) when collected unclosed.
+
+    A subclass sets ``_life`` when it is built (never before: an object that failed to build
+    closes nothing) and overrides :meth:`_let_go` to drop its own references once closed.
+    """
+
+    _life: Lifecycle
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` started."""
+        return self._life.closed
+
+    def close_sync(self, flush_timeout: float = CLOSE_FLUSH_S) -> None:
+        """Refuse new work, flush pending writes (bounded), close the tiers and stop the loop.
+
+        Idempotent. Raises :class:`LoopThreadCallError` on the loop thread."""
+        self._life.close_sync(flush_timeout)
+        self._let_go()
+
+    async def close(self, flush_timeout: float = CLOSE_FLUSH_S) -> None:
+        """Async twin of :meth:`close_sync`, awaitable from any loop. Awaited on the manager's own loop thread it
+        closes everything and returns without raising; that loop stops once the awaiting task next yields, so nothing
+        else should be left to run there."""
+        await self._life.close_async(flush_timeout)
+        self._let_go()
+
+    async def aclose(self, flush_timeout: float = CLOSE_FLUSH_S) -> None:
+        """The same as :meth:`close` (the name async resources use)."""
+        await self.close(flush_timeout)
+
+    def _let_go(self) -> None:
+        """Once closed, drop this object's own references to tiers and pools (default: nothing)."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close_sync()
+
+    def __del__(self) -> None:
+        # Never closed: the lifecycle closes it (bounded), then warns; nothing when never built or closed.
+        life = self.__dict__.get("_life")
+        if life is not None:
+            life.collected(self)
 
 
 class _AsyncClosable(Protocol):

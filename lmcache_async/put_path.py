@@ -14,12 +14,12 @@ here waits for the loop.
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from lmcache_async.deprecation import moved_names
 from lmcache_async.errors import ManagerClosedError
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.lower_tiers import LowerTiers
@@ -37,15 +37,7 @@ if TYPE_CHECKING:
 __all__ = ["PutPath", "check_put_batch"]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "DirectPutTier":  # the older name, kept for one release
-        warnings.warn(
-            "lmcache_async.put_path.DirectPutTier moved to lmcache_async.tiers.DirectPut",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return DirectPut
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = moved_names(__name__, {"DirectPutTier": "lmcache_async.tiers:DirectPut"})  # kept for one release
 
 
 def check_put_batch(keys: Sequence[CacheEngineKey], values: Sequence[torch.Tensor | MemoryObj]) -> None:

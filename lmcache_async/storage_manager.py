@@ -12,20 +12,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
-from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, Self, TypeVar
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 import torch
 
 from lmcache_async.config import LMCacheEngineConfig
+from lmcache_async.deprecation import renamed
 from lmcache_async.errors import LoopThreadCallError, ManagerClosedError
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.local_answers import contains_here, prefix_here
 from lmcache_async.loop import LoopThread
 from lmcache_async.loop_work import release_obj
 from lmcache_async.lower_tiers import release_objs
-from lmcache_async.manager_lifecycle import CLOSE_FLUSH_S, Lifecycle, Opening
+from lmcache_async.manager_lifecycle import ClosedByLifecycle, Lifecycle, Opening
 from lmcache_async.manager_parts import ManagerParts, build_parts
 from lmcache_async.manager_stats import manager_stats
 from lmcache_async.memory import MemoryFormat, MemoryObj
@@ -33,16 +33,23 @@ from lmcache_async.metadata import LMCacheEngineMetadata
 from lmcache_async.put_path import check_put_batch
 from lmcache_async.read_sinks import ReadSink
 from lmcache_async.sync_bridge import sync_twin
-from lmcache_async.tier_access import backend_named, leases_of, sole_batch_reader
-from lmcache_async.tiers import UNKNOWN, BatchLookup, CannotTell, DirectPut, Presence, PromiseLeases, StorageBackend
+from lmcache_async.tier_access import backend_named, describer_of, leases_of, sole_batch_reader
+from lmcache_async.tiers import (
+    UNKNOWN,
+    BatchLookup,
+    CannotTell,
+    Describer,
+    DirectPut,
+    Presence,
+    PromiseLeases,
+    StorageBackend,
+)
 from lmcache_async.where import MEMORY_TIER
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
-
-class StorageManager:
+class StorageManager(ClosedByLifecycle):
     """Tiered async storage for cache entries; see the module docstring.
 
     Coroutines can be awaited from any event loop; ``*_sync`` twins serve threads without one. Misuse raises a named
@@ -133,31 +140,6 @@ class StorageManager:
             if type(k) is not CacheEngineKey:
                 raise _not_a_key(k)
 
-    def _check_key(self, key: CacheEngineKey) -> None:
-        self._check_usable()
-        if type(key) is not CacheEngineKey:
-            raise _not_a_key(key)
-
-    @property
-    def closed(self) -> bool:
-        """True once :meth:`close` started."""
-        return self._life.closed
-
-    @property
-    def one_off_refused(self) -> int:
-        """One-off buffers refused because they would eat into the memory reserve."""
-        return self._staging.one_off_refused
-
-    @property
-    def put_rejected(self) -> int:
-        """Puts refused (no tier could take them right now, or ever)."""
-        return self._put.put_rejected
-
-    @property
-    def put_too_large(self) -> int:
-        """Puts refused because no tier could ever hold them."""
-        return self._put.put_too_large
-
     @property
     def has_lower_tiers(self) -> bool:
         """True when a tier below the CPU tier is configured."""
@@ -172,10 +154,6 @@ class StorageManager:
     def loop_thread(self) -> LoopThread:
         """The manager's loop thread (its ``loop`` runs every lower-tier coroutine)."""
         return self._lt
-
-    async def _run_async(self, coro: Coroutine[Any, Any, T], orphan: Callable[[T], None] | None = None) -> T:
-        """Await ``coro`` on the loop thread (unbounded; for tools measuring the bridge)."""
-        return await self._lt.run_async(coro, orphan)
 
     async def put(
         self, key: CacheEngineKey, value: torch.Tensor | MemoryObj, fmt: MemoryFormat = MemoryFormat.UNDEFINED
@@ -272,7 +250,7 @@ class StorageManager:
 
         A lower-tier hit is promoted into the CPU tier when it has room.
         """
-        self._check_key(key)
+        self._check_keys((key,))
         obj = self._front.entry(key, self._local)  # the CPU tier, queued writes, the local tiers
         if obj is not None or not self._loop_readers:
             return obj
@@ -341,7 +319,7 @@ class StorageManager:
 
     def _contains_front(self, key: CacheEngineKey) -> bool | None:
         """True/False when answered on this thread, None when a lower tier must be asked."""
-        self._check_key(key)
+        self._check_keys((key,))
         return contains_here(key, self._cpu, self._pending, self._lower)
 
     async def contains(self, key: CacheEngineKey) -> bool:
@@ -385,15 +363,8 @@ class StorageManager:
 
     prefix_len_sync = sync_twin(prefix_len)
 
-    async def batched_contains(self, keys: Sequence[CacheEngineKey]) -> int:
-        """Deprecated name of :meth:`prefix_len` (kept for one release; warns)."""
-        _renamed("batched_contains", "prefix_len")
-        return await self.prefix_len(keys)
-
-    def batched_contains_sync(self, keys: Sequence[CacheEngineKey]) -> int:
-        """Deprecated name of :meth:`prefix_len_sync` (kept for one release; warns)."""
-        _renamed("batched_contains_sync", "prefix_len_sync")
-        return self.prefix_len_sync(keys)
+    batched_contains = renamed("StorageManager", prefix_len, "batched_contains")
+    batched_contains_sync = renamed("StorageManager", prefix_len_sync, "batched_contains_sync")
 
     def touch(self, keys: Sequence[CacheEngineKey]) -> None:
         """Mark ``keys`` recently used in every local tier (LRU). Caller's thread, no hop."""
@@ -408,6 +379,13 @@ class StorageManager:
         the caller's thread (the CPU tier, the node server's shared pool); ``available``: the tier's circuit breaker is
         closed (an open or half-open breaker means it failed or timed out lately). Any thread, no I/O."""
         return self._where.tier_status()
+
+    def tier_holds(self, tier: str, key: CacheEngineKey) -> bool | CannotTell:
+        """Whether tier ``tier`` (a name of :attr:`tier_names`) holds ``key``, on the caller's thread with no hop:
+        :data:`~lmcache_async.tiers.UNKNOWN` when that tier cannot tell here (it answers on the loop only, failed, or
+        is not configured). A lower tier's True is unverified until read."""
+        self._check_keys((key,))
+        return self._where.holds_here(tier, key)
 
     def locate_here(self, keys: Sequence[CacheEngineKey]) -> tuple[list[str | None], bool]:
         """:meth:`locate` as far as the caller's thread can answer it, with no hop: (the tier per key, or None; whether
@@ -455,7 +433,7 @@ class StorageManager:
     async def remove(self, key: CacheEngineKey) -> bool:
         """Delete ``key`` from every tier; True when some tier held it. Readers holding a reference keep valid data
         until they release it."""
-        self._check_key(key)
+        self._check_keys((key,))
         removed = self._cpu.remove_nowait(key) if self._cpu is not None else False
         if self._lower:
             removed = await self._hop(self._work.remove(key)) or removed
@@ -490,6 +468,11 @@ class StorageManager:
         then asks just that tier, on the caller's thread), else None."""
         return sole_batch_reader(self._front.cpu_backend, self._lower)
 
+    def describer(self) -> Describer | None:
+        """The first lower tier's :class:`~lmcache_async.tiers.Describer` (the node server's, which records the engine
+        blocks of each entry for its KV-event publisher), else None."""
+        return describer_of(self._lower)
+
     @property
     def direct_put(self) -> DirectPut | None:
         """The tier puts are written into on the caller's thread (no CPU tier, the first lower tier declaring
@@ -501,47 +484,11 @@ class StorageManager:
         the manager's own calls (:meth:`lookup_local`, ...)."""
         return backend_named(self._front.cpu_backend, self._lower, name)
 
-    def close_sync(self, flush_timeout: float = CLOSE_FLUSH_S) -> None:
-        """Refuse new work, flush pending writes (bounded), close the tiers and stop the loop.
-
-        Idempotent. Raises :class:`LoopThreadCallError` on the loop thread."""
-        self._life.close_sync(flush_timeout)
-        self._let_go()
-
-    async def close(self, flush_timeout: float = CLOSE_FLUSH_S) -> None:
-        """Async twin of :meth:`close_sync`, awaitable from any loop. Awaited on the manager's own loop thread it
-        closes everything and returns without raising; that loop stops once the awaiting task next yields, so nothing
-        else should be left to run there."""
-        await self._life.close_async(flush_timeout)
-        self._let_go()
-
-    async def aclose(self, flush_timeout: float = CLOSE_FLUSH_S) -> None:
-        """The same as :meth:`close` (the name async resources use)."""
-        await self.close(flush_timeout)
-
     def _let_go(self) -> None:
         """Once closed, drop this object's own references to the tiers and pools (the parts drop theirs on release), so
         their memory goes while this object lives on."""
         if self._life.closed:
             self._cpu, self._local, self._lower, self.pool, self.staging_pool = None, (), (), None, None
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close_sync()
-
-    def __del__(self) -> None:
-        # Never closed: the lifecycle closes it (bounded), then warns; nothing when never built or closed.
-        life = self.__dict__.get("_life")
-        if life is not None:
-            life.collected(self)
 
     def __repr__(self) -> str:
         return f"StorageManager(name={self.name!r}, tiers={self.tier_names}, closed={self.closed})"
@@ -549,7 +496,3 @@ class StorageManager:
 
 def _not_a_key(key: object) -> TypeError:
     return TypeError(f"key must be a CacheEngineKey, got {type(key).__name__}")
-
-
-def _renamed(old: str, new: str) -> None:
-    warnings.warn(f"StorageManager.{old} is deprecated; use StorageManager.{new}", DeprecationWarning, stacklevel=3)

@@ -26,7 +26,7 @@ import functools
 import threading
 import types
 from collections.abc import Callable, Coroutine, Generator
-from typing import Any, Concatenate, Final, Generic, Literal, ParamSpec, Protocol, TypeVar
+from typing import Any, Concatenate, Final, Generic, ParamSpec, Protocol, TypeVar
 
 from lmcache_async.errors import LoopThreadCallError
 from lmcache_async.loop import LoopThread
@@ -142,7 +142,7 @@ NOT_HERE: Final = UNKNOWN
 
 def sync_twin(
     op: Callable[Concatenate[Any, P], Coroutine[Any, Any, R]],
-    local: Callable[Concatenate[Any, P], R | Literal[CannotTell.UNKNOWN] | Coroutine[Any, Any, R]] | None = None,
+    local: Callable[Concatenate[Any, P], R | CannotTell | Coroutine[Any, Any, R]] | None = None,
 ) -> Callable[Concatenate[_HasBridge, P], R]:
     """The blocking twin of the operation ``op`` (a coroutine method of an object with a
     ``bridge``): same arguments, same result, same errors, run by :meth:`SyncBridge.run`.

@@ -2,8 +2,9 @@
 
 Pure functions over the CPU tier's backend and the lower tiers' guards (search order) that pick
 the tier an integration asks for: the leases of a tier declaring
-:class:`~lmcache_async.tiers.Leasing`, the :class:`~lmcache_async.tiers.BatchLookup` of a manager's
-only tier, and a tier's backend by name (for tests and tools).
+:class:`~lmcache_async.tiers.Leasing`, the first :class:`~lmcache_async.tiers.Describer`, the
+:class:`~lmcache_async.tiers.BatchLookup` of a manager's only tier, and a tier's backend by name
+(for tests and tools).
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lmcache_async.tier_guard import TierGuard
-from lmcache_async.tiers import BatchLookup, PromiseLeases, StorageBackend
+from lmcache_async.tiers import BatchLookup, Describer, PromiseLeases, StorageBackend
 
-__all__ = ["backend_named", "leases_of", "sole_batch_reader"]
+__all__ = ["backend_named", "describer_of", "leases_of", "sole_batch_reader"]
 
 
 def leases_of(lower: Sequence[TierGuard], ttl_s: float, tier: str | None) -> PromiseLeases | None:
@@ -26,6 +27,15 @@ def leases_of(lower: Sequence[TierGuard], ttl_s: float, tier: str | None) -> Pro
     if not leasing:
         return None
     return min(leasing, key=lambda x: (not x[0], x[1]))[2].leases(ttl_s)
+
+
+def describer_of(lower: Sequence[TierGuard]) -> Describer | None:
+    """The :class:`~lmcache_async.tiers.Describer` of the first of ``lower`` declaring one."""
+    for g in lower:
+        d = g.backend.as_describer()
+        if d is not None:
+            return d
+    return None
 
 
 def sole_batch_reader(cpu: StorageBackend | None, lower: Sequence[TierGuard]) -> BatchLookup | None:

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar, TypeVarTuple
+from typing import TYPE_CHECKING, Any, Final, TypeVar, TypeVarTuple
 
 from lmcache_async.circuit import CircuitBreaker
 from lmcache_async.ratelog import RateLimitedLog
@@ -90,9 +90,7 @@ class TierGuard:
         self._direct_lock = threading.Lock()
         self._log = RateLimitedLog(log, LOG_BURST_S)
 
-    async def call(
-        self, op: str, fn: Callable[[*Ts], Awaitable[T]], *args: *Ts, n: int = 1
-    ) -> T | Literal[CannotTell.UNKNOWN]:
+    async def call(self, op: str, fn: Callable[[*Ts], Awaitable[T]], *args: *Ts, n: int = 1) -> T | CannotTell:
         """``await fn(*args)`` under the tier's timeout and breaker; :data:`NO_ANSWER` when the
         breaker skips the tier, the call times out or it raises (``op`` names it in the log).
 
@@ -152,6 +150,13 @@ class TierGuard:
             self.direct_counts["hits"] += hits
             self.direct_counts["misses"] += (1 if hits < n else 0) if prefix else n - hits
         return flags
+
+    def contains_nowait(self, key: CacheEngineKey) -> bool | CannotTell:
+        """The backend's :meth:`~lmcache_async.tiers.StorageBackend.contains_nowait` on the
+        caller's thread, with None (a tier of the contract's first release) read as
+        :data:`UNKNOWN`."""
+        r = self.backend.contains_nowait(key)
+        return UNKNOWN if r is None else r
 
     @property
     def answers_locally(self) -> bool:

@@ -3,7 +3,8 @@
 :class:`TierMap` holds a manager's front and tier stack and answers, per key, which tier holds it
 (:meth:`TierMap.locate_front` on the caller's thread, :meth:`TierMap.locate_lower` on the loop for
 the keys only a loop-side tier can answer), whether each tier's reads are memory copies and
-whether it is available (:meth:`TierMap.tier_status`), whether a hit sits in memory
+whether it is available (:meth:`TierMap.tier_status`), whether one named tier holds a key
+(:meth:`TierMap.holds_here`), whether a hit sits in memory
 (:meth:`TierMap.in_memory`, which asks tiers declaring :class:`~lmcache_async.tiers.Locator`), and
 how long one read of a lower tier takes (:meth:`TierMap.probe`).
 """
@@ -21,7 +22,7 @@ from lmcache_async.front import Front
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryFormat
 from lmcache_async.tier_guard import TierGuard
-from lmcache_async.tiers import UNKNOWN
+from lmcache_async.tiers import UNKNOWN, CannotTell
 
 __all__ = ["MEMORY_TIER", "TierMap"]
 
@@ -43,6 +44,21 @@ class TierMap:
         """Let go of the tiers (after close)."""
         self.guards = ()
         self.memory_readers = []
+
+    def holds_here(self, tier: str, key: CacheEngineKey) -> bool | CannotTell:
+        """Whether tier ``tier`` holds ``key``, asked on the caller's thread: the CPU tier's index,
+        or a lower tier's ``contains_nowait``; UNKNOWN when the tier cannot tell here, and for a
+        tier that is not configured. Never raises for storage trouble (UNKNOWN)."""
+        cpu = self._front.cpu_backend
+        if cpu is not None and cpu.name == tier:
+            return bool(cpu.contains_nowait(key))
+        for g in self.guards:
+            if g.name == tier:
+                try:
+                    return g.contains_nowait(key)
+                except Exception:  # a tier's trouble is "cannot tell", never the caller's exception
+                    return UNKNOWN
+        return UNKNOWN
 
     def tier_status(self) -> dict[str, tuple[bool, bool]]:
         """Per tier name, in search order: ``(reads_memory, available)`` (see
@@ -76,8 +92,8 @@ class TierMap:
         unresolved: dict[int, int] = {}
         for i in rest:
             for gi, g in enumerate(guards):
-                r = flags[gi][i] if flags[gi] is not None else g.backend.contains_nowait(keys[i])
-                if r is None:
+                r = flags[gi][i] if flags[gi] is not None else g.contains_nowait(keys[i])
+                if r is UNKNOWN:
                     unresolved[i] = gi
                     break
                 if r:

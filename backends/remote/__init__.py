@@ -24,7 +24,7 @@ from typing import Any
 from lmcache_async.encryption import cipher_for
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj
-from lmcache_async.tiers import Allocate, BackendContext, StorageBackend
+from lmcache_async.tiers import UNKNOWN, Allocate, BackendContext, CannotTell, StorageBackend
 
 from .connector import (
     Connector,
@@ -223,8 +223,10 @@ class RemoteBackend(StorageBackend):
         """Delete every entry below this backend's prefix (all models)."""
         await self.connector.clear(self._prefix)
 
-    def contains_nowait(self, key: CacheEngineKey) -> bool | None:
-        return self.connector.exists_nowait(entry_name(self._prefix, key))
+    def contains_nowait(self, key: CacheEngineKey) -> bool | CannotTell:
+        """The connector's answer without I/O (UNKNOWN when it has none: the loop asks)."""
+        r = self.connector.exists_nowait(entry_name(self._prefix, key))
+        return UNKNOWN if r is None else r
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"scheme": self.connector.scheme, "prefix": self._prefix}

@@ -48,7 +48,7 @@ class BackendConformanceTests(MediumConformanceTests, EvictionConformanceTests):
 
     # ---- capabilities --------------------------------------------------------------------------
     async def test_capabilities_are_bools(self, backend: StorageBackend) -> None:
-        for cap in ("persistent", "shared", "supports_delete", "is_remote"):
+        for cap in ("persistent", "shared", "supports_delete", "is_remote", "reports_removals", "evicted_elsewhere"):
             assert isinstance(getattr(backend, cap), bool), cap
         assert isinstance(backend.name, str) and backend.name
         assert isinstance(backend.stats(), dict)

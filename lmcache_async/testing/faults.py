@@ -23,7 +23,7 @@ from typing import Any, Literal
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj
 from lmcache_async.read_sinks import ReadSink
-from lmcache_async.tiers import Allocate, DirectReader, RemovalListener, StorageBackend
+from lmcache_async.tiers import UNKNOWN, Allocate, CannotTell, DirectReader, RemovalListener, StorageBackend
 
 __all__ = ["FaultMode", "FaultyTier"]
 
@@ -151,8 +151,8 @@ class FaultyTier(StorageBackend):
         await self._gate()
         await self.inner.clear()
 
-    def contains_nowait(self, key: CacheEngineKey) -> bool | None:
-        return self.inner.contains_nowait(key) if self.mode == "ok" else None
+    def contains_nowait(self, key: CacheEngineKey) -> bool | CannotTell:
+        return self.inner.contains_nowait(key) if self.mode == "ok" else UNKNOWN
 
     def stats(self) -> dict[str, Any]:
         """The wrapped backend's figures plus ``injected`` (calls that met a fault)."""

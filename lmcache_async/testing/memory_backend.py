@@ -164,7 +164,7 @@ class InMemoryBackend(StorageBackend):
             self._bytes = 0
 
     # ---- caller-thread answers ----------------------------------------------------------------
-    def contains_nowait(self, key: CacheEngineKey) -> bool | None:
+    def contains_nowait(self, key: CacheEngineKey) -> bool:
         """:meth:`contains`, answered on any thread (the dict is the whole truth here)."""
         _check_key(key)
         with self._lock:

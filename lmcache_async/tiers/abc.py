@@ -58,7 +58,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, TypeAlias, runtime_checkable
 
 import torch
 
@@ -77,6 +77,7 @@ __all__ = [
     "BackendContext",
     "BatchLookup",
     "CannotTell",
+    "Describer",
     "DirectPut",
     "DirectReader",
     "Leasing",
@@ -91,27 +92,27 @@ __all__ = [
 ]
 
 
-class CannotTell(enum.Enum):
-    """The type of :data:`UNKNOWN` (a one-member enum, so type checkers narrow on ``is``)."""
-
-    UNKNOWN = "cannot tell"
-
-    def __repr__(self) -> str:
-        return "UNKNOWN"
-
-
-UNKNOWN: Final = CannotTell.UNKNOWN
-"""The one "cannot tell" answer: a tier that failed, timed out or was skipped, or a caller-thread
-path that must hand over to the loop. It is never "absent": callers treat it as a miss for reads
-and must not delete or overwrite anything on its account."""
-
-
 class Presence(enum.Enum):
-    """Tri-state presence as the manager reports it: a tier that failed answers UNKNOWN."""
+    """Tri-state presence as the manager reports it. ``Presence.UNKNOWN`` is :data:`UNKNOWN`, the
+    one "cannot tell" answer everywhere."""
 
     PRESENT = "present"
     ABSENT = "absent"
     UNKNOWN = "unknown"
+
+    def __bool__(self) -> bool:
+        """True for PRESENT only: "cannot tell" is never "held" (nor "absent": see :data:`UNKNOWN`)."""
+        return self is Presence.PRESENT
+
+
+UNKNOWN: Final = Presence.UNKNOWN
+"""The one "cannot tell" answer: a tier that failed, timed out or was skipped, a caller-thread
+answer the tier cannot give (:meth:`StorageBackend.contains_nowait`), or a caller-thread path that
+must hand over to the loop. It is never "absent": callers treat it as a miss for reads and must
+not delete or overwrite anything on its account. The same object as ``Presence.UNKNOWN``."""
+
+CannotTell: TypeAlias = Literal[Presence.UNKNOWN]
+"""The type of :data:`UNKNOWN` (type checkers narrow on ``x is UNKNOWN``)."""
 
 
 class RemovalReason(enum.Enum):
@@ -299,10 +300,22 @@ class StorageBackend(ABC):
         hits by :attr:`is_remote` and whether it is a :class:`LocalTier`)."""
         return None
 
+    def as_describer(self) -> Describer | None:
+        """This tier's record of which engine blocks each entry holds (what a KV-event publisher
+        beside the tier announces), or None."""
+        return None
+
     @property
     def reports_removals(self) -> bool:
         """True when this tier reports what it evicts, deletes or finds damaged through
         :meth:`report_removed` (a listener then sees every removal it makes on its own)."""
+        return False
+
+    @property
+    def evicted_elsewhere(self) -> bool:
+        """True when another process owns this tier's storage and evicts from it on its own
+        (the node cache server's pool): those evictions are that process's to publish (``serve
+        --events``), and this tier's reports cover only the removals made through it."""
         return False
 
     def bind_removals(self, listener: RemovalListener | None) -> None:
@@ -322,11 +335,13 @@ class StorageBackend(ABC):
             pass
 
     # ---- optional synchronous fast path ------------------------------------------------------
-    def contains_nowait(self, key: CacheEngineKey) -> bool | None:
+    def contains_nowait(self, key: CacheEngineKey) -> bool | CannotTell:
         """Answer ``contains`` on a caller thread (any thread but the loop's, concurrently with
-        the loop's coroutines) without waiting for I/O, or None when it cannot tell (the manager
-        then asks :meth:`contains` on the loop). A True must be as good as ``contains``'s."""
-        return None
+        the loop's coroutines) without waiting for I/O, or :data:`UNKNOWN` when it cannot tell
+        (the manager then asks :meth:`contains` on the loop). A True must be as good as
+        ``contains``'s. (A tier written for the first release of this contract may still answer
+        None; the manager reads it as :data:`UNKNOWN` until the next release.)"""
+        return UNKNOWN
 
     def stats(self) -> dict[str, Any]:
         """Backend-specific figures (``entries``, ``bytes``, ``evictions``, ...), numbers only.
@@ -364,8 +379,8 @@ class LocalTier(Protocol):
         staging); a tier whose entries already are memory (the CPU tier) ignores it."""
         ...
 
-    def contains_nowait(self, key: CacheEngineKey) -> bool | None:
-        """Presence without touching the entry; None: cannot tell on this thread."""
+    def contains_nowait(self, key: CacheEngineKey) -> bool | CannotTell:
+        """Presence without touching the entry; :data:`UNKNOWN`: cannot tell on this thread."""
         ...
 
     def prefix_len(self, keys: Sequence[CacheEngineKey]) -> int:
@@ -556,6 +571,20 @@ class Locator(Protocol):
         ...
 
 
+@runtime_checkable
+class Describer(Protocol):
+    """A tier that keeps, beside each entry, a description of the engine blocks it holds, for a
+    publisher of KV events that runs with the tier (the node server's ``--events``)."""
+
+    name: str
+
+    def describe(self, keys: Sequence[CacheEngineKey], chunks: Sequence[Any]) -> list[bool] | None:
+        """Record ``chunks[i]`` (an :class:`~lmcache_async.events.chunks.Chunk`) for committed
+        entry ``keys[i]``: one flag per key (False: not held, nothing recorded), None when the
+        tier could not be asked. Caller threads, bounded (one round trip)."""
+        ...
+
+
 CAPABILITIES: Final[dict[str, tuple[str, type]]] = {
     "pool": ("as_pool", PoolTier),
     "local": ("as_local", LocalTier),
@@ -564,6 +593,7 @@ CAPABILITIES: Final[dict[str, tuple[str, type]]] = {
     "direct_put": ("as_direct_put", DirectPut),
     "leasing": ("as_leasing", Leasing),
     "locator": ("as_locator", Locator),
+    "describer": ("as_describer", Describer),
 }
 """Capability name → (the declaring method of :class:`StorageBackend`, the protocol its answer
 implements). The conformance kit checks each declared answer against its protocol."""

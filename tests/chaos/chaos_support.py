@@ -27,7 +27,7 @@ import xxhash
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj, tensor_byte_view
 from lmcache_async.testing.faults import FaultyTier
-from lmcache_async.tiers import BackendContext, register_backend
+from lmcache_async.tiers import UNKNOWN, BackendContext, CannotTell, register_backend
 
 SCALE_ENV = "LMCACHE_ASYNC_CHAOS_SCALE"
 
@@ -445,8 +445,8 @@ class FaultyBackend(FaultyTier):
             self._bg.add(t)
             t.add_done_callback(self._bg.discard)
 
-    def contains_nowait(self, key: CacheEngineKey) -> bool | None:
-        return None  # always through the loop, where the faults are
+    def contains_nowait(self, key: CacheEngineKey) -> bool | CannotTell:
+        return UNKNOWN  # always through the loop, where the faults are
 
     def stats(self) -> dict[str, Any]:
         out = dict(self.inner.stats())

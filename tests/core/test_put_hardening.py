@@ -34,7 +34,7 @@ class DamagedClaimBackend(MemBackend):
         super().__init__(*a, **kw)
         self.damaged: set[CacheEngineKey] = set()
 
-    def contains_nowait(self, key: CacheEngineKey) -> bool | None:
+    def contains_nowait(self, key: CacheEngineKey) -> bool:
         return key in self.damaged or key in self.data
 
     async def contains(self, key: CacheEngineKey) -> bool:

@@ -15,7 +15,7 @@ from lmcache_async.config import LMCacheEngineConfig, load_engine_config
 from lmcache_async.errors import ConfigError
 from lmcache_async.testing import make_key
 from lmcache_async.testing.declarations import declaration_problems
-from lmcache_async.tiers import UNKNOWN, RemovalReason, TierSpec, configured_tiers, register_tier
+from lmcache_async.tiers import UNKNOWN, Presence, RemovalReason, TierSpec, configured_tiers, register_tier
 from lmcache_async.tiers.registry import TIER_NAMES
 
 
@@ -95,6 +95,26 @@ def test_the_old_sentinels_are_the_one_sentinel() -> None:
     from lmcache_async.tier_guard import NO_ANSWER
 
     assert NO_ANSWER is UNKNOWN and NOT_HERE is UNKNOWN
+    assert Presence.UNKNOWN is UNKNOWN  # the tri-state presence's "cannot tell" is the same object
+    assert not UNKNOWN and not Presence.ABSENT and Presence.PRESENT  # "cannot tell" is never "held"
+
+
+def test_a_tier_answering_none_on_the_callers_thread_is_asked_on_the_loop(make_manager: Any) -> None:
+    """A tier written for the contract's first release answers ``contains_nowait`` with None:
+    the manager reads it as UNKNOWN (asks the loop), never as absent."""
+    from lmcache_async.testing.memory_backend import InMemoryBackend
+
+    class OldStyle(InMemoryBackend):
+        def contains_nowait(self, key: Any) -> Any:
+            return None
+
+    register_tier("old-style", TierSpec(factory=lambda ctx: OldStyle(ctx, name="old-style")), replace=True)
+    sm = make_manager(local_cpu=False, tiers={"old-style": {}}, tier_order=["old-style"])
+    key = make_key(5)
+    assert sm.put_sync(key, torch.arange(8.0))
+    sm.flush_sync()
+    assert sm.contains_sync(key) and sm.prefix_len_sync([key, make_key(6)]) == 1
+    assert sm.locate_sync([key, make_key(6)]) == ["old-style", None]
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from lmcache_async.backends import disk_store
 from lmcache_async.backends.disk import DiskBackend
 from lmcache_async.backends.disk_layout import ACCT_NAME, key_digest
 from lmcache_async.memory import PoolAllocator
-from lmcache_async.tiers import Presence
+from lmcache_async.tiers import UNKNOWN, Presence
 
 from .disk_testkit import dir_bytes, entry_files, key, make_entry, path_of, put_entry, same_bytes, tmp_files
 
@@ -99,7 +99,7 @@ def _loop_shard(root: str, i: int) -> Path:
 async def test_a_lookup_that_fails_is_unknown_not_absent(make_disk, pool, tmp_path):
     be = await make_disk(tmp_path / "d")
     shard = _loop_shard(be.root, 1)
-    assert be.contains_nowait(key(1)) is None
+    assert be.contains_nowait(key(1)) is UNKNOWN
     with pytest.raises(OSError):
         await be.contains(key(1))
     with pytest.raises(OSError):
@@ -109,7 +109,7 @@ async def test_a_lookup_that_fails_is_unknown_not_absent(make_disk, pool, tmp_pa
     assert be.contains_nowait(key(1)) is False
     assert await be.contains(key(1)) is False
     await be.close()
-    assert be.contains_nowait(key(1)) is None
+    assert be.contains_nowait(key(1)) is UNKNOWN
 
 
 def test_the_manager_reports_a_failed_disk_lookup_as_unknown_and_counts_it(make_manager, tmp_path):

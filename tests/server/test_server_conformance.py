@@ -5,12 +5,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from lmcache_async.backends.server_tier import ServerTier
-from lmcache_async.memory import PoolAllocator
 from lmcache_async.server.client import ServerClient
 from lmcache_async.testing import PersistentBackendConformanceTests
 from lmcache_async.testing.cache_server import CacheServerProcess, private_dir
@@ -37,20 +35,6 @@ class TestServerTier(PersistentBackendConformanceTests):
         yield
         for srv in self.bounded:
             srv.kill()
-
-    # The server evicts from its pool on its own; this client tier, though it declares
-    # reports_removals, reports only removals made through it ("the server's own evictions are the
-    # server's to publish": its KV events, lmcache_async.server.events), so a listener bound to the
-    # tier never hears of them. Strict: the day the tier reports them, this xfail fails.
-    @pytest.mark.xfail(
-        reason="the server tier does not report the server's evictions (reported to the lead)",
-        raises=AssertionError,
-        strict=True,
-    )
-    async def test_what_it_evicts_it_reports_and_holds_no_more(
-        self, backend_context: Any, location: Path, src_pool: PoolAllocator
-    ) -> None:
-        await super().test_what_it_evicts_it_reports_and_holds_no_more(backend_context, location, src_pool)
 
     async def make_bounded_backend(self, ctx: BackendContext, location: Path, capacity_bytes: int) -> ServerTier:
         """A client of a server of its own whose shared pool is ``capacity_bytes``."""

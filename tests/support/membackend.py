@@ -9,7 +9,7 @@ from typing import Any
 
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj
-from lmcache_async.tiers import Allocate, BackendContext, StorageBackend, register_backend
+from lmcache_async.tiers import UNKNOWN, Allocate, BackendContext, CannotTell, StorageBackend, register_backend
 
 
 class MemBackend(StorageBackend):
@@ -66,11 +66,11 @@ class MemBackend(StorageBackend):
         await self._gate()
         return key in self.data
 
-    def contains_nowait(self, key: CacheEngineKey) -> bool | None:
+    def contains_nowait(self, key: CacheEngineKey) -> bool | CannotTell:
         """Like a local tier's in-memory index: answered here unless the tier plays a remote
         one or is delayed/failing (then the manager asks :meth:`contains` on its loop)."""
         if self._remote or self.mode != "ok" or self.delay:
-            return None
+            return UNKNOWN
         return key in self.data
 
     async def remove(self, key: CacheEngineKey) -> bool:

@@ -8,10 +8,7 @@ keeps the connector's choice (server holds only without a ``disk`` tier) and the
 
 from __future__ import annotations
 
-import importlib
-import warnings
-from typing import Any
-
+from lmcache_async.deprecation import moved_names
 from lmcache_async.storage_manager import StorageManager
 from lmcache_async.tiers import PromiseLeases
 
@@ -26,10 +23,7 @@ def server_holds_of(sm: StorageManager, ttl_s: float) -> PromiseLeases | None:
     return sm.leases(ttl_s, tier="server")
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("LEASE_PREFIX", "ServerHolds"):  # moved beside the server tier; kept for one release
-        warnings.warn(
-            f"{__name__}.{name} moved to lmcache_async.backends.server_leases", DeprecationWarning, stacklevel=2
-        )
-        return getattr(importlib.import_module("lmcache_async.backends.server_leases"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# Moved beside the server tier; kept for one release.
+__getattr__ = moved_names(
+    __name__, dict.fromkeys(("LEASE_PREFIX", "ServerHolds"), "lmcache_async.backends.server_leases")
+)

@@ -6,7 +6,7 @@ the connector holds None for both halves and the save path pays one ``is None`` 
 * **Worker** (:class:`WorkerEventReports`, model-runner thread plus the manager's threads): a
   chunk's save is reported *stored* on a tier once it is durable there — the CPU tier when the
   put returns (the record is in the pool), every lower tier once the tier itself answers that it
-  holds the entry (``contains_nowait``: the disk tier's file is published, the node server's
+  holds the entry (:meth:`StorageManager.tier_holds`: the disk tier's file is published, the node server's
   entry committed; asked at each step for the chunks still waiting, given up after
   :data:`WATCH_S`). The tiers' removal reports (the manager's removal listeners: eviction,
   delete, damage found) and the connector's own failed reads (a record gone from a tier that
@@ -41,6 +41,7 @@ from lmcache_async.events.chunks import Chunk
 from lmcache_async.integration.vllm.kv_events import KVEventSource
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.storage_manager import StorageManager
+from lmcache_async.tiers import UNKNOWN
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ class WorkerEventReports:
         self._reports: list[Report] = []
         self._watch: collections.OrderedDict[tuple[str, CacheEngineKey], float] = collections.OrderedDict()
         names = manager.tier_names
-        self._cpu = manager.backend("cpu") if "cpu" in names else None
+        self._cpu = "cpu" in names
         self._lower = [n for n in names if n != "cpu"]
         self.counters = dict.fromkeys(("stored", "removed", "unconfirmed", "dropped", "errors"), 0)
 
@@ -137,7 +138,7 @@ class WorkerEventReports:
             for key, ok in zip(keys, results, strict=False):
                 if not ok:
                     continue
-                if self._cpu is not None and self._cpu.contains_nowait(key):
+                if self._cpu and self.manager.tier_holds("cpu", key) is True:
                     self._add(("stored", "cpu", key.chunk_hash, self.rank))
                 for tier in self._lower:
                     self._watch[(tier, key)] = now
@@ -173,14 +174,13 @@ class WorkerEventReports:
             items = list(self._watch.items())[:CHECKS_PER_STEP]
         for (tier, key), since in items:
             try:
-                backend = self.manager.backend(tier)
-                held = backend.contains_nowait(key) if backend is not None else None
-            except Exception:
-                held = None
+                held = self.manager.tier_holds(tier, key)
+            except Exception:  # a manager closed meanwhile: the watch ends with the worker
+                held = UNKNOWN
             with self._lock:
                 if (tier, key) not in self._watch:
                     continue  # removed meanwhile
-                if held:
+                if held is True:  # not UNKNOWN: a tier that cannot tell here is watched on
                     del self._watch[(tier, key)]
                     self._add(("stored", tier, key.chunk_hash, self.rank))
                 elif now - since > WATCH_S:
@@ -376,8 +376,8 @@ class ServerDescriber:
                     keys.append(k if rank == k.worker_id else CacheEngineKey(
                         k.model_name, k.world_size, rank, k.chunk_hash, k.dtype))  # fmt: skip
                     chunks.append(chunk)
-            backend: Any = self._manager().backend("server")
-            got = backend.describe(keys, chunks) if backend is not None else None
+            describer = self._manager().describer()
+            got = describer.describe(keys, chunks) if describer is not None else None
             self.counters["sent"] += len(keys)
             if got is None:
                 self.counters["failed"] += len(keys)

@@ -12,24 +12,15 @@ The older names of this module (``LeaseDir``, ``read_record``, ...) still resolv
 
 from __future__ import annotations
 
-import importlib
-import warnings
-from typing import Any
-
+from lmcache_async.deprecation import moved_names
 from lmcache_async.tiers import PromiseLeases
 
 __all__ = ["PromiseLeases"]
 
 _MOVED = ("LeaseDir", "read_record", "LEASE_DIR_NAME", "LEASE_SUFFIX", "DEFAULT_MAX_AGE_S")
 
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        warnings.warn(
-            f"{__name__}.{name} moved to lmcache_async.backends.disk_leases (the disk tier's leases; "
-            "reach them through StorageManager.leases)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(importlib.import_module("lmcache_async.backends.disk_leases"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = moved_names(
+    __name__,
+    dict.fromkeys(_MOVED, "lmcache_async.backends.disk_leases"),
+    " (the disk tier's leases; reach them through StorageManager.leases)",
+)
