@@ -4,7 +4,7 @@
 * ``contains_sync`` hit/miss, ``get_sync`` of a present entry (absolute µs);
 * ``await get`` from a foreign loop (a CPU hit, and a lower-tier miss path) vs the bare
   ``run_coroutine_threadsafe`` hop;
-* ``batched_contains_sync`` of 256 keys per key;
+* ``prefix_len_sync`` of 256 keys per key;
 * token hashing (chunk 256, list input) in tokens/s.
 """
 
@@ -111,7 +111,7 @@ def bench_lookups(opts: BenchOptions) -> list[Result]:
     )
     batch = keys[:256]
     per_key = median_time(lambda: sm.prefix_len_sync(batch), opts.reps, 1, inner // 50) / 256
-    out.append(Result(SUITE, "batched_contains_sync 256 keys, per key", per_key * 1e6, "µs", target=1.0))
+    out.append(Result(SUITE, "prefix_len_sync 256 keys, per key", per_key * 1e6, "µs", target=1.0))
 
     # await from a foreign loop vs the bare hop
     hop = LoopThread("bench-hop")
@@ -199,7 +199,7 @@ def bench_hashing(opts: BenchOptions) -> list[Result]:
 def run(opts: BenchOptions) -> list[Result]:
     opts.say("cpu: put_sync vs copy baseline")
     out = bench_put(opts)
-    opts.say("cpu: contains/get/batched_contains and the bridge")
+    opts.say("cpu: contains/get/prefix_len and the bridge")
     out += bench_lookups(opts)
     opts.say("cpu: token hashing")
     out += bench_hashing(opts)
