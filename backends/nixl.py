@@ -36,6 +36,12 @@ Contract (beyond :class:`~lmcache_async.tiers.StorageBackend`):
 * Capacity: ``nixl_max_size`` GiB of records (header + payload), LRU (or FIFO per
   ``cache_policy``), entries being read are never evicted; bytes are accounted on every
   removal path (eviction, ``remove``, ``clear``, corrupt record).
+* Removals are reported (:attr:`reports_removals`), on the loop, once the key has left the index
+  (the record's storage may still be going): EVICTED for each entry pushed out to make room
+  (also at start, when a smaller ``nixl_max_size`` drops the oldest), DELETED for ``remove``
+  (when the key was held) and every key ``clear`` drops, DAMAGED for a record a read finds
+  bad (or sealed under another key) and drops, DELETED for a record file found deleted behind
+  the tier's back. A scanned record that is foreign or superseded was never held: no report.
 * File-backed storage is owned by one tier instance: the directory is locked (``flock``) and
   the index is rebuilt from it at start, so a restarted process reuses the entries. The
   factory uses ``<nixl_path>/<cache>-<worker_id>``; when another live process holds it, the
@@ -96,7 +102,7 @@ from lmcache_async.memory import MemoryObj, PoolAllocator
 from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.record_sections import SEAL_SECTION_LEN, TAG_LEN, sealed_length
 from lmcache_async.records import MAX_KEY_LEN, MAX_RANK, ForeignSeal, RecordError, header_length
-from lmcache_async.tiers import UNKNOWN, Allocate, BackendContext, CannotTell, StorageBackend
+from lmcache_async.tiers import UNKNOWN, Allocate, BackendContext, CannotTell, RemovalReason, StorageBackend
 
 logger = logging.getLogger(__name__)
 
@@ -234,6 +240,12 @@ class NixlBackend(StorageBackend):
         """The largest record, header included, this tier could ever hold: the ``nixl_max_size``
         budget (a slot file grows to the record it holds, so the slot layout has the same bound)."""
         return self.settings.max_bytes
+
+    @property
+    def reports_removals(self) -> bool:
+        """Evictions, ``remove``/``clear`` and records found bad are reported
+        (:meth:`report_removed`; see the module docstring)."""
+        return True
 
     @property
     def layout_name(self) -> str:
@@ -391,24 +403,40 @@ class NixlBackend(StorageBackend):
         stuck = layout.stuck if isinstance(layout, SlotFileLayout) else set()
         handover = recycle if isinstance(layout, KeyFileLayout | SlotFileLayout) else None
         index = self._index
-        while not index.fits(size) or (slots and size and not index.free_slots and not recycle):
-            victim = index.oldest_unread()
-            if victim is None:
-                return False
-            key, entry = victim
-            if handover is not None and entry.location not in stuck:  # a stuck slot is never reused
-                index.discard(key, entry)
-                handover.append(entry.location)
-            else:
-                self._drop(key, entry)
-            self.counters.evictions += 1
-        return True
+        evicted: list[CacheEngineKey] = []
+        try:
+            while not index.fits(size) or (slots and size and not index.free_slots and not recycle):
+                victim = index.oldest_unread()
+                if victim is None:
+                    return False
+                key, entry = victim
+                if handover is not None and entry.location not in stuck:  # a stuck slot is never reused
+                    if self._forget(key, entry):
+                        evicted.append(key)
+                    handover.append(entry.location)
+                else:
+                    self._drop(key, entry, evicted)
+                self.counters.evictions += 1
+            return True
+        finally:  # the victims are out of the index already (also when room cannot be made)
+            self.report_removed(evicted, RemovalReason.EVICTED)
 
-    def _drop(self, key: CacheEngineKey, entry: Entry) -> asyncio.Future[Any] | None:
+    def _forget(self, key: CacheEngineKey, entry: Entry) -> bool:
+        """Take ``entry`` out of the index and the budget. True when ``key`` left the tier now
+        (a removal to report): False when ``entry`` was removed already, or ``key`` is still
+        held by another entry."""
+        return self._index.discard(key, entry) and key not in self._index
+
+    def _drop(
+        self, key: CacheEngineKey, entry: Entry, gone: list[CacheEngineKey] | None = None
+    ) -> asyncio.Future[Any] | None:
         """Remove ``key`` from the index and account its bytes; storage goes once unread.
-        Returns what finishes the storage's removal when it started now, else None."""
-        if not self._index.discard(key, entry):
+        Returns what finishes the storage's removal when it started now, else None. With
+        ``gone``, ``key`` is appended when it left the tier now (the caller reports it)."""
+        if entry.removed:
             return None
+        if self._forget(key, entry) and gone is not None:
+            gone.append(key)
         if entry.readers == 0:
             return self._release_location(entry.location)
         return None
@@ -667,13 +695,18 @@ class NixlBackend(StorageBackend):
             if isinstance(failure, ForeignSeal):  # replaced by another key's record: not ours to delete
                 self.counters.foreign_key += 1
                 self._log.warning("nixl: record of %s is %s; not indexed any more, kept", job.key, failure)
-                self._index.discard(job.key, job.entry)
+                if self._forget(job.key, job.entry):
+                    self.report_removed([job.key], RemovalReason.DAMAGED)
             elif isinstance(failure, (RecordError, FileNotFoundError)):
                 self.counters.corrupt += 1
                 self._log.warning("nixl: dropping bad record of %s: %s", job.key, failure)
-                discard = self._drop(job.key, job.entry)
+                gone: list[CacheEngineKey] = []
+                discard = self._drop(job.key, job.entry, gone)
                 if discard is not None:
                     job.batch.discards.append(discard)
+                # a file deleted behind the tier's back was deleted, not damaged (as the disk tier)
+                vanished = isinstance(failure, FileNotFoundError)
+                self.report_removed(gone, RemovalReason.DELETED if vanished else RemovalReason.DAMAGED)
             else:
                 self._failed("read", job.key, failure)
 
@@ -691,16 +724,23 @@ class NixlBackend(StorageBackend):
         entry = self._index.get(key)
         if entry is None:
             return False
-        self._drop(key, entry)
+        gone: list[CacheEngineKey] = []
+        self._drop(key, entry, gone)
+        self.report_removed(gone, RemovalReason.DELETED)
         return True
 
     async def clear(self) -> None:
+        """Drop every entry (each key reported DELETED, in one report)."""
         if not await self._ensure_ready():
             return
         if self._writing:
             await asyncio.gather(*self._writing.values(), return_exceptions=True)
-        for key, entry in self._index.items():
-            self._drop(key, entry)
+        gone: list[CacheEngineKey] = []
+        try:
+            for key, entry in self._index.items():
+                self._drop(key, entry, gone)
+        finally:
+            self.report_removed(gone, RemovalReason.DELETED)
 
     # ---- stats ----------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
