@@ -4,6 +4,7 @@ Runs in the SGLang environment (``bash scripts/sglang_env.sh`` prints its python
 
     lmcache-async bench --suite sglang          # with that environment's lmcache-async
     $(bash scripts/sglang_env.sh | tail -1) -m lmcache_async_bench.sglang [--quick]
+    ... -m lmcache_async_bench.sglang --tier cpu --layout layer_first   # a part of it
 
 The host pool is SGLang's own ``MHATokenToKVPoolHost`` built on CPU
 (:func:`lmcache_async.integration.sglang.cpu_pool.build_cpu_host_pool`), filled with random bits,
@@ -249,19 +250,26 @@ def _disk_tier(opts: BenchOptions, layout: str, layers: int) -> list[Result]:
     ]  # fmt: skip
 
 
-def run(opts: BenchOptions) -> list[Result]:
-    """The suite (see the module docstring); ``ImportError`` when SGLang is not installed."""
+LAYOUTS = ("page_first", "layer_first")
+TIERS = ("cpu", "disk")
+
+
+def run(opts: BenchOptions, layouts: tuple[str, ...] = LAYOUTS, tiers: tuple[str, ...] = TIERS) -> list[Result]:
+    """The suite (see the module docstring); ``ImportError`` when SGLang is not installed.
+    ``layouts``/``tiers``: a part of it (``python -m lmcache_async_bench.sglang --tier cpu``)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # SGLang warns about GPU-only features on a CPU host
         import sglang.srt.mem_cache.pool_host.mha
         import sglang.srt.mem_cache.storage.backend_factory  # noqa: F401
     layers = 2 if opts.quick else 8  # pages of 512 KiB (quick) or 2 MiB (8 heads x 128, 64 tokens, bf16)
     results: list[Result] = []
-    for layout in ("page_first", "layer_first"):
-        opts.say(f"sglang: cpu tier, {layout}")
-        results += _cpu_tier(opts, layout, layers)
-        opts.say(f"sglang: disk tier, {layout}")
-        results += _disk_tier(opts, layout, layers)
+    for layout in layouts:
+        if "cpu" in tiers:
+            opts.say(f"sglang: cpu tier, {layout}")
+            results += _cpu_tier(opts, layout, layers)
+        if "disk" in tiers:
+            opts.say(f"sglang: disk tier, {layout}")
+            results += _disk_tier(opts, layout, layers)
     return results
 
 
@@ -270,8 +278,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller pages")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--workdir", default=None)
+    parser.add_argument("--layout", choices=LAYOUTS, action="append", help="only this layout (repeatable)")
+    parser.add_argument("--tier", choices=TIERS, action="append", help="only this tier (repeatable)")
     args = parser.parse_args()
-    results = run(BenchOptions(reps=max(5, args.reps), quick=args.quick, workdir=args.workdir, progress=print))
+    opts = BenchOptions(reps=max(5, args.reps), quick=args.quick, workdir=args.workdir, progress=print)
+    results = run(opts, tuple(args.layout or LAYOUTS), tuple(args.tier or TIERS))
     print(format_table(results))
 
 

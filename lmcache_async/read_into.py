@@ -4,7 +4,9 @@ On the calling thread, in three steps:
 
 1. the **front** — the CPU tier, the queued write-through and the other
    :class:`~lmcache_async.tiers.LocalTier` s that are no direct readers — key by key: a hit is
-   copied into the sink (one ``memmove`` per piece) and its reference released;
+   copied into the sink (:meth:`ReadSink.fill_from <lmcache_async.read_sinks.ReadSink.fill_from>`:
+   one ``copy_`` into the sink's strided view when it carries one and the calling thread runs
+   torch with one intra-op thread, else one ``memmove`` per piece) and its reference released;
 2. the **direct readers** (:class:`~lmcache_async.tiers.DirectReader`: the node cache
    server's client, which copies out of the node's shared pool, then the disk tier, which reads
    the record file straight into the sink and checks it there), each asked once for the batch
@@ -49,8 +51,6 @@ logger = logging.getLogger(__name__)
 
 READ_INTO_COUNTERS = ("hits", "misses", "mismatches", "timeouts")
 """Counters of :class:`ReadInto` (``stats()["read_into"]``)."""
-
-
 
 
 def check_read_into(keys: Sequence[CacheEngineKey], sinks: Sequence[ReadSink]) -> None:

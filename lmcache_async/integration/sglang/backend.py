@@ -14,8 +14,8 @@ into a block of our CPU pool (one copy; lower tiers are written in the backgroun
 :meth:`batch_get_v1` reads each record straight into its host-pool page through the manager's
 one read path (:meth:`StorageManager.read_into_sync`, each page a
 :meth:`~lmcache_async.integration.sglang.pool_layout.HostPoolPages.sink`: a CPU-tier hit is
-copied run by run, a disk record is read from its file into the page and checked there). The
-older tensor interface (:meth:`get`, :meth:`set`, :meth:`batch_get`, :meth:`batch_set`) moves
+one ``copy_`` into the page's strided view, a disk record is read from its file into the page
+and checked there). The older tensor interface (:meth:`get`, :meth:`set`, :meth:`batch_get`, :meth:`batch_set`) moves
 the same records through SGLang's flat page tensors, read the same way.
 
 Threads: SGLang calls from its prefetch threads (``batch_exists``, ``batch_get_v1``) and its

@@ -34,14 +34,14 @@ construction with a ``ValueError`` naming the reason.
 
 Loads go the other way through the manager's one read path: :meth:`HostPoolPages.sink` names
 a page as a :class:`~lmcache_async.read_sinks.ReadSink` (its ``rows`` runs of the pool, in record
-order), which :meth:`StorageManager.read_into_sync
+order, and the page's strided view), which :meth:`StorageManager.read_into_sync
 <lmcache_async.storage_manager.StorageManager.read_into_sync>` fills straight from whichever tier
-holds the record (a CPU-tier hit is one ``memmove`` per run, a disk record is read from its file
-into the page and checked there).
+holds the record (a CPU-tier hit is one ``copy_`` into the page's view when the calling thread
+runs torch with one intra-op thread, else one ``memmove`` per run; a disk record is read from
+its file into the page and checked there).
 
-Thread-safety: a :class:`HostPoolPages` holds no state beyond views of the pool and their fixed
-offsets; calls from SGLang's prefetch and backup threads may run at once (they touch disjoint
-pages).
+Thread-safety: a :class:`HostPoolPages` holds no state beyond views of the pool; calls from
+SGLang's prefetch and backup threads may run at once (they touch disjoint pages).
 """
 
 from __future__ import annotations
@@ -132,18 +132,6 @@ class HostPoolPages:
         self.rows = int(torch.Size(paged.shape[:axis]).numel())
         """Contiguous runs per page (the product of the axes before the page axis)."""
         self.record_bytes = int(torch.Size(self.record_shape).numel()) * buf.element_size()
-        self._run_offsets, self._page_stride = self._runs(paged, axis)
-
-    @staticmethod
-    def _runs(paged: torch.Tensor, axis: int) -> tuple[tuple[int, ...], int]:
-        """Byte offsets (from the buffer's start) of page 0's contiguous runs in record order,
-        and the byte distance between pages. The axes after the page axis are contiguous (a view
-        of a contiguous buffer), so each index of the axes before it is one run."""
-        es = paged.element_size()
-        offsets = [0]
-        for size, stride in zip(paged.shape[:axis], paged.stride()[:axis], strict=True):
-            offsets = [off + i * stride * es for off in offsets for i in range(size)]
-        return tuple(offsets), paged.stride(axis) * es
 
     def _paged_view(self, pool: Any, buf: torch.Tensor) -> tuple[torch.Tensor, int, str]:
         layout, P, L, N, S = self.layout, self.page_size, self.layer_num, self.page_num, self.size
@@ -315,16 +303,17 @@ class HostPoolPages:
     def sink(self, page_id: int) -> ReadSink:
         """Pool page ``page_id`` as a read destination: a :class:`ReadSink` of the record shape
         and dtype whose pieces are the page's runs of the pool, in record order (a record read
-        into it lands in the page exactly as :meth:`scatter` would put it). The pool must stay
-        alive while the read runs. ``ValueError`` for a page outside the pool or a pool that is
-        not in host memory."""
+        into it lands in the page exactly as :meth:`scatter` would put it), carrying the page's
+        strided view (:meth:`ReadSink.over`): a CPU-tier hit fills a ``layer_first`` page in one
+        ``copy_`` over its ``rows`` runs, as :meth:`scatter` does, rather than one ``memmove``
+        per run; the disk tier reads the record into the pieces. The pool must stay alive while
+        the read runs. ``ValueError`` for a page outside the pool or a pool that is not in host
+        memory."""
         if not 0 <= page_id < self.page_num:
             raise ValueError(f"page {page_id} is outside the host pool's {self.page_num} pages")
         if self.device.type != "cpu":
             raise ValueError(f"mem_pool_host.kv_buffer is on {self.device}; reads land in host memory only")
-        start = self.paged.data_ptr() + page_id * self._page_stride
-        run = self.record_bytes // len(self._run_offsets)
-        return ReadSink(self.record_shape, self.dtype, tuple((start + off, run) for off in self._run_offsets))
+        return ReadSink.over(self.paged.select(self.page_axis, page_id))
 
     def fits(self, record: torch.Tensor) -> bool:
         """True when ``record`` has this pool's record shape and dtype."""
