@@ -21,38 +21,50 @@ checked against the pool's version table afterwards (:mod:`lmcache_async.server.
 entry left the index meanwhile is asked again, so a copy never holds another entry's bytes.
 :meth:`ServerClient.get_view` lends a zero-copy view under a lease for callers that do not keep
 it. Holds (:meth:`ServerClient.hold`) pin entries for readers in other processes.
+
+Layout: this module holds the operations; the connection, its lock, reconnects and counters are
+:mod:`~lmcache_async.server.client_session`'s, the bytes on the wire and the copies out of the
+pool :mod:`~lmcache_async.server.client_wire`'s, and the write path (grants, copy-in, commit)
+:mod:`~lmcache_async.server.client_writes`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
-import json
-import logging
-import os
-import struct
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple, TypeVar
+from collections.abc import Iterator, Sequence
+from typing import Any
 
-import torch
-
-from lmcache_async.circuit import CircuitBreaker
 from lmcache_async.memory import MemoryObj
-from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.read_sinks import ReadSink
+from lmcache_async.server.client_session import ClientSession
+from lmcache_async.server.client_wire import U16 as _U16
+from lmcache_async.server.client_wire import Alloc, Hit, ListedEntry
+from lmcache_async.server.client_wire import copy_checked as _copy_checked
+from lmcache_async.server.client_wire import copy_hits as _copy_hits
+from lmcache_async.server.client_wire import copy_into as _copy_into
+from lmcache_async.server.client_wire import decode_hits as _hits
+from lmcache_async.server.client_wire import drop_all as _drop_all
+from lmcache_async.server.client_wire import flags_of as _flags_of
+from lmcache_async.server.client_wire import json_answer as _json
+from lmcache_async.server.client_wire import lease_entry as _lease_entry
+from lmcache_async.server.client_wire import leases_held as _leases_held
+from lmcache_async.server.client_wire import list_of as _list_of
+from lmcache_async.server.client_wire import release as _release
+from lmcache_async.server.client_wire import splice as _splice
+from lmcache_async.server.client_wire import spread as _spread
+from lmcache_async.server.client_wire import tokens_of as _tokens_of
+from lmcache_async.server.client_wire import touch_frames as _touch_frames  # noqa: F401 (tests import it here)
+from lmcache_async.server.client_writes import PREGRANT_PER_SIZE, PREGRANT_TOTAL  # noqa: F401 (importable here)
+from lmcache_async.server.client_writes import store as _store
 from lmcache_async.server.connection import Connection as _Connection
 from lmcache_async.server.connection import ServerUnavailable
 from lmcache_async.server.connection import connect as _connect
-from lmcache_async.server.connection import copy_bytes as _copy_bytes
 from lmcache_async.server.connection import exchange as _exchange
 from lmcache_async.server.connection import peer_open as _peer_open
 from lmcache_async.server.connection import send_frames as _send_frames
 from lmcache_async.server.protocol import (
-    COMMIT_FAILED,
-    FRAME,
     MAX_BATCH,
     MAX_KEY_BYTES,
     MAX_LIST_PAGE,
@@ -64,240 +76,28 @@ from lmcache_async.server.protocol import (
     Writer,
     encode_keys,
 )
-from lmcache_async.server.protocol import decode_meta as _decode_meta
-from lmcache_async.server.protocol import encode_meta as _encode_meta
-from lmcache_async.server.shm import OPTIMISTIC_READS, PoolMapping, version_sum
+from lmcache_async.server.shm import OPTIMISTIC_READS, version_sum
 from lmcache_async.server.views import EntryView
 
 __all__ = ["EntryView", "ListedEntry", "ServerClient", "ServerUnavailable", "query_status"]
 
-T = TypeVar("T")
-
-logger = logging.getLogger(__name__)
-
-#: Pre-granted blocks kept per block size, and in all (a put into one of them is one round trip).
-PREGRANT_PER_SIZE = 2
-PREGRANT_TOTAL = 16
 #: Entry locations a connection remembers for reads with no round trip (oldest dropped first).
 LOCATIONS_MAX = 8192
 #: Reads from remembered locations reported in one TOUCH at the latest (else on the next request).
 TOUCH_BATCH = 64
 
-_U16 = struct.Struct("<H")
-_TOUCH_BODY = 1 << 20  # bytes of keys in one TOUCH frame at most (far below MAX_BODY)
 
-
-class _ForkWatch:
-    """This process's pid, kept current across ``fork`` without a system call per request."""
-
-    pid = os.getpid()
-
-    @classmethod
-    def update(cls) -> None:
-        cls.pid = os.getpid()
-
-
-_fork = _ForkWatch
-os.register_at_fork(after_in_child=_ForkWatch.update)
-_HIT = struct.Struct("<BQQ")  # a hit: flag (1 GET, 2 READ), lease id or version, offset (then the metadata)
-#: A decoded hit: (lease id or version, offset, metadata).
-Hit = tuple[int, int, EntryMeta]
-_RELEASE_HEAD = struct.Struct("<IBIH")  # frame header of a RELEASE and its count
-_COMMIT_HEAD = struct.Struct("<QH")  # a COMMIT item: grant id, key length (then key, metadata)
-
-Alloc = Callable[[Sequence[int], torch.dtype, Any], "MemoryObj | None"]
-
-
-class ServerClient:
+class ServerClient(ClientSession):
     """A thread-safe client of one namespace on a cache server; see the module docstring.
 
     ``None`` from any call means the server could not be asked (down, timed out, breaker open,
     malformed answer); other answers are the server's. Buffers returned by :meth:`get` come
     from ``alloc`` and are owned by the caller (one reference each). ``remember_locations``
     (default on) lets :meth:`get` copy an entry it read before straight from where it lies,
-    with no round trip, while the pool's version table shows it still indexed there.
+    with no round trip, while the pool's version table shows it still indexed there. The
+    connection, the counters, :meth:`stats` and :meth:`close` are
+    :class:`~lmcache_async.server.client_session.ClientSession`'s.
     """
-
-    def __init__(
-        self,
-        path: str,
-        namespace: str,
-        *,
-        token: str | None = None,
-        timeout_s: float = 2.0,
-        max_backoff_s: float = 4.0,
-        remember_locations: bool = True,
-        server_uid: int | None = None,
-    ) -> None:
-        if not isinstance(path, str) or not path:
-            raise ValueError(f"path must be a non-empty str, got {path!r}")
-        if not isinstance(namespace, str) or not namespace:
-            raise ValueError(f"namespace must be a non-empty str, got {namespace!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-        if server_uid is not None and (not isinstance(server_uid, int) or server_uid < 0):
-            raise ValueError(f"server_uid must be a uid (an int >= 0), got {server_uid!r}")
-        self.path = path
-        self.namespace = namespace
-        #: The uid the server may run as besides ours (``SO_PEERCRED``, checked before anything is sent).
-        self.server_uid = os.getuid() if server_uid is None else server_uid
-        self.token = token
-        self.timeout_s = float(timeout_s)
-        #: Keep the locations READ answers and copy from them again with no round trip.
-        self.remember_locations = bool(remember_locations)
-        self.breaker = CircuitBreaker(threshold=1, base_backoff_s=min(0.25, max_backoff_s), max_backoff_s=max_backoff_s)
-        self._lock = threading.Lock()
-        self._conn: _Connection | None = None
-        self._closed = False
-        self._log = RateLimitedLog(logger)
-        self.errors = 0
-        self.skipped = 0
-        self.long_keys = 0
-        self.connects = 0
-        #: Stale connections replaced within a call (the server had stopped or restarted).
-        self.reconnects = 0
-        #: Connections that found a pool generation other than the previous connection's.
-        self.new_generations = 0
-        #: Views whose lease was lost before they were read (see :meth:`get_view`).
-        self.stale_views = 0
-        #: Lease-free copies whose entry left the index during the copy, read again under a lease.
-        self.rereads = 0
-        #: Entries copied from a location this client already knew (no round trip).
-        self.known_reads = 0
-        #: Reads into a sink of another shape or dtype than the entry's (a miss).
-        self.read_mismatches = 0
-        #: Copies under a lease that ended before the copy did (TTL passed under a stalled reader,
-        #: or the server closed the connection): given back, a miss.
-        self.stale_leases = 0
-        #: Tiers the last ``clear`` could not clear completely (as the server named them).
-        self.uncleared: list[str] = []
-        self.generation = 0
-
-    # ---- connection management (call with the lock held) -------------------------------------------
-    def _ensure(self, deadline: float) -> _Connection | None:
-        conn = self._conn
-        if conn is not None and conn.pid != _fork.pid:
-            # A forked child must not speak on its parent's connection: close our copy of the
-            # descriptor (the parent's stays open) and connect afresh.
-            conn.close()
-            self._conn = conn = None
-        elif conn is not None and not conn.open:
-            self._conn = conn = None
-        if conn is not None:
-            return conn
-        if self._closed or not self.breaker.allow():
-            self.skipped += 1
-            return None
-        try:
-            conn = _connect(
-                self.path, self.namespace, self.token, Mode.CLIENT, deadline, self.timeout_s, self.server_uid
-            )
-        except (OSError, ServerUnavailable, ProtocolError, ValueError) as exc:
-            self._fail(f"connect: {exc}")
-            return None
-        self._conn = conn
-        self.connects += 1
-        assert conn.mapping is not None
-        if self.generation and conn.mapping.generation != self.generation:
-            self.new_generations += 1  # a restarted server (or a namespace created afresh)
-        self.generation = conn.mapping.generation
-        return conn
-
-    def _drop(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.close()
-
-    def _fail(self, why: str) -> None:
-        self.errors += 1
-        self.breaker.failure()
-        self._drop()
-        self._log.warning("cache server %s: %s (answering misses)", self.path, why, key="fail")
-
-    def _acquire(self, deadline: float) -> bool:
-        lock = self._lock
-        if lock.acquire(False) or lock.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
-            return True
-        self.skipped += 1
-        return False
-
-    def _locked(self, what: str, fn: Callable[..., T], *args: Any) -> T | None:
-        """Run ``fn(connection, deadline, *args)`` under the lock; None (counted, logged) on trouble.
-
-        A connection that served earlier calls and turns out closed by the server (it stopped
-        or restarted since) is replaced once within the same deadline: the call reconnects,
-        maps the new pool and runs again. Every request is safe to repeat on a new connection
-        (the old one's leases and grants died with it).
-        """
-        deadline = time.monotonic() + self.timeout_s
-        if not self._acquire(deadline):
-            return None
-        try:
-            retried = False
-            while True:
-                reused = self._conn is not None
-                conn = self._ensure(deadline)
-                if conn is None:
-                    return None
-                try:
-                    out = fn(conn, deadline, *args)
-                except ConnectionError as exc:
-                    if reused and not retried and time.monotonic() < deadline:
-                        retried = True
-                        self.reconnects += 1
-                        self._drop()
-                        continue
-                    self._fail(f"{what}: {type(exc).__name__}: {exc}")
-                    return None
-                except (OSError, ProtocolError, ValueError) as exc:
-                    self._fail(f"{what}: {type(exc).__name__}: {exc}")
-                    return None
-                breaker = self.breaker
-                if breaker.failures or breaker.state != breaker.CLOSED:
-                    breaker.success()
-                return out
-        finally:
-            self._lock.release()
-
-    def _call(self, op: Op, body: bytes, parse: Callable[[_Connection, Reader], T]) -> T | None:
-        def run(conn: _Connection, deadline: float) -> T:
-            r = Reader(_exchange(conn, op, body, deadline, self._pending(conn)))
-            out = parse(conn, r)
-            r.done()
-            return out
-
-        return self._locked(op.name, run)
-
-    def _pending(self, conn: _Connection) -> bytes:
-        """The unanswered frames that ride on the next request: the reads this connection
-        served from known locations (TOUCH), and cached grants close to their server-side
-        expiry (UNGRANT); b"" when there are none."""
-        touch = b""
-        if conn.touched:
-            touch = _touch_frames(conn.touched)
-            conn.touched = []
-        return touch + self._stale_grants(conn)
-
-    def _stale_grants(self, conn: _Connection) -> bytes:
-        """An UNGRANT frame for cached grants close to their server-side expiry (or b"")."""
-        now = time.monotonic()
-        if now < conn.grants_checked_until:
-            return b""
-        stale: list[int] = []
-        soonest = float("inf")
-        for size, lst in conn.grants.items():
-            keep = [g for g in lst if g[2] > now]
-            stale.extend(g[0] for g in lst if g[2] <= now)
-            conn.grants[size] = keep
-            for g in keep:
-                soonest = min(soonest, g[2])
-        conn.grants_checked_until = soonest
-        if not stale:
-            return b""
-        w = Writer().u16(len(stale))
-        for gid in stale:
-            w.u64(gid)
-        return w.frame(Op.UNGRANT, 0)
 
     # ---- operations --------------------------------------------------------------------------------
     def contains(self, keys: Sequence[bytes], touch: bool = False, pool_only: bool = False) -> list[bool] | None:
@@ -626,20 +426,7 @@ class ServerClient:
 
     def _lease_one(self, conn: _Connection, deadline: float, key: bytes) -> EntryView | None:
         started = time.monotonic()  # the server's lease TTL starts later than this
-        r = Reader(_exchange(conn, Op.GET, encode_keys([key]), deadline, self._pending(conn)))
-        if r.u16() != 1:
-            raise ProtocolError("GET answer has the wrong count")
-        if not r.u8():
-            r.done()
-            return None
-        lid, off = r.u64(), r.u64()
-        meta = r.meta()
-        r.done()
-        assert conn.mapping is not None
-        if off + meta.nbytes > conn.mapping.pool_bytes:
-            _release(conn, [lid])
-            raise ProtocolError("GET answer points outside the pool")
-        return EntryView(conn, lid, off, meta, started + conn.ttl_s)
+        return _lease_entry(conn, deadline, key, self._pending(conn), started)
 
     def _end_lease(self, view: EntryView) -> None:
         """Release a view's lease on its connection (nothing to do when that connection is gone:
@@ -715,85 +502,9 @@ class ServerClient:
     def _put_locked(
         self, conn: _Connection, deadline: float, items: Sequence[tuple[bytes, MemoryObj]], metas: list[EntryMeta]
     ) -> list[bool]:
+        """One put under the lock (:func:`~lmcache_async.server.client_writes.store`)."""
         assert conn.mapping is not None
-        pre = self._pending(conn)
-        sizes = [conn.block_size(m.nbytes) for m in metas]
-        blocks: list[tuple[int, int] | None] = []
-        missing: list[int] = []
-        for i, size in enumerate(sizes):
-            lst = conn.grants.get(size)
-            if lst:
-                gid, off, _exp = lst.pop()
-                blocks.append((gid, off))
-            else:
-                blocks.append(None)
-                missing.append(i)
-        if missing:
-            w = Writer().u16(len(missing))
-            for i in missing:
-                w.u64(sizes[i])
-            r = Reader(_exchange(conn, Op.GRANT, w.body(), deadline, pre))
-            pre = b""
-            got = _grants(r, len(missing), conn.mapping.pool_bytes)
-            r.done()
-            for i, g in zip(missing, got, strict=True):
-                blocks[i] = None if g is None else (g[0], g[1])
-        data = conn.mapping.data
-        base = data.data_ptr()
-        committed = [i for i, b in enumerate(blocks) if b is not None]
-        parts = [_U16.pack(len(committed))]
-        for i in committed:
-            gid, off = blocks[i]  # type: ignore[misc]
-            n = metas[i].nbytes
-            if n:
-                _copy_bytes(items[i][1].tensor, base + off, data, off, n, out_of_pool=False)
-            key = items[i][0]
-            parts.append(_COMMIT_HEAD.pack(gid, len(key)))
-            parts.append(key)
-            parts.append(_encode_meta(metas[i]))
-        refill = self._refill_sizes(conn, [sizes[i] for i in committed])
-        parts.append(_U16.pack(len(refill)))
-        parts.append(struct.pack(f"<{len(refill)}Q", *refill))
-        r = Reader(_exchange(conn, Op.COMMIT, b"".join(parts), deadline, pre))
-        if r.u16() != len(committed):
-            raise ProtocolError("COMMIT answer has the wrong count")
-        results = [r.u8() for _ in committed]
-        now = time.monotonic()
-        for s, g in zip(refill, _grants(r, len(refill), conn.mapping.pool_bytes), strict=True):
-            if g is not None:
-                expiry = now + conn.ttl_s / 2
-                conn.grants.setdefault(s, []).append((g[0], g[1], expiry))
-                conn.grants_checked_until = min(conn.grants_checked_until, expiry)
-        r.done()
-        out = [False] * len(items)
-        for i, res in zip(committed, results, strict=True):
-            out[i] = res != COMMIT_FAILED
-        return out
-
-    def _fitting(self, keys: Sequence[bytes]) -> list[int] | None:
-        """None when every key fits the wire's key limit (the common case, one pass); else the
-        indices of those that do, after counting and logging the others."""
-        if max(map(len, keys)) <= MAX_KEY_BYTES:
-            return None
-        fit = [i for i, k in enumerate(keys) if len(k) <= MAX_KEY_BYTES]
-        self.long_keys += len(keys) - len(fit)
-        self._log.warning(
-            "%d key(s) longer than %d bytes are not sent to the cache server (a miss)",
-            len(keys) - len(fit), MAX_KEY_BYTES, key="long-key",
-        )  # fmt: skip
-        return fit
-
-    @staticmethod
-    def _refill_sizes(conn: _Connection, used: list[int]) -> list[int]:
-        want: list[int] = []
-        total = conn.cached_grants()
-        for s in dict.fromkeys(used):
-            have = len(conn.grants.get(s, ()))
-            k = min(PREGRANT_PER_SIZE - have, PREGRANT_TOTAL - total)
-            if k > 0:
-                want.extend([s] * k)
-                total += k
-        return want
+        return _store(conn, deadline, items, metas, self._pending(conn))
 
     def remove(self, keys: Sequence[bytes]) -> list[bool] | None:
         """Remove each key; True where something was removed."""
@@ -859,212 +570,6 @@ class ServerClient:
         """The server's figures (as ``lmcache-async status`` prints them), or None."""
         return self._call(Op.STATS, b"", lambda c, r: _json(r))
 
-    def stats(self) -> dict[str, Any]:
-        """This client's counters (no I/O)."""
-        return {
-            "errors": self.errors,
-            "skipped": self.skipped,
-            "long_keys": self.long_keys,
-            "connects": self.connects,
-            "reconnects": self.reconnects,
-            "new_generations": self.new_generations,
-            "stale_views": self.stale_views,
-            "rereads": self.rereads,
-            "known_reads": self.known_reads,
-            "read_mismatches": self.read_mismatches,
-            "stale_leases": self.stale_leases,
-            "connected": self._conn is not None,
-            "circuit": self.breaker.state,
-        }
-
-    def close(self) -> None:
-        """Close the connection (the server reclaims its leases and grants). Idempotent."""
-        self._closed = True
-        with self._lock:
-            conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.close()
-
-
-def _hits(v: memoryview, n: int, pool_bytes: int, flag: int, what: str) -> list[Hit | None]:
-    """The ``n`` entries of a GET (``flag`` 1: lease id) or READ (2: version) answer: per key
-    None for a miss or (lease id or version, offset, metadata); :class:`ProtocolError` for an
-    answer that is malformed or points outside the pool."""
-    if len(v) < 2 or _U16.unpack_from(v, 0)[0] != n:
-        raise ProtocolError(f"{what} answer has the wrong count")
-    end = len(v)
-    pos = 2
-    out: list[Hit | None] = []
-    for _ in range(n):
-        if pos >= end:
-            raise ProtocolError("message truncated")
-        if not v[pos]:
-            pos += 1
-            out.append(None)
-            continue
-        if pos + _HIT.size > end:
-            raise ProtocolError("message truncated")
-        got, ident, off = _HIT.unpack_from(v, pos)
-        if got != flag:
-            raise ProtocolError(f"{what} answer has hit flag {got}")
-        meta, pos = _decode_meta(v, pos + _HIT.size)
-        if off + meta.nbytes > pool_bytes:
-            raise ProtocolError(f"{what} answer points outside the pool")
-        out.append((ident, off, meta))
-    if pos != end:
-        raise ProtocolError(f"{end - pos} trailing bytes")
-    return out
-
-
-def _copy_hits(mapping: PoolMapping, hits: Sequence[Hit | None], alloc: Alloc) -> list[MemoryObj | None]:
-    """Each hit copied from the mapped pool into a buffer from ``alloc`` (None per miss or
-    buffer refused); on an exception nothing is kept."""
-    data = mapping.data
-    base = data.data_ptr()
-    out: list[MemoryObj | None] = []
-    try:
-        for hit in hits:
-            obj = None
-            if hit is not None:
-                _ident, off, meta = hit
-                obj = alloc(meta.shape, meta.dtype, meta.fmt)
-                if obj is not None and meta.nbytes:
-                    _copy_bytes(obj.tensor, base + off, data, off, meta.nbytes, out_of_pool=True)
-            out.append(obj)
-    except BaseException:
-        _drop_all(out)
-        raise
-    return out
-
-
-def _copy_checked(
-    mapping: PoolMapping, hits: Sequence[Hit | None], alloc: Alloc
-) -> tuple[list[MemoryObj | None], list[int]]:
-    """Each lease-free hit ``(version, offset, metadata)`` copied out (:func:`_copy_hits`), then
-    checked against the mapped version table: a copy whose entry left the index meanwhile is
-    given back (None in the result) and its index listed, in order, as stale."""
-    out = _copy_hits(mapping, hits, alloc)
-    versions = mapping.versions
-    stale: list[int] = []
-    for i, hit in enumerate(hits):
-        obj = out[i]
-        if hit is not None and obj is not None and version_sum(versions, hit[1], hit[2].nbytes) != hit[0]:
-            obj.ref_count_down()
-            out[i] = None
-            stale.append(i)
-    return out, stale
-
-
-def _leases_held(conn: _Connection, until: float) -> bool:
-    """Whether leases taken on ``conn`` after ``until - ttl`` still held once a copy under them
-    ended: the TTL had not passed by our clock (the server starts it later and frees a block at
-    its expiry at the earliest) and the server had not closed the connection (the only other way
-    it ends a lease). A reader stalled past either, for any length of time, is told so."""
-    return time.monotonic() < until and _peer_open(conn)
-
-
-def _copy_into(sink: ReadSink, src: int) -> None:
-    """Copy a payload at address ``src`` of the mapped pool into ``sink``'s pieces, in order."""
-    for addr, n in sink.pieces:
-        ctypes.memmove(addr, src, n)
-        src += n
-
-
-def _splice(out: list[MemoryObj | None], at: Sequence[int], got: Sequence[MemoryObj | None]) -> None:
-    """Put ``got[j]`` at ``out[at[j]]``, giving back the buffer it replaces."""
-    for i, obj in zip(at, got, strict=True):
-        old, out[i] = out[i], obj
-        if old is not None:
-            old.ref_count_down()
-
-
-def _drop_all(objs: Sequence[MemoryObj | None]) -> None:
-    """Give back one reference of each buffer (a call that fails keeps none)."""
-    for o in objs:
-        if o is not None:
-            o.ref_count_down()
-
-
-def _release(conn: _Connection, leases: Sequence[int]) -> None:
-    """End leases with one unanswered RELEASE. A send that fails leaves the connection to the
-    next call (which finds it closed and reconnects); the server reclaims the leases of a
-    connection that goes away, so nothing stays pinned."""
-    n = len(leases)
-    frame = _RELEASE_HEAD.pack(2 + 8 * n, Op.RELEASE, 0, n) + struct.pack(f"<{n}Q", *leases)
-    try:
-        conn.sock.sendall(frame)
-    except OSError:
-        conn.close()  # a frame may be half sent: this connection cannot be used again
-
-
-def _touch_frames(keys: list[bytes]) -> bytes:
-    """Unanswered TOUCH frames for ``keys``, each within the batch and body limits."""
-    frames: list[bytes] = []
-    start, size = 0, 0
-    for i, k in enumerate(keys):
-        if i - start == MAX_BATCH or size + 2 + len(k) > _TOUCH_BODY:
-            frames.append(encode_keys(keys[start:i]))
-            start, size = i, 0
-        size += 2 + len(k)
-    frames.append(encode_keys(keys[start:]))
-    return b"".join(FRAME.pack(len(body), Op.TOUCH, 0) + body for body in frames)
-
-
-def _flags_of(conn: _Connection, r: Reader, n: int) -> list[bool]:
-    return _flags(r, n)
-
-
-def _tokens_of(conn: _Connection, r: Reader, n: int) -> list[int]:
-    if r.u16() != n:
-        raise ProtocolError("HOLD answer has the wrong count")
-    return [r.u64() for _ in range(n)]
-
-
-def _flags(r: Reader, n: int) -> list[bool]:
-    if r.u16() != n:
-        raise ProtocolError("answer has the wrong count")
-    return [bool(r.u8()) for _ in range(n)]
-
-
-def _grants(r: Reader, n: int, pool_bytes: int) -> list[tuple[int, int] | None]:
-    if r.u16() != n:
-        raise ProtocolError("grant answer has the wrong count")
-    out: list[tuple[int, int] | None] = []
-    for _ in range(n):
-        gid, off, size = r.u64(), r.u64(), r.u64()
-        if gid == 0:
-            out.append(None)
-            continue
-        if off + size > pool_bytes:
-            raise ProtocolError("grant points outside the pool")
-        out.append((gid, off))
-    return out
-
-
-class ListedEntry(NamedTuple):
-    """One entry of a LIST page: key, metadata, pool block size, and whether a lease or hold
-    pins it."""
-
-    key: bytes
-    meta: EntryMeta
-    block_bytes: int
-    pinned: bool
-
-
-def _list_of(conn: _Connection, r: Reader) -> tuple[list[ListedEntry], bool]:
-    out = [ListedEntry(r.blob(), r.meta(), r.u64(), bool(r.u8())) for _ in range(r.u16())]
-    return out, bool(r.u8())
-
-
-def _json(r: Reader) -> dict[str, Any]:
-    try:
-        out = json.loads(r.rest())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProtocolError(f"stats answer is not JSON: {exc}") from None
-    if not isinstance(out, dict):
-        raise ProtocolError("stats answer is not an object")
-    return out
-
 
 def query_status(
     path: str, *, token: str | None = None, timeout_s: float = 5.0, server_uid: int | None = None
@@ -1082,14 +587,3 @@ def query_status(
         return _json(r)
     finally:
         conn.sock.close()
-
-
-def _spread(fit: list[int], got: list[T] | None, n: int, absent: T) -> list[T] | None:
-    """The answers ``got`` for the keys at indices ``fit``, spread over ``n`` places with
-    ``absent`` at the others; None stays None."""
-    if got is None:
-        return None
-    out = [absent] * n
-    for i, v in zip(fit, got, strict=True):
-        out[i] = v
-    return out

@@ -23,67 +23,56 @@ a timeout on partial frames and on idle connections, and a server-wide bound on 
 partial frames held (a connection over it stops being read until others drain). Namespaces with
 no client are released after ``cache_server_namespace_idle_s`` (at once when they hold nothing and
 a new namespace needs the slot).
+
+Layout: this module accepts, admits and serves connections; each request's handler is
+:mod:`~lmcache_async.server.ops`'s, who may join a namespace :mod:`~lmcache_async.server.policies`',
+and where the socket lives :mod:`~lmcache_async.server.socket_dir`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import hmac
 import itertools
-import json
 import logging
 import os
 import resource
 import signal
 import socket
-import stat
 import struct
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-import torch
-
-from lmcache_async.memory import MemoryObj
 from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.server.frames import MAY_WAIT, Conn, FrameProtocol
-from lmcache_async.server.growth import WAIT_S, PoolGrowth, check_pool_size
-from lmcache_async.server.keycheck import checked_key
+from lmcache_async.server.growth import PoolGrowth, check_pool_size
 from lmcache_async.server.lower import LowerStore, wants_lower_tiers
-from lmcache_async.server.namespace import ClientState, Namespace
+from lmcache_async.server.namespace import Namespace
+from lmcache_async.server.ops import RequestHandlers
+from lmcache_async.server.policies import NamespacePolicy, parse_namespace_policies
 from lmcache_async.server.protocol import (
-    COMMIT_STORED,
     HELLO,
-    LIST_PAGE_BYTES,
     MAGIC,
-    MAX_HOLD_TTL_S,
-    MAX_LIST_PAGE,
     MAX_NAMESPACE_BYTES,
     MAX_TOKEN_BYTES,
     REFUSALS,
     VERSION,
     WELCOME,
-    EntryMeta,
     Mode,
     Op,
     ProtocolError,
     Reader,
     Status,
-    Writer,
-    encode_meta,
 )
 from lmcache_async.server.shm import HEADER_BYTES
+from lmcache_async.server.socket_dir import default_socket_path, prepare_socket_dir
 
 if TYPE_CHECKING:
     from lmcache_async.config import LMCacheEngineConfig
     from lmcache_async.server.events import ServerEvents
-
-_U16 = struct.Struct("<H")
-_HIT = struct.Struct("<BQQ")  # an answer's hit: flag (1 GET, 2 READ), lease id or version, offset (then metadata)
 
 __all__ = ["CacheServer", "NamespacePolicy", "default_socket_path", "parse_namespace_policies", "prepare_socket_dir"]
 
@@ -91,132 +80,6 @@ logger = logging.getLogger(__name__)
 
 _HANDSHAKE_TIMEOUT_S = 5.0
 _PEERCRED = struct.Struct("3i")
-
-
-#: The longest Unix socket path Linux accepts (``sun_path`` is 108 bytes with its NUL).
-MAX_SOCKET_PATH = 107
-
-
-@dataclass(frozen=True, slots=True)
-class NamespacePolicy:
-    """Who may join one namespace: peers whose uid is in ``uids`` or whose primary gid is in
-    ``gids`` (none given: the server's own user and root), presenting ``token`` (None: the
-    server's ``cache_server_token``, if any)."""
-
-    uids: frozenset[int] = frozenset()
-    gids: frozenset[int] = frozenset()
-    token: str | None = None
-
-
-def parse_namespace_policies(raw: object) -> dict[str, NamespacePolicy]:
-    """``cache_server_namespaces`` (a mapping of namespace name to ``{uids, gids, token}``) as
-    policies; ``ValueError`` naming the setting for anything else."""
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise ValueError(f"cache_server_namespaces must be a mapping of namespace to policy, got {raw!r}")
-    out: dict[str, NamespacePolicy] = {}
-    for name, pol in raw.items():
-        if not isinstance(name, str) or not name or any(ord(c) < 32 for c in name):
-            raise ValueError(f"cache_server_namespaces: bad namespace name {name!r}")
-        if not isinstance(pol, dict) or set(pol) - {"uids", "gids", "token"}:
-            raise ValueError(f"cache_server_namespaces[{name!r}] must be a mapping with uids, gids and/or token")
-        ids: dict[str, frozenset[int]] = {}
-        for field_name in ("uids", "gids"):
-            vals = pol.get(field_name) or []
-            if not isinstance(vals, list | tuple) or not all(isinstance(v, int) and v >= 0 for v in vals):
-                raise ValueError(f"cache_server_namespaces[{name!r}].{field_name} must be a list of ids, got {vals!r}")
-            ids[field_name] = frozenset(vals)
-        token = pol.get("token")
-        if token is not None and (not isinstance(token, str) or not token):
-            raise ValueError(f"cache_server_namespaces[{name!r}].token must be a non-empty str")
-        out[name] = NamespacePolicy(ids["uids"], ids["gids"], token)
-    return out
-
-
-def default_socket_path() -> Path:
-    """Where ``serve`` and ``status`` put the socket when no path is given:
-    ``$XDG_RUNTIME_DIR/lmcache-async/cache.sock`` when that variable names a directory of ours,
-    else ``<system temp dir>/lmcache-async-<uid>/cache.sock``. Clients never default: they name
-    the socket (``cache_server_socket``)."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime:
-        with contextlib.suppress(OSError):
-            st = os.stat(runtime)
-            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
-                return Path(runtime) / "lmcache-async" / "cache.sock"
-    import tempfile
-
-    return Path(tempfile.gettempdir()) / f"lmcache-async-{os.getuid()}" / "cache.sock"
-
-
-def prepare_socket_dir(path: str | os.PathLike[str], *, shared: bool = False) -> Path:
-    """Check (or create, 0700; 0711 when ``shared``) the socket's directory and remove a stale
-    socket file.
-
-    ``shared``: other users must reach the socket (namespaces bound to them), so the directory
-    may be searchable by them, never writable. Raises ``ValueError`` (one line that says what to
-    do) when the path is longer than a Unix socket path may be, when ``path`` exists and is not a
-    socket, when the directory is not ours or is open to others beyond that, when it cannot be
-    created or read (an I/O error, a read-only filesystem), or when a server already answers on it.
-    """
-    sock_path = Path(path)
-    if len(os.fsencode(sock_path)) > MAX_SOCKET_PATH:
-        raise ValueError(
-            f"socket path {sock_path} is {len(os.fsencode(sock_path))} bytes; a Unix socket path "
-            f"may have at most {MAX_SOCKET_PATH} (choose a shorter --socket)"
-        )
-    hint = f"or leave --socket out to use the default, {default_socket_path()}"
-    try:
-        mode_now = os.lstat(sock_path).st_mode
-    except FileNotFoundError:
-        mode_now = None
-    except OSError as exc:
-        raise ValueError(f"cannot look at {sock_path}: {exc.strerror or exc}") from None
-    if mode_now is not None and not stat.S_ISSOCK(mode_now):
-        what = "a directory" if stat.S_ISDIR(mode_now) else "a regular file" if stat.S_ISREG(mode_now) else "a file"
-        raise ValueError(f"{sock_path} is {what}, not a socket: give a socket path ({hint})")
-    parent = sock_path.absolute().parent  # a message names the directory, never "."
-    mode = 0o711 if shared else 0o700
-    try:
-        if not parent.exists():
-            parent.mkdir(mode=mode, parents=True)
-            os.chmod(parent, mode)
-        st = os.stat(parent)
-    except OSError as exc:
-        raise ValueError(f"cannot create the socket directory {parent}: {exc.strerror or exc} ({hint})") from None
-    if st.st_uid != os.getuid():
-        raise ValueError(f"socket directory {parent} is owned by uid {st.st_uid}, not by this user ({hint})")
-    if shared and stat.S_IMODE(st.st_mode) & 0o022:
-        raise ValueError(
-            f"socket directory {parent} has mode {stat.S_IMODE(st.st_mode):o}; others must not write to it "
-            f"(chmod 711 {parent})"
-        )
-    try:
-        if shared and stat.S_IMODE(st.st_mode) & 0o011 != 0o011:
-            os.chmod(parent, stat.S_IMODE(st.st_mode) | 0o111)  # ours, not writable by others: let them reach it
-    except OSError as exc:
-        raise ValueError(f"cannot open the socket directory {parent} to other users: {exc.strerror or exc}") from None
-    if not shared and stat.S_IMODE(st.st_mode) & 0o077:
-        raise ValueError(
-            f"socket directory {parent} has mode {stat.S_IMODE(st.st_mode):o}; it must be 0700, only its user may "
-            f"enter it (chmod 700 {parent}, {hint})"
-        )
-    if mode_now is not None:
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        probe.settimeout(1.0)
-        try:
-            probe.connect(str(sock_path))
-        except OSError:
-            try:
-                sock_path.unlink()  # nobody listens: left over from a server that died
-            except OSError as exc:
-                raise ValueError(f"cannot remove the stale socket {sock_path}: {exc.strerror or exc}") from None
-        else:
-            raise ValueError(f"a server is already listening on {sock_path}")
-        finally:
-            probe.close()
-    return sock_path
 
 
 class CacheServer:
@@ -281,6 +144,8 @@ class CacheServer:
         self.refused_connections = 0
         self.timed_out_connections = 0
         self.reclaimed_namespaces = 0
+        #: The handler of each request op (:mod:`lmcache_async.server.ops`).
+        self.handlers = RequestHandlers(self)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def bind(self) -> None:
@@ -593,7 +458,7 @@ class CacheServer:
             sock.send(msg)
 
     def dispatch_now(self, conn: Conn, op: Op, r: Reader) -> bytes | None:
-        """:meth:`_dispatch` run to its end on the caller's stack; only for requests that
+        """:meth:`dispatch` run to its end on the caller's stack; only for requests that
         :meth:`needs_task` says never wait (no lower tiers involved)."""
         coro = self.dispatch(conn, op, r)
         try:
@@ -605,31 +470,9 @@ class CacheServer:
         raise RuntimeError(f"{op.name} waited on the event loop on the direct path")
 
     def fast_handlers(self) -> dict[int, Callable[[Conn, Reader], bytes | None]]:
-        """Handlers of the hot requests that never wait (presence, reads and releases, when the
-        server has no lower tiers), by op code, for the connection's fast path: each takes the
-        admitted connection and a reader of the request body and returns the answer body
-        (None: the request is not answered)."""
-        if self.lower is not None:
-            return {}
-
-        def contains(conn: Conn, r: Reader) -> bytes:
-            assert conn.ns is not None
-            flags = _contains(conn.ns, r)[1]
-            return _U16.pack(len(flags)) + bytes(flags)
-
-        def read(conn: Conn, r: Reader) -> bytes:
-            assert conn.ns is not None
-            return _read_answer(_locate(conn.ns, r)[1])
-
-        def get(conn: Conn, r: Reader) -> bytes:
-            assert conn.ns is not None and conn.state is not None
-            return _lease_answer(_lease(conn.ns, conn.state, r)[1])
-
-        def release(conn: Conn, r: Reader) -> None:
-            assert conn.ns is not None and conn.state is not None
-            _release(conn.ns, conn.state, r)
-
-        return {int(Op.CONTAINS): contains, int(Op.READ): read, int(Op.GET): get, int(Op.RELEASE): release}
+        """Handlers of the hot requests that never wait, by op code, for the connection's fast
+        path (:meth:`RequestHandlers.fast <lmcache_async.server.ops.RequestHandlers.fast>`)."""
+        return self.handlers.fast()
 
     def needs_task(self, op: Op, conn: Conn | None = None) -> bool:
         """True when a request of ``op`` on ``conn`` may wait and so runs as a task: on the lower
@@ -641,202 +484,10 @@ class CacheServer:
         return op is Op.GRANT and ns is not None and self.growth.short(ns.pool)
 
     # ---- operations ---------------------------------------------------------------------------------
-    async def dispatch(self, conn: Conn, op: Op, r: Reader) -> bytes | None:
-        if op is Op.PING:
-            r.done()
-            return b""
-        if op is Op.STATS:
-            r.done()
-            return json.dumps(self.stats(conn), sort_keys=True, default=str).encode()
-        ns, st = conn.ns, conn.state
-        assert ns is not None and st is not None
-        w = Writer()
-        if op is Op.CONTAINS:
-            keys, flags, pool_only = _contains(ns, r)
-            if self.lower is not None and not pool_only and not all(flags):
-                missing = [i for i, f in enumerate(flags) if not f]
-                found = await self.lower.contains(ns.name, [keys[i] for i in missing])
-                for i, f in zip(missing, found, strict=True):
-                    flags[i] = f
-            return _U16.pack(len(flags)) + bytes(map(bool, flags))
-        elif op is Op.READ:
-            keys, located = _locate(ns, r, count_miss=self.lower is None)
-            if self.lower is not None:
-                for i, loc in enumerate(located):
-                    if loc is None and await self._stage(ns, keys[i]):
-                        located[i] = ns.locate(keys[i])
-            return _read_answer(located)
-        elif op is Op.GET:
-            keys, leased = _lease(ns, st, r, count_miss=self.lower is None)
-            if self.lower is not None:
-                for i, lease in enumerate(leased):
-                    if lease is None and await self._stage(ns, keys[i]):
-                        leased[i] = ns.lease(st, keys[i])
-            return _lease_answer(leased)
-        elif op is Op.RELEASE:
-            _release(ns, st, r)
-            return None
-        elif op is Op.TOUCH:
-            keys = r.keys()
-            r.done()
-            ns.touch(keys)
-            return None
-        elif op is Op.GRANT:
-            sizes = [r.u64() for _ in range(r.count())]
-            r.done()
-            if self.growth.short(ns.pool):
-                await self._grants_growing(ns, st, sizes, w)
-            else:
-                self._grants(ns, st, sizes, w)
-            self.growth.maybe_grow(ns.pool)
-        elif op is Op.COMMIT:
-            n = r.count()
-            commits = []
-            for _ in range(n):
-                gid = r.u64()
-                key = r.blob()
-                meta = r.meta()
-                commits.append((gid, checked_key(key), meta))
-            sizes = [r.u64() for _ in range(r.count())]
-            r.done()
-            w.u16(len(commits))
-            for gid, key, meta in commits:
-                res = ns.commit(st, gid, key, meta)
-                w.u8(res)
-                if res == COMMIT_STORED and self.lower is not None:
-                    await self._write_through(ns, key)
-            self._grants(ns, st, sizes, w)
-            self.growth.maybe_grow(ns.pool)
-        elif op is Op.UNGRANT:
-            for _ in range(r.count()):
-                ns.ungrant(st, r.u64())
-            r.done()
-            return None
-        elif op is Op.REMOVE:
-            keys = r.keys()
-            r.done()
-            w.u16(len(keys))
-            for k in keys:
-                removed = ns.remove(k)
-                if self.lower is not None:
-                    removed = await self.lower.remove(ns.name, k) or removed
-                w.u8(removed)
-        elif op is Op.CLEAR:
-            r.done()
-            ns.clear()
-            uncleared = await self.lower.clear(ns.name) if self.lower is not None else []
-            w.u16(len(uncleared))
-            for name in uncleared:
-                w.blob(name.encode())
-        elif op is Op.HOLD:
-            ttl_s = min(r.u32() / 1000.0, MAX_HOLD_TTL_S)
-            keys = r.keys()
-            r.done()
-            w.u16(len(keys))
-            for k in keys:
-                token = ns.hold(k, ttl_s, st)
-                if token is None and self.lower is not None and ns.entry_view(k) is None and await self._stage(ns, k):
-                    token = ns.hold(k, ttl_s, st)  # an entry only a lower tier had, now back in the pool
-                w.u64(token or 0)
-        elif op is Op.UNHOLD:
-            for _ in range(r.count()):
-                ns.unhold(r.u64())
-            r.done()
-            return None
-        elif op is Op.LIST:
-            after, prefix = r.blob(), r.blob()
-            limit = min(r.u16(), MAX_LIST_PAGE)
-            r.done()
-            page, more = ns.list_page(after, prefix, limit)
-            parts = [b""]
-            size = 0
-            n = 0
-            for key, block, meta, pinned in page:
-                if size > LIST_PAGE_BYTES:
-                    more = True
-                    break
-                item = Writer().blob(key).meta(meta).u64(block).u8(pinned).body()
-                parts.append(item)
-                size += len(item)
-                n += 1
-            parts[0] = _U16.pack(n)
-            parts.append(bytes([more]))
-            return b"".join(parts)
-        elif op is Op.DESCRIBE:
-            return self.events.describe(ns, r) if self.events is not None else _unrecorded(r)
-        elif op is Op.GET_HELD:
-            tokens = [r.u64() for _ in range(r.count())]
-            r.done()
-            return _lease_answer([ns.lease_held(st, token) for token in tokens])
-        return w.body()
-
-    async def _write_through(self, ns: Namespace, key: bytes) -> None:
-        assert self.lower is not None
-        got = ns.entry_view(key)
-        if got is None:
-            return
-        obj, meta = got
-        view = ns.pool.buffer[obj.offset : obj.offset + meta.nbytes]
-        tensor = view.view(meta.dtype).view(meta.shape) if meta.nbytes else torch.empty(meta.shape, dtype=meta.dtype)
-        await self.lower.put(ns.name, key, tensor, meta.fmt)
-
-    async def _stage(self, ns: Namespace, key: bytes) -> bool:
-        """Read a pool miss from the lower tiers into the pool's index: False (counted as a
-        miss) when no lower tier has it or no block is free for it."""
-        assert self.lower is not None
-        obj = await self.lower.get(ns.name, key)
-        if obj is None:
-            ns.misses += 1
-            return False
-        try:
-            if ns.entry_view(key) is None:  # nobody committed it while we read
-                meta = EntryMeta.of(obj.shape, obj.dtype, obj.fmt)
-                block = ns.allocate_block(meta.nbytes)
-                if block is None and ns.pool.can_grow:
-                    await self.growth.wait_room(ns.pool, asyncio.get_running_loop().time() + WAIT_S)
-                    block = ns.allocate_block(meta.nbytes)
-                self.growth.maybe_grow(ns.pool)
-                if block is None:
-                    ns.misses += 1
-                    return False
-                if meta.nbytes:
-                    ctypes.memmove(block.data_ptr, obj.data_ptr, meta.nbytes)
-                if not ns.insert(key, block, meta):
-                    block.ref_count_down()
-                ns.loaded += 1
-        finally:
-            obj.ref_count_down()
-        return True
-
-    async def _grants_growing(self, ns: Namespace, st: ClientState, sizes: list[int], w: Writer) -> None:
-        """:meth:`_grants` for a pool short of committed room: a size that finds no block waits
-        for the pool's next step (at most :data:`~lmcache_async.server.growth.WAIT_S` for the
-        whole request) and is asked again; refused when the pool cannot grow."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + WAIT_S
-        w.u16(len(sizes))
-        for size in sizes:
-            ok = 0 < size <= ns.pool.capacity and len(st.grants) < ns.max_grants
-            got = ns.grant(st, size, count_refusal=False) if ok else None
-            while ok and got is None and ns.pool.can_grow and await self.growth.wait_room(ns.pool, deadline):
-                got = ns.grant(st, size, count_refusal=False)
-            if got is None:
-                ns.refused_grants += 1
-                w.u64(0).u64(0).u64(0)
-            else:
-                gid, obj = got
-                w.u64(gid).u64(obj.offset).u64(obj.size)
-
-    @staticmethod
-    def _grants(ns: Namespace, st: ClientState, sizes: list[int], w: Writer) -> None:
-        w.u16(len(sizes))
-        for size in sizes:
-            got = ns.grant(st, size) if 0 < size <= ns.pool.capacity else None
-            if got is None:
-                w.u64(0).u64(0).u64(0)
-            else:
-                gid, obj = got
-                w.u64(gid).u64(obj.offset).u64(obj.size)
+    def dispatch(self, conn: Conn, op: Op, r: Reader) -> Coroutine[Any, Any, bytes | None]:
+        """The coroutine of the handler :attr:`handlers` has for ``op``: the answer body of a
+        request of ``op`` on ``conn`` (None: not answered); see :mod:`lmcache_async.server.ops`."""
+        return self.handlers.dispatch(conn, op, r)
 
     # ---- figures ------------------------------------------------------------------------------------
     def stats(self, conn: Conn | None = None) -> dict[str, Any]:
@@ -946,69 +597,3 @@ def event_loop_factory(kind: str) -> Callable[[], asyncio.AbstractEventLoop] | N
             raise ValueError(f"{LOOP_ENV}=uvloop but uvloop is not installed") from None
         return None
     return cast("Callable[[], asyncio.AbstractEventLoop]", uvloop.new_event_loop)
-
-
-def _contains(ns: Namespace, r: Reader) -> tuple[list[bytes], list[bool], bool]:
-    """A CONTAINS body's keys, their presence in the pool, and whether the client asked about the
-    pool only (flag bit 1; bit 0 touches the entries): then the lower tiers are not asked."""
-    head = r.u8()
-    keys = r.keys()
-    r.done()
-    return keys, ns.contains(keys, bool(head & 1)), bool(head & 2)
-
-
-def _locate(
-    ns: Namespace, r: Reader, *, count_miss: bool = True
-) -> tuple[list[bytes], list[tuple[int, int, EntryMeta] | None]]:
-    """A READ body's keys and where each lies in the pool (None: not in the pool)."""
-    keys = r.keys()
-    r.done()
-    return keys, [ns.locate(k, count_miss=count_miss) for k in keys]
-
-
-def _lease(
-    ns: Namespace, st: ClientState, r: Reader, *, count_miss: bool = True
-) -> tuple[list[bytes], list[tuple[int, MemoryObj, EntryMeta] | None]]:
-    """A GET body's keys, each leased for ``st`` (None: not in the pool, or refused)."""
-    keys = r.keys()
-    r.done()
-    return keys, [ns.lease(st, k, count_miss=count_miss) for k in keys]
-
-
-def _lease_answer(leased: list[tuple[int, MemoryObj, EntryMeta] | None]) -> bytes:
-    """A GET or GET_HELD answer of leases ``(lease id, block, metadata)``."""
-    return _hits_answer(1, [None if g is None else (g[0], g[1].offset, g[2]) for g in leased])
-
-
-def _hits_answer(flag: int, hits: list[tuple[int, int, EntryMeta] | None]) -> bytes:
-    """A GET (``flag`` 1: lease id) or READ (2: version) answer: per key 0 for a miss, else the
-    flag, the id or version, the offset and the metadata."""
-    parts = [_U16.pack(len(hits))]
-    for hit in hits:
-        if hit is None:
-            parts.append(b"\x00")
-            continue
-        ident, offset, meta = hit
-        parts.append(_HIT.pack(flag, ident, offset))
-        parts.append(encode_meta(meta))
-    return b"".join(parts)
-
-
-def _unrecorded(r: Reader) -> bytes:
-    """The answer to a ``DESCRIBE`` when the server publishes no events: nothing recorded."""
-    n = r.count()
-    for _ in range(n * 4):
-        r.blob(0xFFFF)
-    r.done()
-    return _U16.pack(n) + bytes(n)
-
-
-def _release(ns: Namespace, st: ClientState, r: Reader) -> None:
-    """End the leases a RELEASE body names (unknown ones are ignored); never answered."""
-    for _ in range(r.count()):
-        ns.release(st, r.u64())
-    r.done()
-
-
-def _read_answer(located: list[tuple[int, int, EntryMeta] | None]) -> bytes:
-    return _hits_answer(2, located)

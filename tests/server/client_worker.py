@@ -33,7 +33,7 @@ import torch
 
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryFormat, MemoryObj, PoolAllocator
-from lmcache_async.server import client as client_module
+from lmcache_async.server import client_writes
 from lmcache_async.server.client import ServerClient
 from lmcache_async.server.protocol import FRAME, Op
 
@@ -112,7 +112,7 @@ def main(argv: list[str]) -> int:
     elif mode in ("stall-put", "stall-loop"):
         first = int(argv[3])
         count = int(argv[4]) if mode == "stall-loop" else 1
-        copy = client_module._copy_bytes
+        copy = client_writes.copy_bytes  # a put copies in client_writes
 
         def stalled_copy(*args: object, **kw: object) -> None:
             if argv[4:] == ["partial"]:  # the server then closes the connection (frame timeout)
@@ -122,7 +122,7 @@ def main(argv: list[str]) -> int:
             os.kill(os.getpid(), signal.SIGSTOP)  # a writer stalled inside its put
             copy(*args, **kw)  # type: ignore[arg-type]
 
-        client_module._copy_bytes = stalled_copy  # type: ignore[assignment]
+        client_writes.copy_bytes = stalled_copy  # type: ignore[assignment]
         stored = 0
         for i in range(first, first + count):
             obj = fill(pool, i)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import lmcache_async.server.client as client_mod
+import lmcache_async.server.client_wire as client_wire
 from lmcache_async.memory import MemoryFormat, PoolAllocator
 from lmcache_async.read_sinks import ReadSink
 from lmcache_async.server.client import ServerClient, _touch_frames
@@ -153,7 +154,7 @@ def test_a_copy_raced_by_a_removal_is_read_again_under_a_lease(shared_server, po
     ns = f"race-{then}"
     reader = ServerClient(shared_server.socket, ns, timeout_s=5.0, remember_locations=False)
     other = ServerClient(shared_server.socket, ns, timeout_s=5.0)
-    real_copy: Callable[..., None] = client_mod._copy_bytes
+    real_copy: Callable[..., None] = client_wire.copy_bytes  # a lease-free copy runs in client_wire
     raced = []
 
     def copy_during_a_removal(*args, **kwargs) -> None:  # type: ignore[no-untyped-def]
@@ -168,7 +169,7 @@ def test_a_copy_raced_by_a_removal_is_read_again_under_a_lease(shared_server, po
 
     try:
         assert _put(other, pool, 5)
-        monkeypatch.setattr(client_mod, "_copy_bytes", copy_during_a_removal)
+        monkeypatch.setattr(client_wire, "copy_bytes", copy_during_a_removal)
         t = _get(reader, pool, 5)
         assert raced and reader.stats()["rereads"] == 1
         if then == "removed":
