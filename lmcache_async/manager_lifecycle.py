@@ -99,6 +99,9 @@ class Lifecycle:
                 self.name,
                 self._pool.used_bytes,
             )
+        for pool in (self._pool, self._staging.pool):
+            if pool is not None:  # its pre-touch thread holds it: stop that first
+                pool.stop_pretouch()
         for part in self._parts:
             part.detach()
         self._cpu = self._pool = self._staging.pool = None

@@ -464,12 +464,15 @@ class PoolAllocator(_AllocatorBase):
         if self.committed:
             self._insert_free(0, self.committed // align)
         self._touched = threading.Event()
+        self._pretouch_stop = threading.Event()
+        self._pretouch_thread: threading.Thread | None = None
         if pretouch and size_bytes and not self.pinned:
             # A daemon thread still inside madvise when the interpreter finalizes aborts the
             # process ("terminate called without an active exception"): the exit hook
             # (:func:`_stop_pretouch`) stops the loop between steps and waits for the step.
             thread = threading.Thread(target=self._pretouch, name=f"lmcache-async-pretouch-{name}", daemon=True)
             _PRETOUCH_THREADS.add(thread)
+            self._pretouch_thread = thread
             thread.start()
         else:
             self._touched.set()
@@ -477,7 +480,7 @@ class PoolAllocator(_AllocatorBase):
     # ---- pre-touch ---------------------------------------------------------------------------
     def _pretouch(self) -> None:
         try:
-            populate_pages(self.base_ptr, self.capacity)
+            populate_pages(self.base_ptr, self.capacity, stop=self._pretouch_stop)
         except Exception:  # pragma: no cover - best effort
             logger.debug("pre-touch of %s failed", self.name, exc_info=True)
         finally:
@@ -499,6 +502,16 @@ class PoolAllocator(_AllocatorBase):
                 self._insert_free(start, length)
                 self.committed = new
             return self.committed
+
+    def stop_pretouch(self, timeout: float = 1.0) -> None:
+        """Stop the background pre-touch after its current step and wait for it (at most
+        ``timeout`` seconds): the pool's owner calls it when it lets go of the pool, so the thread
+        neither touches pages nobody will use nor keeps the pool alive. Untouched pages fault on
+        first use, as without pre-touch. Any thread but the pre-touch thread; idempotent."""
+        self._pretouch_stop.set()
+        thread = self._pretouch_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait until the background pre-touch finished (True) or ``timeout`` passed (False)."""
@@ -694,11 +707,12 @@ def _stop_pretouch() -> None:  # pragma: no cover - runs at interpreter exit
 call_at_exit(_stop_pretouch)
 
 
-def populate_pages(ptr: int, nbytes: int, step: int = 64 * MiB) -> None:
+def populate_pages(ptr: int, nbytes: int, step: int = 64 * MiB, stop: threading.Event | None = None) -> None:
     """Fault in the pages of ``[ptr, ptr + nbytes)`` without changing their contents.
 
     Uses ``madvise(MADV_HUGEPAGE)`` then ``madvise(MADV_POPULATE_WRITE)`` (Linux >= 5.14), in
     steps so other threads are not starved. A kernel without it leaves pages to fault on first use.
+    ``stop``, when set, ends the loop before the next step (as interpreter exit does).
     """
     if not hasattr(os, "sysconf") or nbytes <= 0:
         return
@@ -715,7 +729,7 @@ def populate_pages(ptr: int, nbytes: int, step: int = 64 * MiB) -> None:
         return
     madvise(start, end - start, _MADV_HUGEPAGE)
     for off in range(start, end, step):
-        if _PRETOUCH_STOP.is_set():  # the interpreter is exiting: pages fault on first use
+        if _PRETOUCH_STOP.is_set() or (stop is not None and stop.is_set()):  # exiting, or the owner let go
             return
         ln = min(step, end - off)
         if madvise(off, ln, _MADV_POPULATE_WRITE) != 0:

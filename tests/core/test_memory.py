@@ -162,6 +162,22 @@ def test_pretouch_never_changes_contents():
     o.ref_count_down()
 
 
+def test_stopping_the_pretouch_ends_its_thread_and_lets_the_pool_go():
+    import gc
+    import weakref
+
+    p = PoolAllocator(1 * GiB, name="stopped", pretouch=True)
+    thread = p._pretouch_thread
+    assert thread is not None
+    p.stop_pretouch(timeout=10)
+    assert not thread.is_alive() and p.wait_ready(0)  # stopped within a step, ready (pages fault on use)
+    ref = weakref.ref(p)
+    del p
+    gc.collect()
+    assert ref() is None  # nothing else held it
+    PoolAllocator(1 << 20, name="never", pretouch=False).stop_pretouch()  # no thread: a no-op
+
+
 def test_heap_allocator_for_oversized_reads():
     h = HeapAllocator("h", pin=False)
     o = h.allocate((5, 3), torch.float16)
