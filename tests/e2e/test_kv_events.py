@@ -106,6 +106,20 @@ def _ours(events: list[Any], kind: str) -> list[Any]:
     return [e for e in events if type(e).__name__ == kind and getattr(e, "ownership", None) == OWNER]
 
 
+def _prompt_stores(events: list[Any], prompt: list[int]) -> list[tuple[int, Any]]:
+    """Our first ``BlockStored`` of each whole chunk of ``prompt``, as (stream position, event),
+    chunk by chunk; a chunk not (yet) advertised is left out. Stores of other prompts may come
+    before them: a chunk waits for its parent only, and each prompt's chain is its own."""
+    wanted = {tuple(prompt[i * CHUNK : (i + 1) * CHUNK]): i for i in range(len(prompt) // CHUNK)}
+    found: dict[int, tuple[int, Any]] = {}
+    for pos, e in enumerate(events):
+        if type(e).__name__ == "BlockStored" and getattr(e, "ownership", None) == OWNER:
+            i = wanted.get(tuple(e.token_ids))
+            if i is not None and i not in found:
+                found[i] = (pos, e)
+    return [found[i] for i in sorted(found)]
+
+
 @pytest.fixture(scope="module")
 def stream(kv_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("kv-events")
@@ -118,7 +132,7 @@ def stream(kv_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
 
     def break_records() -> None:
         deadline = time.monotonic() + 30
-        while len(_ours(sub.snapshot(), "BlockStored")) < len(files) and time.monotonic() < deadline:
+        while len(_prompt_stores(sub.snapshot(), prompts[0])) < len(files) and time.monotonic() < deadline:
             time.sleep(0.1)
         seen["before_break"] = sub.snapshot()
         damage(files[DAMAGED])
@@ -168,10 +182,12 @@ def test_vllm_and_the_connector_publish_the_same_prompt(stream: dict[str, Any]) 
     _ok(stream["result"])
     assert stream["sub"].undecodable == 0
     before = stream["before_break"]
-    ours = _ours(before, "BlockStored")
     n_chunks = len(stream["prompts"][0]) // CHUNK
-    assert len(ours) >= n_chunks, f"{len(ours)} of our stores before the break"
-    first = ours[:n_chunks]
+    placed = _prompt_stores(before, stream["prompts"][0])
+    assert len(placed) == n_chunks, f"{len(placed)} of prompt 0's {n_chunks} chunks stored before the break"
+    positions = [pos for pos, _ in placed]
+    assert positions == sorted(positions), positions  # parent first
+    first = [e for _, e in placed]
     # vLLM's own stores of the same prompt name the same blocks (its medium, no ownership)
     theirs = _vllm_stored_hashes(before)
     vllm_media = {e.medium for e in before if type(e).__name__ == "BlockStored" and e.ownership is None}
@@ -192,9 +208,10 @@ def test_a_deleted_and_a_damaged_record_are_withdrawn(stream: dict[str, Any]) ->
     _ok(stream["result"])
     events = stream["events"]
     before = len(stream["before_break"])
-    stored = _ours(stream["before_break"], "BlockStored")
     n_chunks = len(stream["prompts"][0]) // CHUNK
-    chunk_first = [stored[i].block_hashes[0] for i in range(n_chunks)]
+    placed = _prompt_stores(stream["before_break"], stream["prompts"][0])
+    assert len(placed) == n_chunks, f"{len(placed)} of prompt 0's {n_chunks} chunks stored before the break"
+    chunk_first = [e.block_hashes[0] for _, e in placed]
     removed = _ours(events[before:], "BlockRemoved")
     counts: dict[tuple[str, str], int] = {}
     for e in events:
