@@ -19,7 +19,10 @@ TORCH = "torch==2.13.0"
 
 def _install(session: nox.Session, extras: str = "test") -> None:
     session.install(TORCH)
-    session.install("-e", f".[{extras}]")
+    wanted = set(extras.split(","))
+    # The benchmark suite is its own distribution (bench/); the tests, the CLI and dev use it.
+    bench = ["-e", "./bench"] if wanted & {"test", "cli", "dev"} else []
+    session.install("-e", f".[{extras}]", *bench)
     if "test" in extras.split(","):
         # The example third-party tier (tests/third_party_tier), found through its entry point.
         session.install("--no-deps", "-e", "tests/third_party_tier")
@@ -132,18 +135,34 @@ def soak(session: nox.Session) -> None:
     session.run("pytest", "tests/chaos", "-m", "soak", "-o", "timeout=3600", *session.posargs, env=env)
 
 
+SOURCES = ("lmcache_async", "bench", "tests", "scripts", "noxfile.py")
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff."""
+    """ruff: lint and format (``--check``: nothing is rewritten)."""
     session.install("ruff>=0.5")
-    session.run("ruff", "check", "lmcache_async", "backends", "bench", "tests", "noxfile.py")
+    session.run("ruff", "check", *SOURCES)
+    session.run("ruff", "format", "--check", *SOURCES)
 
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy over the package (backends included) and the benchmark suite."""
+    """mypy: the package (strict for the core and the tier contract, see pyproject.toml), the
+    benchmark suite and the tests."""
     _install(session, "dev")
-    session.run("mypy", "lmcache_async", "backends", "bench")
+    session.run("mypy")
+
+
+@nox.session
+def checks(session: nox.Session) -> None:
+    """The gates CI runs before the tests: ruff check, ruff format --check, mypy, and the size
+    limits (no module over 600 lines, no function over 80; ``scripts/sizes.py``)."""
+    _install(session, "dev")
+    session.run("ruff", "check", *SOURCES)
+    session.run("ruff", "format", "--check", *SOURCES)
+    session.run("python", "scripts/sizes.py")
+    session.run("mypy")
 
 
 @nox.session

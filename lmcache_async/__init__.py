@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from lmcache_async import _moved
 from lmcache_async.config import LMCacheEngineConfig, load_ec_engine_config, load_engine_config
 from lmcache_async.errors import (
     ConfigError,
@@ -24,12 +25,14 @@ from lmcache_async.storage_manager import StorageManager
 from lmcache_async.tiers import LocalTier, PoolTier, Presence, StorageBackend, register_backend
 from lmcache_async.token_database import ChunkedTokenDatabase
 
+_moved.install()  # the module paths that moved in 0.2.0 keep importing, with a warning
+
 if TYPE_CHECKING:
     from lmcache_async.engines.encoder_cache import ECCacheEngine
     from lmcache_async.engines.hidden_states import HiddenStateStore
     from lmcache_async.engines.kv import LMCacheEngine
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _LAZY: LazyRegistry[Any] = LazyRegistry(
     "attribute",

@@ -9,8 +9,8 @@ def module_command(module: str, *args: str) -> list[str]:
     """The argv that runs ``python -m module args...`` with this interpreter.
 
     ``-P`` keeps the current directory off the child's ``sys.path``: started from a source
-    checkout, a child would otherwise import the checkout's ``lmcache_async/`` (which lacks
-    the installed ``lmcache_async.backends``) instead of the installed package.
+    checkout, a child imports the package its parent runs (an installed wheel, say), never the
+    checkout's ``lmcache_async/`` by accident of its working directory.
     """
     return [sys.executable, "-P", "-m", module, *args]
 

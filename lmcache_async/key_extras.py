@@ -22,7 +22,7 @@ without extras keeps its key byte for byte. The byte encoding of a chunk's extra
 (docs/formats.md, "Key extras") and stable across releases.
 
 Framework-free: vLLM's request is read elsewhere
-(:mod:`lmcache_async.integration.vllm.kv_request_keys`). Instances are immutable and safe to
+(:mod:`lmcache_async.integration.vllm.kv.request_keys`). Instances are immutable and safe to
 share between threads; the prompt-embedding tensor is read, never written, and not copied.
 """
 

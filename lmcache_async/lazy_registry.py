@@ -4,7 +4,7 @@ A :class:`LazyRegistry` maps names to objects. An entry is either the object its
 path, ``"package.module:attr"`` (or ``"package.module"``), that is imported the first time the
 name is looked up and then cached. Optional third-party entries come from an entry-point group,
 read once on the first lookup or listing. The storage tiers (:mod:`lmcache_async.tiers`), the
-remote tier's connectors (:mod:`lmcache_async.backends.remote.connector`) and the package's
+remote tier's connectors (:mod:`lmcache_async.remote.connector`) and the package's
 lazily imported engine classes (:mod:`lmcache_async`) are each one instance.
 
 Threads: every method may be called from any thread. Imports run outside the registry's lock

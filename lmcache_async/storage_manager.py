@@ -1,8 +1,9 @@
 """The async StorageManager: local tiers on the caller's thread, lower tiers on a loop thread.
 
-Composed of parts built once, each from the ones before it (:mod:`lmcache_async.manager_parts`): it answers on the
-caller's thread from its :class:`~lmcache_async.front.Front` and makes one bounded hop to its loop for the lower
-tiers; its :class:`~lmcache_async.manager_lifecycle.Lifecycle` starts and closes it. Every operation is written once,
+Composed of parts built once, each from the ones before it (:mod:`lmcache_async._manager.parts`): it
+answers on the caller's thread from its :class:`~lmcache_async._manager.front.Front` and makes one
+bounded hop to its loop for the lower tiers; its :class:`~lmcache_async._manager.lifecycle.Lifecycle`
+starts and closes it. Every operation is written once,
 as a coroutine; its ``*_sync`` twin comes from :func:`~lmcache_async.sync_bridge.sync_twin` (same result, errors and
 bound). Paths, file by file: ``docs/architecture.md``. Ownership: ``get`` hands the caller one reference to a
 :class:`MemoryObj` (release it with ``ref_count_down()`` or a ``with`` block); ``put`` borrows a MemoryObj it is given.
@@ -17,23 +18,24 @@ from typing import Any
 
 import torch
 
+from lmcache_async._manager.lifecycle import ClosedByLifecycle, Lifecycle, Opening
+from lmcache_async._manager.local_answers import contains_here, prefix_here
+from lmcache_async._manager.loop_work import release_obj
+from lmcache_async._manager.lower_tiers import release_objs
+from lmcache_async._manager.parts import ManagerParts, build_parts
+from lmcache_async._manager.put_path import check_put_batch
+from lmcache_async._manager.stats import manager_stats
+from lmcache_async._manager.tier_access import backend_named, describer_of, leases_of, sole_batch_reader
+from lmcache_async._manager.where import MEMORY_TIER
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.deprecation import renamed
 from lmcache_async.errors import LoopThreadCallError, ManagerClosedError
 from lmcache_async.keys import CacheEngineKey
-from lmcache_async.local_answers import contains_here, prefix_here
 from lmcache_async.loop import LoopThread
-from lmcache_async.loop_work import release_obj
-from lmcache_async.lower_tiers import release_objs
-from lmcache_async.manager_lifecycle import ClosedByLifecycle, Lifecycle, Opening
-from lmcache_async.manager_parts import ManagerParts, build_parts
-from lmcache_async.manager_stats import manager_stats
 from lmcache_async.memory import MemoryFormat, MemoryObj
 from lmcache_async.metadata import LMCacheEngineMetadata
-from lmcache_async.put_path import check_put_batch
 from lmcache_async.read_sinks import ReadSink
 from lmcache_async.sync_bridge import sync_twin
-from lmcache_async.tier_access import backend_named, describer_of, leases_of, sole_batch_reader
 from lmcache_async.tiers import (
     UNKNOWN,
     BatchLookup,
@@ -44,7 +46,6 @@ from lmcache_async.tiers import (
     PromiseLeases,
     StorageBackend,
 )
-from lmcache_async.where import MEMORY_TIER
 
 logger = logging.getLogger(__name__)
 
@@ -309,8 +310,8 @@ class StorageManager(ClosedByLifecycle):
         is copied with one ``memmove`` per piece, the node server's tier copies out of its shared pool straight into
         the pieces (one round trip per batch, bounded by ``remote_timeout_s``), the disk tier reads the file straight
         into the pieces, other lower tiers are read through one bounded hop and copied here. Every write into the sinks
-        is done when this returns, so there is no coroutine form (see :mod:`lmcache_async.read_into`). Lower-tier hits
-        are not promoted by a direct read; hits of the loop-side tiers are, as for :meth:`get`.
+        is done when this returns, so there is no coroutine form (see :mod:`lmcache_async._manager.read_into`).
+        Lower-tier hits are not promoted by a direct read; hits of the loop-side tiers are, as for :meth:`get`.
         ``ValueError``/``TypeError`` name ``keys``/``sinks`` for caller mistakes."""
         self._check_usable()
         if self._lt.in_loop_thread():

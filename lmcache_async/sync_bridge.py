@@ -32,13 +32,21 @@ from lmcache_async.errors import LoopThreadCallError
 from lmcache_async.loop import LoopThread
 from lmcache_async.tiers.abc import UNKNOWN, CannotTell
 
-__all__ = ["NOT_HERE", "Hop", "NotHere", "SyncBridge", "sync_twin"]
+__all__ = ["NOT_HERE", "Hop", "NotHere", "SyncBridge", "stepped_by_bridge", "sync_twin"]
 
 T = TypeVar("T")
 R = TypeVar("R")
 P = ParamSpec("P")
 
 _driving = threading.local()
+
+
+def stepped_by_bridge() -> bool:
+    """True while this thread is stepping an operation for :meth:`SyncBridge.run` (the call of a
+    blocking twin): no event loop drives the running coroutine, so it must not await anything but
+    a :class:`Hop` (an operation that would hand work to another thread of its own, such as a
+    large copy, does it inline instead). False on an event loop and outside any operation."""
+    return getattr(_driving, "on", False)
 
 
 class Hop(Generic[T]):

@@ -134,17 +134,17 @@ FLAT_KEYS: Final[dict[str, dict[str, str]]] = {
 
 _BUILTINS: dict[str, TierSpec] = {
     name: TierSpec(
-        factory=f"lmcache_async.backends.{module}:create",
+        factory=f"lmcache_async.{module}:create",
         enabled=_flag(BUILTIN_TIER_KEYS[name]),
-        config_check="lmcache_async.backends.remote.checks:config_findings" if name == "remote" else None,
+        config_check="lmcache_async.remote.checks:config_findings" if name == "remote" else None,
         flat_keys=FLAT_KEYS[name],
     )
     for name, module in (
-        ("cpu", "cpu"),
-        ("disk", "disk"),
+        ("cpu", "cpu.tier"),
+        ("disk", "disk.tier"),
         ("remote", "remote"),
-        ("nixl", "nixl"),
-        ("server", "server_tier"),
+        ("nixl", "nixl.tier"),
+        ("server", "server.tier"),
     )
 }
 

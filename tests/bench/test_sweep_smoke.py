@@ -18,7 +18,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _expected_tiers() -> set[str]:
-    from lmcache_async.backends.nixl_agent import nixl_available
+    from lmcache_async.nixl.agent import nixl_available
     from lmcache_async.testing.servers import find_server_binary
 
     tiers = {"cpu", "disk"}

@@ -400,7 +400,7 @@ class FaultyBackend(FaultyTier):
     instances: list[FaultyBackend] = []
 
     def __init__(self, ctx: BackendContext) -> None:
-        from lmcache_async.backends.remote import RemoteBackend
+        from lmcache_async.remote import RemoteBackend
 
         extra = ctx.config.extra_config or {}
         super().__init__(RemoteBackend(ctx, f"fs://{extra['chaos_root']}", prefix="chaos"), FaultyBackend.name)

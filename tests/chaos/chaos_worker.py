@@ -54,15 +54,15 @@ def size(i: int) -> int:
 def zygote() -> None:
     if os.environ.get("CHAOS_WITH_NIXL") == "1":
         try:
-            from lmcache_async.backends.nixl_agent import load_nixl
+            from lmcache_async.nixl.agent import load_nixl
 
             load_nixl()  # the library is mapped once, before any fork
         except Exception:
             pass
-    import lmcache_async.backends.remote  # noqa: F401
+    import lmcache_async.remote  # noqa: F401
 
     try:
-        import lmcache_async.backends.disk  # noqa: F401
+        import lmcache_async.disk.tier  # noqa: F401
     except ImportError:
         pass
     print("zygote ready", flush=True)
@@ -99,7 +99,7 @@ def permissions(root: str) -> None:
 
     import torch
 
-    from lmcache_async.backends.disk_layout import entry_path, key_digest
+    from lmcache_async.disk.layout import entry_path, key_digest
 
     if os.access("/", os.W_OK) and os.geteuid() == 0:
         probe = os.path.join(root, "probe")

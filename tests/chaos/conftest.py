@@ -98,8 +98,8 @@ def own_redis(server_binary: str) -> Iterator[RedisServer]:
 
 
 def nixl_problem() -> str | None:
-    from lmcache_async.backends.nixl_agent import load_nixl
     from lmcache_async.errors import BackendUnavailableError
+    from lmcache_async.nixl.agent import load_nixl
 
     try:
         load_nixl()

@@ -111,8 +111,8 @@ def check_record_bytes(data: bytes) -> None:
 
 def _check_remote_head(data: bytes) -> None:
     """The remote tier's head parser on the same bytes: only RecordError, consistent lengths."""
-    from lmcache_async.backends.remote.codec import MANIFEST_LEN, parse_head
-    from lmcache_async.backends.remote.naming import EntryName
+    from lmcache_async.remote.codec import MANIFEST_LEN, parse_head
+    from lmcache_async.remote.naming import EntryName
 
     try:
         hdr = decode_header(data)
@@ -174,8 +174,8 @@ def main(argv: list[str] | None = None) -> None:
             with open(os.path.join(tmp.name, f"seed{i}"), "wb") as f:
                 f.write(bytes([_FIX_MAGIC | _FIX_HLEN | _FIX_HSUM | _FIX_PSUM]) + rec)
         args.append(tmp.name)
-    import lmcache_async.backends.remote.codec as codec
     import lmcache_async.records as records
+    import lmcache_async.remote.codec as codec
 
     for mod, names in (
         (records, ("peek_header_len", "decode_header", "verify_payload", "header_length")),

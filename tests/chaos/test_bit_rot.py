@@ -70,13 +70,13 @@ def _read_back(sm: StorageManager, damaged: set[int], ids: range) -> int:
 
 # ---- where each tier keeps an entry ---------------------------------------------------------------
 def _disk_file(root: Path, i: int) -> Path:
-    from lmcache_async.backends.disk_layout import entry_path, key_digest
+    from lmcache_async.disk.layout import entry_path, key_digest
 
     return Path(entry_path(str(root), key_digest(_key(i).to_string())))
 
 
 def _fs_file(root: Path, prefix: str, i: int) -> Path:
-    from lmcache_async.backends.remote.naming import entry_name
+    from lmcache_async.remote.naming import entry_name
 
     return root / entry_name(prefix, _key(i)).relpath
 
@@ -84,7 +84,7 @@ def _fs_file(root: Path, prefix: str, i: int) -> Path:
 def _nixl_files(root: Path) -> dict[str, Path]:
     """Record files by the key in their header (a file's name is the key it was created for,
     and it keeps that name when an eviction hands it to another key)."""
-    from lmcache_async.backends.nixl_io import probe_file
+    from lmcache_async.nixl.io import probe_file
 
     found: dict[str, Path] = {}
     for p in root.iterdir():
@@ -122,7 +122,7 @@ N = scaled(450, minimum=20)
 
 
 def test_disk_records(tmp_path, figures):
-    pytest.importorskip("lmcache_async.backends.disk")
+    pytest.importorskip("lmcache_async.disk.tier")
     root = tmp_path / "disk"
     rng = random.Random(11)
     ids = range(N)
@@ -177,9 +177,9 @@ def test_fs_records(tmp_path, figures):
 
 
 def test_redis_values(shared_redis, figures):
-    from lmcache_async.backends.remote.codec import MANIFEST_LEN
-    from lmcache_async.backends.remote.naming import entry_name
     from lmcache_async.records import decode_header
+    from lmcache_async.remote.codec import MANIFEST_LEN
+    from lmcache_async.remote.naming import entry_name
 
     srv = shared_redis
     prefix = "rot-redis"

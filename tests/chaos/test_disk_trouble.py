@@ -173,7 +173,7 @@ def test_read_only_filesystem(tier, small_fs, figures):
 
 def test_permission_denied_files_and_read_only_directory(tmp_path, figures):
     """Run in a process where permission bits apply (root drops CAP_DAC_OVERRIDE)."""
-    pytest.importorskip("lmcache_async.backends.disk")
+    pytest.importorskip("lmcache_async.disk.tier")
     work = tmp_path / "perm"
     work.mkdir()
     cmd = [sys.executable, chaos_worker.__file__, "permissions", str(work)]
@@ -201,7 +201,7 @@ def test_permission_denied_files_and_read_only_directory(tmp_path, figures):
 
 
 def test_one_burst_of_failed_writes_backs_off_once(small_fs):
-    pytest.importorskip("lmcache_async.backends.disk")
+    pytest.importorskip("lmcache_async.disk.tier")
     sm = _manager("disk", small_fs / "cache")
     try:
         assert sm.put_sync(chaos_key(0), payload(0, 4096))
@@ -217,7 +217,7 @@ def test_one_burst_of_failed_writes_backs_off_once(small_fs):
         assert disk is not None
         from concurrent.futures import ThreadPoolExecutor
 
-        from lmcache_async.backends.disk_layout import key_digest
+        from lmcache_async.disk.layout import key_digest
         from lmcache_async.memory import PoolAllocator
 
         pool = PoolAllocator(1 << 20, name="burst", pretouch=False)

@@ -182,7 +182,7 @@ class Traffic:
 
 
 def _run_load(tmp_path: Path, seconds: float, figures: Any, section: str) -> None:
-    pytest.importorskip("lmcache_async.backends.disk")
+    pytest.importorskip("lmcache_async.disk.tier")
     md = LMCacheEngineMetadata("load/model", kv_dtype=torch.bfloat16)
     kv_cfg = LMCacheEngineConfig.from_defaults(
         chunk_size=CHUNK,

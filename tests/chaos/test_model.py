@@ -312,7 +312,7 @@ def _run_stack(stack: Stack, tmp_path: Path, request: pytest.FixtureRequest, fig
 @pytest.mark.parametrize("stack", STACKS, ids=[s.name for s in STACKS])
 def test_model(stack: Stack, tmp_path: Path, request: pytest.FixtureRequest, figures: Any) -> None:
     if "disk" in stack.needs:
-        pytest.importorskip("lmcache_async.backends.disk")
+        pytest.importorskip("lmcache_async.disk.tier")
     _run_stack(stack, tmp_path, request, figures, scaled(stack.ops), seed=zlib.crc32(stack.name.encode()))
 
 

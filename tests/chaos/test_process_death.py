@@ -157,8 +157,8 @@ def _parse_log(path: Path, must: set[int], maybe_removed: set[int]) -> tuple[int
 def _on_disk_bytes(tier: str, root: Path) -> tuple[int, int, int]:
     """(accounted bytes, bytes of record files, record files)."""
     if tier == "disk":
-        from lmcache_async.backends.disk_budget import read_accounting
-        from lmcache_async.backends.disk_layout import ENTRY_SUFFIX
+        from lmcache_async.disk.budget import read_accounting
+        from lmcache_async.disk.layout import ENTRY_SUFFIX
 
         files = [p for p in files_below(root) if p.name.endswith(ENTRY_SUFFIX)]
         acct = read_accounting(str(root))
@@ -213,7 +213,7 @@ def test_sigkill_at_random_points(tier_name, zygote, tmp_path, figures):
 
         missing(f"NIXL is not importable: {problem}", REQUIRE_NIXL, "LMCACHE_ASYNC_REQUIRE_NIXL")
     if tier_name == "disk":
-        pytest.importorskip("lmcache_async.backends.disk")
+        pytest.importorskip("lmcache_async.disk.tier")
     root = tmp_path / tier_name
     storage = root / "chaos-0" if tier_name.startswith("nixl") else root  # NIXL: <path>/<cache>-<worker>
     tier = _tier(tier_name, root)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from lmcache_async.cli import build_parser, check_output_file, check_work_dir, main
-from lmcache_async.cli_progress import Progress, bars_wanted
+from lmcache_async.cli.progress import Progress, bars_wanted
 from lmcache_async_bench.common import Result, format_series_summary, format_table
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -42,7 +42,7 @@ def test_config_redacts_s3_credentials(monkeypatch: pytest.MonkeyPatch, capsys: 
 
 def test_s3_credentials_reach_the_tier_but_not_its_stats_or_repr(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("obstore")
-    from lmcache_async.backends.remote.connector import ConnectorSettings, S3Settings, make_connector
+    from lmcache_async.remote.connector import ConnectorSettings, S3Settings, make_connector
 
     conn = make_connector(
         "s3://bucket/p",
@@ -63,7 +63,7 @@ def test_s3_credentials_reach_the_tier_but_not_its_stats_or_repr(monkeypatch: py
 
 def test_a_plain_http_endpoint_needs_s3_allow_http() -> None:
     pytest.importorskip("obstore")
-    from lmcache_async.backends.remote.connector import ConnectorSettings, S3Settings, make_connector
+    from lmcache_async.remote.connector import ConnectorSettings, S3Settings, make_connector
 
     with pytest.raises(ValueError, match="s3_allow_http"):
         make_connector(

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_async.backends.disk import DiskBackend
-from lmcache_async.backends.remote import RemoteBackend
+from lmcache_async.disk.tier import DiskBackend
 from lmcache_async.memory import PoolAllocator
+from lmcache_async.remote import RemoteBackend
 from lmcache_async.testing import RecordDirectoryMedium, make_key, make_obj
 from lmcache_async.testing.media import read_record_dir
 from lmcache_async.testing.medium_conformance import MediumConformanceTests

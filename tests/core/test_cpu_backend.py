@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_async.backends.cpu import CPUBackend
+from lmcache_async.cpu.tier import CPUBackend
 from lmcache_async.memory import MemoryFormat, PoolAllocator
 from lmcache_async.testing import BackendConformanceTests, make_key
 from lmcache_async.tiers import BackendContext

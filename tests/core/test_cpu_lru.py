@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from lmcache_async.backends.cpu import CPUBackend
+from lmcache_async.cpu.tier import CPUBackend
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj, PoolAllocator
 from lmcache_async.testing import make_key

@@ -1,6 +1,7 @@
 """The core's import direction: nothing under ``lmcache_async/`` outside ``testing/``,
-``integration/`` and ``cli.py`` imports a concrete backend module (it builds tiers by name
-through the registry), checked over every import statement — lazy ones inside functions too."""
+``integration/``, ``cli/`` and the built-in tiers' own packages imports a built-in tier (the core
+builds tiers by name through the registry), checked over every import statement — lazy ones
+inside functions too."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from pathlib import Path
 import lmcache_async
 
 PACKAGE = Path(lmcache_async.__file__).resolve().parent
-ALLOWED = ("testing/", "integration/", "cli.py")
-BACKENDS = "lmcache_async.backends"
+ALLOWED = ("testing/", "integration/", "cli/", "cpu/", "disk/", "nixl/", "remote/", "server/")
+TIERS = tuple(f"lmcache_async.{t}" for t in ("cpu", "disk", "nixl", "remote", "server.tier", "server.leases"))
 
 
 def _module_name(path: Path) -> str:
@@ -46,10 +47,14 @@ def _core_modules() -> list[Path]:
     out = []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE).as_posix()
-        if rel.startswith(ALLOWED[:2]) or rel == ALLOWED[2]:
+        if rel.startswith(ALLOWED):
             continue
         out.append(path)
     return out
+
+
+def _is_tier(mod: str) -> bool:
+    return any(mod == t or mod.startswith(t + ".") for t in TIERS)
 
 
 def test_core_never_imports_a_concrete_backend() -> None:
@@ -57,7 +62,7 @@ def test_core_never_imports_a_concrete_backend() -> None:
         f"{path.relative_to(PACKAGE.parent)}:{line} imports {mod}"
         for path in _core_modules()
         for line, mod in _imported(path)
-        if mod == BACKENDS or mod.startswith(BACKENDS + ".")
+        if _is_tier(mod)
     ]
     assert not offenders, "\n".join(offenders)
 
@@ -65,7 +70,7 @@ def test_core_never_imports_a_concrete_backend() -> None:
 def test_the_walk_sees_the_core_and_finds_a_backend_import() -> None:
     """The check can fail: it walks the core's modules and flags a known backend import."""
     names = {p.relative_to(PACKAGE).as_posix() for p in _core_modules()}
-    assert {"storage_manager.py", "backend.py", "engines/kv.py"} <= names
-    assert "cli.py" not in names and not any(n.startswith("testing/") for n in names)
-    cli = [mod for _, mod in _imported(PACKAGE / "cli.py")]
-    assert any(m.startswith(BACKENDS + ".") for m in cli), "the walk resolves the CLI's lazy backend import"
+    assert {"storage_manager.py", "_manager/front.py", "engines/kv.py"} <= names
+    assert not any(n.startswith(("testing/", "cli/", "disk/")) for n in names)
+    cli = [mod for path in (PACKAGE / "cli").glob("*.py") for _, mod in _imported(path)]
+    assert any(_is_tier(m) for m in cli), "the walk resolves the CLI's lazy tier imports"

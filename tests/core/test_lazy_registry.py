@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 import lmcache_async
-from lmcache_async.backends.remote import known_schemes, make_connector, register_connector
-from lmcache_async.backends.remote.connector import ConnectorSettings
 from lmcache_async.errors import BackendUnavailableError
 from lmcache_async.lazy_registry import LazyRegistry
+from lmcache_async.remote import known_schemes, make_connector, register_connector
+from lmcache_async.remote.connector import ConnectorSettings
 from lmcache_async.tiers import get_backend_factory, known_backends, register_backend
 
 Factory = Callable[[], str]
@@ -221,7 +221,7 @@ def test_unknown_backend_names_itself_and_the_known_ones() -> None:
 
 
 def test_builtin_backends_are_known_and_resolve_to_their_create() -> None:
-    from lmcache_async.backends import cpu
+    from lmcache_async.cpu import tier as cpu
 
     assert {"cpu", "disk", "remote", "nixl", "server"} <= set(known_backends())
     assert get_backend_factory("cpu") is cpu.create

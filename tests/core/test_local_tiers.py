@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from lmcache_async.backends.cpu import CPUBackend
+from lmcache_async.cpu.tier import CPUBackend
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import HeapAllocator, MemoryObj, PoolAllocator
 from lmcache_async.testing import make_key

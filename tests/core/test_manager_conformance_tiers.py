@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lmcache_async.backends.disk import DiskBackend
-from lmcache_async.backends.remote import RemoteBackend
 from lmcache_async.config import LMCacheEngineConfig
+from lmcache_async.disk.tier import DiskBackend
+from lmcache_async.remote import RemoteBackend
 from lmcache_async.testing import RecordDirectoryMedium
 from lmcache_async.testing.manager_conformance import ManagerConformanceTests
 from lmcache_async.tiers import BackendContext

@@ -13,8 +13,8 @@ from support import membackend
 from support.membackend import MemBackend
 
 from lmcache_async import StorageManager
-from lmcache_async import staging as staging_module
-from lmcache_async.backends.cpu import CPUBackend
+from lmcache_async._manager import staging as staging_module
+from lmcache_async.cpu.tier import CPUBackend
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj
 from lmcache_async.testing import make_key

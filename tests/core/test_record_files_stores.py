@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from lmcache_async import LMCacheEngineConfig, LMCacheEngineMetadata, StorageManager, record_files
-from lmcache_async.backends.nixl_agent import load_nixl
 from lmcache_async.errors import BackendUnavailableError
+from lmcache_async.nixl.agent import load_nixl
 from lmcache_async.record_files import HOST_TAG, parse_temp_name, process_start_time, temp_name
 from lmcache_async.testing import make_key
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lmcache_async import LMCacheEngineConfig, LMCacheEngineMetadata, StorageManager
-from lmcache_async.backends.cpu import CPUBackend
+from lmcache_async.cpu.tier import CPUBackend
 from lmcache_async.dtypes import CODE_TO_DTYPE, DTYPE_TO_CODE, is_storable_dtype
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryFormat

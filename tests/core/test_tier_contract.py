@@ -54,7 +54,7 @@ def test_the_cpu_tier_reports_evictions_and_removals(make_manager: Any) -> None:
 
 
 def test_the_disk_tier_reports_a_damaged_record(make_manager: Any, tmp_path: Path) -> None:
-    from lmcache_async.backends.disk_layout import entry_path, key_digest
+    from lmcache_async.disk.layout import entry_path, key_digest
 
     sm = make_manager(local_cpu=False, local_disk=str(tmp_path), max_local_disk_size=0.01, tier_order=["disk"])
     heard: list[tuple[str, list[Any], RemovalReason]] = []
@@ -91,8 +91,8 @@ def test_a_registered_tier_gets_its_validated_settings(make_manager: Any) -> Non
 
 
 def test_the_old_sentinels_are_the_one_sentinel() -> None:
+    from lmcache_async._manager.tier_guard import NO_ANSWER
     from lmcache_async.sync_bridge import NOT_HERE
-    from lmcache_async.tier_guard import NO_ANSWER
 
     assert NO_ANSWER is UNKNOWN and NOT_HERE is UNKNOWN
     assert Presence.UNKNOWN is UNKNOWN  # the tri-state presence's "cannot tell" is the same object
@@ -122,7 +122,7 @@ def test_a_tier_answering_none_on_the_callers_thread_is_asked_on_the_loop(make_m
     [
         ("lmcache_async.backend", "StorageBackend"),
         ("lmcache_async.backend", "register_backend"),
-        ("lmcache_async.put_path", "DirectPutTier"),
+        ("lmcache_async._manager.put_path", "DirectPutTier"),
     ],
 )
 def test_an_old_import_path_still_works_and_warns(module: str, name: str) -> None:

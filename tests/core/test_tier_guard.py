@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
+from lmcache_async._manager.tier_guard import ENTRIES_PER_TIMEOUT, NO_ANSWER, TierGuard
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj
-from lmcache_async.tier_guard import ENTRIES_PER_TIMEOUT, NO_ANSWER, TierGuard
 from lmcache_async.tiers import Allocate, StorageBackend
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from lmcache_async.backends.disk import DiskBackend
+from lmcache_async.disk.tier import DiskBackend
 from lmcache_async.memory import HeapAllocator, MemoryFormat, MemoryObj, PoolAllocator
 
 

@@ -23,7 +23,7 @@ import disk_testkit as kit
 import torch
 
 from lmcache_async import LMCacheEngineConfig, LMCacheEngineMetadata, StorageManager
-from lmcache_async.backends.disk import DiskBackend
+from lmcache_async.disk.tier import DiskBackend
 from lmcache_async.memory import HeapAllocator, PoolAllocator
 
 

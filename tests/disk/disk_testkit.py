@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from lmcache_async.backends.disk_layout import ENTRY_SUFFIX, TMP_SUFFIX, entry_path, key_digest
+from lmcache_async.disk.layout import ENTRY_SUFFIX, TMP_SUFFIX, entry_path, key_digest
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryFormat, MemoryObj, PoolAllocator
 

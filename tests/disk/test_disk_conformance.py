@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lmcache_async.backends.disk import DiskBackend
+from lmcache_async.disk.tier import DiskBackend
 from lmcache_async.testing import PersistentBackendConformanceTests
 from lmcache_async.tiers import BackendContext
 

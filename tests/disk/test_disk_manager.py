@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmcache_async import LMCacheEngineConfig, StorageManager
-from lmcache_async.backends.disk import DiskBackend, create
+from lmcache_async.disk.tier import DiskBackend, create
 
 from .disk_testkit import dir_bytes, entry_files, key
 
@@ -123,7 +123,7 @@ def test_restart_finds_all_1000_entries_with_their_bytes_and_budget(small_config
 
 
 def test_zero_size_with_a_directory_builds_no_tier_and_says_why(make_manager, tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="lmcache_async.backends.disk"):
+    with caplog.at_level(logging.WARNING, logger="lmcache_async.disk.tier"):
         sm = make_manager(local_disk=str(tmp_path / "disk"), max_local_disk_size=0)
     assert "disk" not in sm.tier_names
     assert any("max_local_disk_size" in r.getMessage() for r in caplog.records)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lmcache_async import StorageManager
-from lmcache_async.backends.disk import DiskBackend
+from lmcache_async.disk.tier import DiskBackend
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.records import decode_header
 

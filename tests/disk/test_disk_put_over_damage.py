@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_async.backends import disk_store
+from lmcache_async.disk import store as disk_store
 
 from .disk_testkit import dir_bytes, entry_files, key, make_entry, path_of, put_entry, same_bytes
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_async.backends import disk_store
-from lmcache_async.backends.disk import DiskBackend
-from lmcache_async.backends.disk_layout import ACCT_NAME, key_digest
+from lmcache_async.disk import store as disk_store
+from lmcache_async.disk.layout import ACCT_NAME, key_digest
+from lmcache_async.disk.tier import DiskBackend
 from lmcache_async.memory import PoolAllocator
 from lmcache_async.tiers import UNKNOWN, Presence
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lmcache_async import StorageManager
-from lmcache_async.backends.disk import DiskBackend
+from lmcache_async.disk.tier import DiskBackend
 from lmcache_async.encryption import RecordCipher, load_cipher, write_key_file
 from lmcache_async.memory import MemoryObj, PoolAllocator
 from lmcache_async.records import decode_header, encode_header, payload_checksum

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from lmcache_async.backends.disk_tools import add_inspect_parser, format_report, inspect_dir, purge_dir, run_inspect
+from lmcache_async.disk.tools import add_inspect_parser, format_report, inspect_dir, purge_dir, run_inspect
 
 from .disk_testkit import dir_bytes, entry_files, key, make_entry, path_of
 

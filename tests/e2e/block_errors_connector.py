@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmcache_async.integration.vllm.kv_connector import LMCacheKVConnector
+from lmcache_async.integration.vllm.kv.connector import LMCacheKVConnector
 
 
 class BlockErrorsKVConnector(LMCacheKVConnector):

@@ -108,7 +108,7 @@ def flush(obj: Any) -> bool:
 
 def chunk_files(obj: Any, prompt: list[int], root: str) -> list[str]:
     """Paths of the disk-tier records of ``prompt``'s KV chunks on this worker, in chunk order."""
-    from lmcache_async.backends.disk_layout import entry_path, key_digest
+    from lmcache_async.disk.layout import entry_path, key_digest
 
     conn = _connector()
     return [entry_path(root, key_digest(k.to_string())) for k in conn.store.token_database.keys(prompt)]

@@ -71,7 +71,7 @@ class ProbeECConnector(LMCacheECConnector):
             self._steps.append(self._step_s)
         self._step_s = 0.0
         if _SETTINGS.get("delete_promised") and meta.mm_hashes:
-            from lmcache_async.backends.disk_layout import entry_path, key_digest
+            from lmcache_async.disk.layout import entry_path, key_digest
 
             root = os.path.abspath(self.impl.engine.config.local_disk or "")
             for h in meta.mm_hashes:

@@ -55,7 +55,7 @@ def record_files(model_dir: Path, prompt: list[int], root: Path) -> list[str]:
     """The disk-tier record paths of ``prompt``'s chunks as the connector keys them."""
     import torch
 
-    from lmcache_async.backends.disk_layout import entry_path, key_digest
+    from lmcache_async.disk.layout import entry_path, key_digest
     from lmcache_async.metadata import LMCacheEngineMetadata
     from lmcache_async.token_database import ChunkedTokenDatabase
 

@@ -54,7 +54,7 @@ def hs_record_file(model_dir: Path, prompt: list[int], chunk: int, layer: int, r
     """The disk path of the published hidden-state record of ``prompt``'s chunk ``chunk``."""
     import torch
 
-    from lmcache_async.backends.disk_layout import entry_path, key_digest
+    from lmcache_async.disk.layout import entry_path, key_digest
     from lmcache_async.engines.hidden_states import hs_entry_key
     from lmcache_async.metadata import LMCacheEngineMetadata
     from lmcache_async.token_database import ChunkedTokenDatabase

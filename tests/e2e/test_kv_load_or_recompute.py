@@ -43,7 +43,7 @@ if importlib.util.find_spec("vllm") is None:
         raise RuntimeError("LMCACHE_ASYNC_REQUIRE_VLLM=1 but vLLM is not importable in this environment")
     pytest.skip("vLLM is not installed here; `nox -s e2e` builds its environment", allow_module_level=True)
 
-from lmcache_async.integration.vllm.kv_lookup import PROBE_LARGE_MAX_BYTES, PROBE_ROUNDS, PROBE_SMALL_BYTES
+from lmcache_async.integration.vllm.kv.lookup import PROBE_LARGE_MAX_BYTES, PROBE_ROUNDS, PROBE_SMALL_BYTES
 
 from .engines import Redis
 from .kv_engines import CHUNK, make_prompts, run_kv_engine

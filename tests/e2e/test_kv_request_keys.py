@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from lmcache_async.integration.vllm.kv_request_keys import UnreadableRequest, request_key_inputs
+from lmcache_async.integration.vllm.kv.request_keys import UnreadableRequest, request_key_inputs
 from lmcache_async.token_database import ChunkedTokenDatabase
 
 if os.environ.get("LMCACHE_ASYNC_REQUIRE_VLLM") != "1":

@@ -49,7 +49,7 @@ def record_file(model_dir: Path, prompt: list[int], chunk: int, root: Path) -> s
     """The disk path of ``prompt``'s chunk ``chunk`` record."""
     import torch
 
-    from lmcache_async.backends.disk_layout import entry_path, key_digest
+    from lmcache_async.disk.layout import entry_path, key_digest
     from lmcache_async.metadata import LMCacheEngineMetadata
     from lmcache_async.token_database import ChunkedTokenDatabase
 

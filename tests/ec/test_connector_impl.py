@@ -21,7 +21,7 @@ from lmcache_async.integration.vllm import (
     LMCacheECConnectorImpl,
     load_connector_config,
 )
-from lmcache_async.integration.vllm.impl import (
+from lmcache_async.integration.vllm.ec.impl import (
     DEFAULT_ENCODER_DTYPE,
     DEFAULT_MODEL_NAME,
     item_identifier,

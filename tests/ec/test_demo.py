@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from lmcache_async.demo_ec import demo_tensor, main, run_ec_demo
+from lmcache_async.cli.demo_ec import demo_tensor, main, run_ec_demo
 
 from .helpers import needs_disk
 

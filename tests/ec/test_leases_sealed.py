@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_async.backends.disk_leases import LeaseDir, read_record
+from lmcache_async.disk.leases import LeaseDir, read_record
 from lmcache_async.encryption import RecordCipher, load_cipher, write_key_file
-from lmcache_async.integration.vllm.impl import LMCacheECConnectorImpl
+from lmcache_async.integration.vllm.ec.impl import LMCacheECConnectorImpl
 from lmcache_async.memory import MemoryFormat, tensor_byte_view
 from lmcache_async.records import ForeignSeal, RecordError, encode_header, payload_checksum
 from lmcache_async.testing import make_key

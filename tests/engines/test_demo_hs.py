@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lmcache_async.demo_hs import run_hs_demo
+from lmcache_async.cli.demo_hs import run_hs_demo
 
 
 def test_demo_shows_the_prefix_shrinking_with_the_kv():

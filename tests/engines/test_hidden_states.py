@@ -225,7 +225,7 @@ def test_kv_in_a_lower_tier_still_counts(make_engine, memory_tier):
 
 
 def test_kv_on_the_disk_tier_still_counts(make_engine, tmp_path):
-    pytest.importorskip("lmcache_async.backends.disk")
+    pytest.importorskip("lmcache_async.disk.tier")
     eng = make_engine(local_disk=str(tmp_path), max_local_disk_size=0.01)
     hs = eng.hidden_state_store
     toks = tokens(3 * CHUNK)

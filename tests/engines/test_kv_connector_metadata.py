@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lmcache_async.integration.vllm.kv_metadata import BlockRun, KVStepMetadata
+from lmcache_async.integration.vllm.kv.metadata import BlockRun, KVStepMetadata
 
 
 def test_a_run_maps_request_blocks_to_chunks_and_offsets() -> None:

@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from lmcache_async.config import LMCacheEngineConfig
-from lmcache_async.integration.vllm.kv_engine import (
+from lmcache_async.integration.vllm.kv.hidden import publish_hidden_states, restore_hidden_states
+from lmcache_async.integration.vllm.kv.scheduler import KVSchedulerSide
+from lmcache_async.integration.vllm.kv.store import (
     KVStore,
     acquire_store,
     find_worker_store,
@@ -25,9 +27,7 @@ from lmcache_async.integration.vllm.kv_engine import (
     load_kv_connector_config,
     release_store,
 )
-from lmcache_async.integration.vllm.kv_hidden import publish_hidden_states, restore_hidden_states
-from lmcache_async.integration.vllm.kv_scheduler import KVSchedulerSide
-from lmcache_async.integration.vllm.kv_worker import KVWorkerSide
+from lmcache_async.integration.vllm.kv.worker import KVWorkerSide
 from lmcache_async.metadata import LMCacheEngineMetadata
 
 BS, BPC = 4, 2  # block size, blocks per chunk
@@ -158,7 +158,7 @@ def test_an_asynchronous_load_reads_straight_into_the_blocks_on_the_load_thread(
     the request is reported by ``finished_loads`` once that read returned."""
     import threading
 
-    from lmcache_async.integration.vllm import kv_worker
+    from lmcache_async.integration.vllm.kv import worker as kv_worker
 
     src = store_prompt(stores[0])
     sched, worker = sides(stores[1])

@@ -237,7 +237,7 @@ def test_without_a_cpu_tier_chunks_go_through_staging(make_engine, memory_tier):
 
 
 def test_disk_tier_serves_evicted_chunks(make_engine, tmp_path):
-    pytest.importorskip("lmcache_async.backends.disk")
+    pytest.importorskip("lmcache_async.disk.tier")
     eng = make_engine(local_disk=str(tmp_path), max_local_disk_size=0.01)
     toks = tokens(3 * CHUNK)
     kv = kv_for(3 * CHUNK)
@@ -250,7 +250,7 @@ def test_disk_tier_serves_evicted_chunks(make_engine, tmp_path):
 
 
 def test_store_over_a_damaged_disk_chunk_stores_it_again(make_engine, tmp_path):
-    pytest.importorskip("lmcache_async.backends.disk")
+    pytest.importorskip("lmcache_async.disk.tier")
     toks = tokens(3 * CHUNK)
     kv = kv_for(3 * CHUNK)
     eng = make_engine(local_disk=str(tmp_path), max_local_disk_size=0.01)

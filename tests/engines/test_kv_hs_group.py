@@ -16,13 +16,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lmcache_async.backends.disk_layout import entry_path, key_digest
+from lmcache_async.disk.layout import entry_path, key_digest
 from lmcache_async.engines.hidden_states import hs_entry_key
-from lmcache_async.integration.vllm.kv_engine import KVStore
-from lmcache_async.integration.vllm.kv_hs_group import HiddenStateGroup
-from lmcache_async.integration.vllm.kv_metadata import HSRun, KVStepMetadata
-from lmcache_async.integration.vllm.kv_scheduler import KVSchedulerSide
-from lmcache_async.integration.vllm.kv_worker import KVWorkerSide
+from lmcache_async.integration.vllm.kv.hs_group import HiddenStateGroup
+from lmcache_async.integration.vllm.kv.metadata import HSRun, KVStepMetadata
+from lmcache_async.integration.vllm.kv.scheduler import KVSchedulerSide
+from lmcache_async.integration.vllm.kv.store import KVStore
+from lmcache_async.integration.vllm.kv.worker import KVWorkerSide
 
 from .test_kv_connector_sides import BPC, BS, CHUNK, META, PROMPT, build, caches, config, vreq
 

@@ -7,7 +7,7 @@ import ctypes
 import pytest
 import torch
 
-from lmcache_async.integration.vllm.kv_layout import (
+from lmcache_async.integration.vllm.kv.layout import (
     CPU_LAYOUT,
     FLASH_ATTN_LAYOUT,
     PagedCaches,

@@ -18,13 +18,13 @@ from typing import Any
 import pytest
 import torch
 
-from lmcache_async.integration.vllm import kv_worker
-from lmcache_async.integration.vllm.kv_costs import CostBook, LoadDecision, ReadCost, decide_load, load_deadline
-from lmcache_async.integration.vllm.kv_engine import KVStore
-from lmcache_async.integration.vllm.kv_lookup import LoadSettings, TierLookups
-from lmcache_async.integration.vllm.kv_metadata import BlockRun, KVStepMetadata
-from lmcache_async.integration.vllm.kv_scheduler import KVSchedulerSide
-from lmcache_async.integration.vllm.kv_worker import KVWorkerSide
+from lmcache_async.integration.vllm.kv import worker as kv_worker
+from lmcache_async.integration.vllm.kv.costs import CostBook, LoadDecision, ReadCost, decide_load, load_deadline
+from lmcache_async.integration.vllm.kv.lookup import LoadSettings, TierLookups
+from lmcache_async.integration.vllm.kv.metadata import BlockRun, KVStepMetadata
+from lmcache_async.integration.vllm.kv.scheduler import KVSchedulerSide
+from lmcache_async.integration.vllm.kv.store import KVStore
+from lmcache_async.integration.vllm.kv.worker import KVWorkerSide
 
 from .test_kv_connector_sides import (
     BPC,
@@ -458,7 +458,7 @@ def test_the_manager_locates_each_key_in_its_tier_and_probes_a_lower_tier(tmp_pa
 
 def test_decisions_and_estimates_are_exported_to_prometheus(two_stores: tuple[KVStore, KVStore]) -> None:
     pytest.importorskip("prometheus_client")
-    from lmcache_async.integration.vllm.kv_metrics import SchedulerMetrics
+    from lmcache_async.integration.vllm.kv.metrics import SchedulerMetrics
 
     store_prompt(two_stores[0])
     book = book_with(disk=(0.5, 1e6))

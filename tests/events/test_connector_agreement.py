@@ -26,7 +26,7 @@ from events.test_router_agreement import Recorder
 
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.events.wire import BlockRemoved, BlockStored, KVEventBatch
-from lmcache_async.integration.vllm.kv_events import KVEventSource
+from lmcache_async.integration.vllm.kv.events import KVEventSource
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.metadata import LMCacheEngineMetadata
 from lmcache_async.storage_manager import StorageManager

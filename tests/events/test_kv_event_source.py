@@ -8,7 +8,7 @@ import threading
 from events.kv_workload import prompt_of
 
 from lmcache_async.events.wire import AllBlocksCleared, BlockRemoved, BlockStored
-from lmcache_async.integration.vllm.kv_events import KVEventSource
+from lmcache_async.integration.vllm.kv.events import KVEventSource
 
 TYPES = (BlockStored, BlockRemoved)
 

@@ -1,4 +1,4 @@
-"""The KV connector's event wiring (:mod:`lmcache_async.integration.vllm.kv_event_reports`): a
+"""The KV connector's event wiring (:mod:`lmcache_async.integration.vllm.kv.event_reports`): a
 worker's reports from a real StorageManager (CPU tier at once, disk once its file is there,
 removals from the manager's removal listeners), the scheduler's descriptions from a request's
 vLLM block hashes, and the rank count before a chunk is published.
@@ -20,7 +20,7 @@ import torch
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     pytest.importorskip("vllm", reason="needs vLLM (the e2e or vLLM venv)")
-    from lmcache_async.integration.vllm.kv_event_reports import (
+    from lmcache_async.integration.vllm.kv.event_reports import (
         LMCacheKVReports,
         SchedulerEvents,
         WorkerEventReports,
@@ -127,7 +127,7 @@ def test_unknown_reports_and_undescribed_chunks_change_nothing() -> None:
 def test_chunks_on_the_server_tier_are_described_to_the_server(make_event_server: type, tmp_path: Path) -> None:
     from lmcache_async.events.subscriber import EventSubscriber
     from lmcache_async.events.wire import BlockStored
-    from lmcache_async.integration.vllm.kv_event_reports import ServerDescriber
+    from lmcache_async.integration.vllm.kv.event_reports import ServerDescriber
 
     srv = make_event_server().start()
     sub = EventSubscriber(srv.endpoint, srv.replay_endpoint)

@@ -16,11 +16,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import pytest
 import torch
 
-from lmcache_async.backends.nixl_agent import load_nixl
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.errors import BackendUnavailableError
 from lmcache_async.memory import HeapAllocator, MemoryFormat, MemoryObj, PoolAllocator
 from lmcache_async.metadata import LMCacheEngineMetadata
+from lmcache_async.nixl.agent import load_nixl
 from lmcache_async.tiers import BackendContext
 
 REQUIRE_NIXL = os.environ.get("LMCACHE_ASYNC_REQUIRE_NIXL") == "1"

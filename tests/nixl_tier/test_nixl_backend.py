@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from lmcache_async import LMCacheEngineConfig
-from lmcache_async.backends import nixl_work
-from lmcache_async.backends.nixl import DirectoryInUseError, NixlBackend, NixlSettings, create
-from lmcache_async.backends.nixl_io import EMPTY_MAGIC, RECORD_SUFFIX, TMP_SUFFIX
 from lmcache_async.memory import HeapAllocator, MemoryFormat, MemoryObj
 from lmcache_async.metadata import LMCacheEngineMetadata
+from lmcache_async.nixl import work as nixl_work
+from lmcache_async.nixl.io import EMPTY_MAGIC, RECORD_SUFFIX, TMP_SUFFIX
+from lmcache_async.nixl.tier import DirectoryInUseError, NixlBackend, NixlSettings, create
 from lmcache_async.testing import make_key
 from lmcache_async.tiers import BackendContext
 
@@ -587,7 +587,7 @@ async def test_failed_write_into_an_evicted_slot_invalidates_and_frees_it(
     a, b, c = make_key(530), make_key(531), make_key(532)
     objs = [_obj(ctx, fill, MiB, 530 + i) for i in range(3)]
     assert await be.put(a, objs[0]) and await be.put(b, objs[1])
-    monkeypatch.setattr("lmcache_async.backends.nixl_work.write_record", _fail_write)
+    monkeypatch.setattr("lmcache_async.nixl.work.write_record", _fail_write)
     assert await be.put(c, objs[2]) is False  # evicted `a`, then the write failed
     monkeypatch.undo()
     await _settle(be)

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_async.backends.nixl import NixlBackend, NixlSettings, create, storage_root
-from lmcache_async.backends.nixl_agent import INSTALL_HINT
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.errors import BackendUnavailableError, ConfigError
 from lmcache_async.memory import GiB, MemoryFormat
+from lmcache_async.nixl.agent import INSTALL_HINT
+from lmcache_async.nixl.tier import NixlBackend, NixlSettings, create, storage_root
 from lmcache_async.testing import make_key
 from lmcache_async.tiers import BackendContext
 
@@ -180,7 +180,7 @@ async def test_posix_parameters_reach_the_plugin(backend_context, tmp_path: Path
 
 @pytest.mark.parametrize(("cpus", "workers"), [(1, 1), (2, 1), (3, 1), (4, 2), (64, 2)])
 def test_worker_threads_follow_the_usable_cpus(monkeypatch: pytest.MonkeyPatch, cpus: int, workers: int) -> None:
-    import lmcache_async.backends.nixl_agent as nixl_agent
+    import lmcache_async.nixl.agent as nixl_agent
 
     monkeypatch.setattr(nixl_agent.os, "sched_getaffinity", lambda pid: set(range(cpus)))
     assert NixlSettings(plugin="POSIX", path="/x").workers == workers

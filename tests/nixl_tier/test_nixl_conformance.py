@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_async.backends.nixl import NixlBackend, NixlSettings
+from lmcache_async.nixl.tier import NixlBackend, NixlSettings
 from lmcache_async.testing import PersistentBackendConformanceTests
 from lmcache_async.tiers import BackendContext
 

@@ -21,12 +21,12 @@ import pytest
 import torch
 import xxhash
 
-from lmcache_async.backends.nixl import NixlBackend, NixlSettings
-from lmcache_async.backends.nixl_agent import NixlTransferError, load_nixl, parked_count
-from lmcache_async.backends.nixl_io import RECORD_SUFFIX, TMP_SUFFIX
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.memory import MemoryFormat, MemoryObj, PoolAllocator
 from lmcache_async.metadata import LMCacheEngineMetadata
+from lmcache_async.nixl.agent import NixlTransferError, load_nixl, parked_count
+from lmcache_async.nixl.io import RECORD_SUFFIX, TMP_SUFFIX
+from lmcache_async.nixl.tier import NixlBackend, NixlSettings
 from lmcache_async.records import encode_header
 from lmcache_async.testing import make_key
 from lmcache_async.tiers import BackendContext
@@ -348,7 +348,7 @@ async def test_write_failing_inside_a_reused_evicted_file_deletes_it(
         agent.transfer("WRITE", [(src.data_ptr, n)], [(loc.payload_off, n, loc.payload_dev)])
         raise NixlTransferError("injected: the header request failed")
 
-    monkeypatch.setattr("lmcache_async.backends.nixl_work.write_record", half_write)
+    monkeypatch.setattr("lmcache_async.nixl.work.write_record", half_write)
     assert await be.put(c, objs[2]) is False  # evicted `a`, wrote into its file, then failed
     monkeypatch.undo()
     await _settle(be)

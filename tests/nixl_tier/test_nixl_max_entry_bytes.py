@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmcache_async.backends.nixl import NixlBackend, NixlSettings
 from lmcache_async.memory import MemoryFormat
+from lmcache_async.nixl.tier import NixlBackend, NixlSettings
 from lmcache_async.records import header_length
 from lmcache_async.testing import make_key
 

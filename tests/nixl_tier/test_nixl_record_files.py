@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_async.backends.nixl import NixlBackend, NixlSettings
-from lmcache_async.backends.nixl_io import RECORD_SUFFIX, TMP_SUFFIX, KeyFileLayout
 from lmcache_async.memory import MemoryFormat
+from lmcache_async.nixl.io import RECORD_SUFFIX, TMP_SUFFIX, KeyFileLayout
+from lmcache_async.nixl.tier import NixlBackend, NixlSettings
 from lmcache_async.testing import make_key
 from lmcache_async.tiers import BackendContext
 

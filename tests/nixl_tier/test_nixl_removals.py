@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcache_async.backends.nixl import NixlBackend, NixlSettings
-from lmcache_async.backends.nixl_io import RECORD_SUFFIX
 from lmcache_async.encryption import RecordCipher, load_cipher, write_key_file
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryFormat, MemoryObj
+from lmcache_async.nixl.io import RECORD_SUFFIX
+from lmcache_async.nixl.tier import NixlBackend, NixlSettings
 from lmcache_async.testing import make_key
 from lmcache_async.tiers import BackendContext, RemovalReason
 

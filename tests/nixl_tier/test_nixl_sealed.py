@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from lmcache_async import LMCacheEngineConfig
-from lmcache_async.backends.nixl import NixlBackend, NixlSettings, create
-from lmcache_async.backends.nixl_io import RECORD_SUFFIX
 from lmcache_async.encryption import RecordCipher, load_cipher, write_key_file
 from lmcache_async.memory import HeapAllocator, MemoryFormat, MemoryObj
+from lmcache_async.nixl.io import RECORD_SUFFIX
+from lmcache_async.nixl.tier import NixlBackend, NixlSettings, create
 from lmcache_async.records import decode_header, encode_header, payload_checksum
 from lmcache_async.testing import PersistentBackendConformanceTests, make_key
 from lmcache_async.tiers import BackendContext

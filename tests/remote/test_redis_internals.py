@@ -2,7 +2,7 @@
 
 These tests run against a real server; a redis-py release that renames or changes ``_writer``,
 ``_parser.on_disconnect`` or ``_close`` fails them loudly (see
-:mod:`lmcache_async.backends.remote.redis_internals`).
+:mod:`lmcache_async.remote.redis_internals`).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import pytest
 from redis.asyncio.connection import Connection
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from lmcache_async.backends.remote import redis_internals
-from lmcache_async.backends.remote.connector import ConnectorSettings
-from lmcache_async.backends.remote.redis_conn import connection_factory
-from lmcache_async.backends.remote.redis_wire import pack, send
-from lmcache_async.backends.remote.url import parse_remote_url
+from lmcache_async.remote import redis_internals
+from lmcache_async.remote.connector import ConnectorSettings
+from lmcache_async.remote.redis_conn import connection_factory
+from lmcache_async.remote.redis_wire import pack, send
+from lmcache_async.remote.url import parse_remote_url
 from lmcache_async.testing.servers import RedisServer
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_async.backends.remote import RemoteBackend
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.encryption import write_key_file
+from lmcache_async.remote import RemoteBackend
 from lmcache_async.testing import PersistentBackendConformanceTests
 from lmcache_async.testing.servers import RedisClusterServers, RedisServer
 from lmcache_async.tiers import BackendContext

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lmcache_async import StorageManager
-from lmcache_async.backends.remote import RemoteBackend
 from lmcache_async.memory import MemoryObj, PoolAllocator
+from lmcache_async.remote import RemoteBackend
 from lmcache_async.testing import make_key, make_obj
 from lmcache_async.tiers import UNKNOWN
 

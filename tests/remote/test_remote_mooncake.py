@@ -84,7 +84,7 @@ def same(a: MemoryObj, b: MemoryObj) -> bool:
 def mooncake_backend(
     ctx: BackendContext, store: MooncakeServers, prefix: str, timeout_s: float = 30.0, key_file: str | None = None
 ) -> Any:
-    from lmcache_async.backends.remote.mooncake import MooncakeBackend
+    from lmcache_async.remote.mooncake import MooncakeBackend
 
     ctx.config = LMCacheEngineConfig.from_defaults(**store.config(), encryption_key_file=key_file)
     return MooncakeBackend(ctx, prefix=prefix, timeout_s=timeout_s)
@@ -92,7 +92,7 @@ def mooncake_backend(
 
 def raw_client(store: MooncakeServers) -> Any:
     """A pure client of ``store`` through the tier's blocking wrapper (for inspecting objects)."""
-    from lmcache_async.backends.remote.mooncake_store import MooncakeClient, MooncakeSettings
+    from lmcache_async.remote.mooncake_store import MooncakeClient, MooncakeSettings
 
     settings = MooncakeSettings(master=store.url.split("://", 1)[1], metadata_server=store.metadata_server)
     return MooncakeClient.open(settings)
@@ -170,7 +170,7 @@ async def test_entry_is_one_object_holding_header_then_payload(
 ) -> None:
     """A single put (``put_from_with_metadata``) and a batch (``batch_put_from_multi_buffers``)
     store the same layout."""
-    from lmcache_async.backends.remote.mooncake import header_room
+    from lmcache_async.remote.mooncake import header_room
 
     be = await open_backend(mooncake_store)
     key = make_key(1, model="org/model")
@@ -272,7 +272,7 @@ async def test_empty_payloads_and_keys_too_long_for_a_header_slot_round_trip(
 ) -> None:
     """An empty payload goes through the batch call (the single-object call stores nothing for
     it); a header longer than a slot gets its own block of the header arena."""
-    from lmcache_async.backends.remote.mooncake import HEAD_SLOT_BYTES, header_room
+    from lmcache_async.remote.mooncake import HEAD_SLOT_BYTES, header_room
 
     be = await open_backend(mooncake_store)
     empty = make_obj(src_pool, (0, 4), torch.float32, seed=0)
@@ -362,7 +362,7 @@ def _exists(store: MooncakeServers, record: str) -> bool:
 
 
 async def _stored(be: Any, src_pool: PoolAllocator, i: int) -> tuple[CacheEngineKey, str, MemoryObj, int]:
-    from lmcache_async.backends.remote.mooncake import header_room
+    from lmcache_async.remote.mooncake import header_room
 
     src = make_obj(src_pool, seed=i)
     key = make_key(i)
@@ -430,7 +430,7 @@ async def test_objects_read_a_moment_ago_are_removed_despite_their_lease(
 async def test_presence_is_unknown_not_absent_when_the_master_is_gone(
     own_store: MooncakeServers, open_backend: Any, src_pool: PoolAllocator
 ) -> None:
-    from lmcache_async.backends.remote.mooncake import MooncakeError
+    from lmcache_async.remote.mooncake import MooncakeError
 
     be = await open_backend(own_store, timeout_s=1.0)
     key, _record, src, _size = await _stored(be, src_pool, 11)
@@ -444,7 +444,7 @@ async def test_presence_is_unknown_not_absent_when_the_master_is_gone(
 async def test_calls_on_a_hung_master_are_abandoned_bounded_and_leak_no_buffer(
     own_store: MooncakeServers, make_ctx: Any, src_pool: PoolAllocator, prefix: str
 ) -> None:
-    from lmcache_async.backends.remote.mooncake import MooncakeBackend, MooncakeError
+    from lmcache_async.remote.mooncake import MooncakeBackend, MooncakeError
 
     ctx = make_ctx()
     staging = ctx.staging_pool
@@ -607,7 +607,7 @@ def test_two_managers_share_entries_through_the_store(
 
 # ---- configuration (no store needed) -----------------------------------------------------------------
 def test_mooncake_url_names_the_master_with_a_default_port() -> None:
-    from lmcache_async.backends.remote import parse_remote_url
+    from lmcache_async.remote import parse_remote_url
 
     assert parse_remote_url("mooncake://10.0.0.5").hosts == (("10.0.0.5", 50051),)
     assert parse_remote_url("mooncake://10.0.0.5:6000").hosts == (("10.0.0.5", 6000),)
@@ -618,8 +618,8 @@ def test_mooncake_url_names_the_master_with_a_default_port() -> None:
 
 
 async def test_remote_tier_of_a_mooncake_url_is_the_mooncake_backend(make_ctx: Any) -> None:
-    from lmcache_async.backends.remote import create
-    from lmcache_async.backends.remote.mooncake import MooncakeBackend
+    from lmcache_async.remote import create
+    from lmcache_async.remote.mooncake import MooncakeBackend
 
     ctx = make_ctx()
     ctx.config = LMCacheEngineConfig.from_defaults(remote_url="mooncake://127.0.0.1:1234", mooncake_replica_num=2)
@@ -634,7 +634,7 @@ async def test_remote_tier_of_a_mooncake_url_is_the_mooncake_backend(make_ctx: A
 
 
 def test_mooncake_settings_come_from_the_config_keys(make_ctx: Any) -> None:
-    from lmcache_async.backends.remote.mooncake import mooncake_settings
+    from lmcache_async.remote.mooncake import mooncake_settings
 
     ctx = make_ctx()
     ctx.config = LMCacheEngineConfig.from_defaults(remote_url="mooncake://m.example:7000")
@@ -647,7 +647,7 @@ def test_mooncake_settings_come_from_the_config_keys(make_ctx: Any) -> None:
 
 
 def test_headers_are_padded_to_a_length_known_from_the_key(src_pool: PoolAllocator) -> None:
-    from lmcache_async.backends.remote.mooncake import header_room, padded_header
+    from lmcache_async.remote.mooncake import header_room, padded_header
 
     for shape in [(), (7,), (2, 3, 4, 5, 6, 7, 8)]:
         obj = make_obj(src_pool, shape, torch.float16, seed=1)
@@ -659,7 +659,7 @@ def test_headers_are_padded_to_a_length_known_from_the_key(src_pool: PoolAllocat
 
 
 def test_a_header_is_written_in_place_and_leaves_the_rest_of_the_buffer(src_pool: PoolAllocator) -> None:
-    from lmcache_async.backends.remote.mooncake_record import header_room, padded_header, write_header
+    from lmcache_async.remote.mooncake_record import header_room, padded_header, write_header
 
     key = "some/key@1@0@abc@bfloat16"
     obj = make_obj(src_pool, (3, 5), torch.float32, seed=2)
@@ -702,7 +702,7 @@ def _plain_absent(src: MemoryObj, blob: bytes) -> None:
 async def test_sealed_entries_round_trip_and_the_store_holds_no_plaintext(
     mooncake_store: MooncakeServers, open_backend: Any, src_pool: PoolAllocator, tmp_path: Path, batched: bool
 ) -> None:
-    from lmcache_async.backends.remote.mooncake import header_room
+    from lmcache_async.remote.mooncake import header_room
 
     be = await open_backend(mooncake_store, key_file=_key_file(tmp_path, "a"))
     srcs = [make_obj(src_pool, (256, 256), torch.float32, seed=40), make_obj(src_pool, (0,), torch.float16, seed=41)]
@@ -756,8 +756,8 @@ async def test_a_flipped_byte_of_a_sealed_record_is_a_miss_and_removed(
     mooncake_store: MooncakeServers, open_backend: Any, src_pool: PoolAllocator, tmp_path: Path, checksum: str
 ) -> None:
     """With the payload checksum fixed up, the flip is caught by the tag alone."""
-    from lmcache_async.backends.remote.mooncake_record import write_header
     from lmcache_async.records import payload_checksum
+    from lmcache_async.remote.mooncake_record import write_header
 
     be = await open_backend(mooncake_store, key_file=_key_file(tmp_path, "a"))
     src = make_obj(src_pool, (64, 64), torch.float32, seed=43)

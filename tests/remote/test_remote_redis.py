@@ -14,9 +14,9 @@ import torch
 from redis.exceptions import RedisError
 
 from lmcache_async import StorageManager
-from lmcache_async.backends.remote import RemoteBackend
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import HeapAllocator, MemoryObj, PoolAllocator
+from lmcache_async.remote import RemoteBackend
 from lmcache_async.testing import make_key, make_obj
 from lmcache_async.testing.servers import RedisClusterServers, RedisServer
 

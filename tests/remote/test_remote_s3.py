@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from lmcache_async import StorageManager
-from lmcache_async.backends.remote import RemoteBackend
-from lmcache_async.backends.remote import s3 as s3_connector
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.encryption import RecordCipher, load_cipher, write_key_file
 from lmcache_async.memory import MemoryObj, PoolAllocator
+from lmcache_async.remote import RemoteBackend
+from lmcache_async.remote import s3 as s3_connector
 from lmcache_async.testing import PersistentBackendConformanceTests, make_key, make_obj
 from lmcache_async.testing.servers import SeaweedServer
 from lmcache_async.tiers import BackendContext, StorageBackend

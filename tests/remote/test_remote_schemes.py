@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from lmcache_async.backends.remote import known_schemes, make_connector
-from lmcache_async.backends.remote.connector import ConnectorSettings
+from lmcache_async.remote import known_schemes, make_connector
+from lmcache_async.remote.connector import ConnectorSettings
 
 
 def test_known_schemes_name_the_mooncake_tier() -> None:

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from lmcache_async.backends.remote import RemoteBackend
 from lmcache_async.encryption import write_key_file
 from lmcache_async.memory import MemoryObj, PoolAllocator
 from lmcache_async.records import decode_header, encode_header, payload_checksum
+from lmcache_async.remote import RemoteBackend
 from lmcache_async.testing import make_key, make_obj
 from lmcache_async.testing.servers import RedisServer
 
@@ -123,7 +123,7 @@ async def test_fs_files_hold_no_plaintext_other_keys_miss_and_flipped_bytes_go(
 
 
 async def test_a_connector_that_cannot_seal_is_refused_a_key(make_ctx: Any, tmp_path: Path) -> None:
-    from lmcache_async.backends.remote import connector
+    from lmcache_async.remote import connector
 
     class Plain(connector.Connector):
         async def put(self, name: Any, obj: Any) -> bool:

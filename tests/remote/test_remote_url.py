@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from lmcache_async.backends.remote import (
+from lmcache_async.memory import PoolAllocator
+from lmcache_async.remote import (
     RemoteBackend,
     create,
     known_schemes,
@@ -15,12 +16,11 @@ from lmcache_async.backends.remote import (
     parse_remote_url,
     register_connector,
 )
-from lmcache_async.backends.remote.connector import ConnectorSettings
-from lmcache_async.backends.remote.fs import FSConnector
-from lmcache_async.backends.remote.fs import create as fs_create
-from lmcache_async.backends.remote.naming import MAX_SEGMENT, check_prefix, encode_segment, entry_name
-from lmcache_async.backends.remote.url import redact
-from lmcache_async.memory import PoolAllocator
+from lmcache_async.remote.connector import ConnectorSettings
+from lmcache_async.remote.fs import FSConnector
+from lmcache_async.remote.fs import create as fs_create
+from lmcache_async.remote.naming import MAX_SEGMENT, check_prefix, encode_segment, entry_name
+from lmcache_async.remote.url import redact
 from lmcache_async.testing import make_key, make_obj
 
 

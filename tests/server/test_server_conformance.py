@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_async.backends.server_tier import ServerTier
 from lmcache_async.server.client import ServerClient
+from lmcache_async.server.tier import ServerTier
 from lmcache_async.testing import PersistentBackendConformanceTests
 from lmcache_async.testing.cache_server import CacheServerProcess, private_dir
 from lmcache_async.tiers import BackendContext

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-from lmcache_async.backends.server_leases import LEASE_PREFIX, ServerHolds
-from lmcache_async.integration.vllm.impl import LMCacheECConnectorImpl
+from lmcache_async.integration.vllm.ec.impl import LMCacheECConnectorImpl
 from lmcache_async.server.client import ServerClient
+from lmcache_async.server.leases import LEASE_PREFIX, ServerHolds
 
 
 class Role(enum.Enum):  # the shape of vLLM's ECConnectorRole

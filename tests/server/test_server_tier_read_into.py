@@ -101,9 +101,9 @@ def test_the_kv_connector_loads_a_hit_in_the_nodes_pool_synchronously_in_a_new_s
     asynchronous load, no lower-tier hop): straight from the shared pool into vLLM's blocks."""
     from types import SimpleNamespace
 
-    from lmcache_async.integration.vllm.kv_engine import KVStore
-    from lmcache_async.integration.vllm.kv_scheduler import KVSchedulerSide
-    from lmcache_async.integration.vllm.kv_worker import KVWorkerSide
+    from lmcache_async.integration.vllm.kv.scheduler import KVSchedulerSide
+    from lmcache_async.integration.vllm.kv.store import KVStore
+    from lmcache_async.integration.vllm.kv.worker import KVWorkerSide
     from lmcache_async.metadata import LMCacheEngineMetadata
 
     BS, BPC = 4, 2  # block size, blocks per chunk

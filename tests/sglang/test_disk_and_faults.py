@@ -54,7 +54,7 @@ def store_in_child(tmp_path: Path, layout: str, extra: dict[str, Any]) -> bytes:
 
 
 def record_path(backend: Any, root: Path, page_hash: str) -> Path:
-    from lmcache_async.backends.disk_layout import entry_path, key_digest
+    from lmcache_async.disk.layout import entry_path, key_digest
 
     return Path(entry_path(str(root), key_digest(backend.namespace.key(page_hash).to_string())))
 

@@ -36,13 +36,13 @@ with warnings.catch_warnings():
     )
 
 from lmcache_async.config import LMCacheEngineConfig  # noqa: E402
-from lmcache_async.integration.vllm.kv_connector import LMCacheKVConnector  # noqa: E402
-from lmcache_async.integration.vllm.kv_engine import KVStore  # noqa: E402
-from lmcache_async.integration.vllm.kv_groups import NULL_BLOCK_ID, describe_groups  # noqa: E402
-from lmcache_async.integration.vllm.kv_layout import PagedCaches, gather_records, scatter_blocks  # noqa: E402
-from lmcache_async.integration.vllm.kv_metadata import BlockRun, KVStepMetadata  # noqa: E402
-from lmcache_async.integration.vllm.kv_scheduler import KVSchedulerSide  # noqa: E402
-from lmcache_async.integration.vllm.kv_worker import KVWorkerSide  # noqa: E402
+from lmcache_async.integration.vllm.kv.connector import LMCacheKVConnector  # noqa: E402
+from lmcache_async.integration.vllm.kv.groups import NULL_BLOCK_ID, describe_groups  # noqa: E402
+from lmcache_async.integration.vllm.kv.layout import PagedCaches, gather_records, scatter_blocks  # noqa: E402
+from lmcache_async.integration.vllm.kv.metadata import BlockRun, KVStepMetadata  # noqa: E402
+from lmcache_async.integration.vllm.kv.scheduler import KVSchedulerSide  # noqa: E402
+from lmcache_async.integration.vllm.kv.store import KVStore  # noqa: E402
+from lmcache_async.integration.vllm.kv.worker import KVWorkerSide  # noqa: E402
 from lmcache_async.metadata import LMCacheEngineMetadata  # noqa: E402
 
 BS, BPC = 4, 2
@@ -132,7 +132,7 @@ def test_a_record_part_reads_its_own_groups_blocks_and_null_blocks_are_never_wri
 def test_the_block_axis_one_layout_copies_each_part_through_its_own_ids() -> None:
     """CUDA's flash-attention layout ``[2, num_blocks, block_size, heads, head]`` (block axis 1),
     exercised on CPU tensors: index copies per part, null blocks skipped on the way in."""
-    from lmcache_async.integration.vllm.kv_layout import FLASH_ATTN_LAYOUT, gather_blocks
+    from lmcache_async.integration.vllm.kv.layout import FLASH_ATTN_LAYOUT, gather_blocks
 
     g = torch.Generator().manual_seed(5)
     src_t = {n: torch.randn(2, NB, BS, HEADS, HEAD, generator=g) for n in ("f1", "w0", "f3", "w2")}
@@ -329,7 +329,7 @@ def test_a_model_of_sliding_layers_only_masks_its_one_group_the_same_way(store: 
 
 
 def test_record_layers_keep_model_order_whatever_order_the_groups_hand_them() -> None:
-    from lmcache_async.integration.vllm.kv_connector import model_order
+    from lmcache_async.integration.vllm.kv.connector import model_order
 
     handed = ["model.layers.0.attn", "model.layers.2.attn", "model.layers.10.attn", "model.layers.1.attn"]
     assert sorted(handed, key=model_order) == [

@@ -194,7 +194,7 @@ def test_consumer_only_instance_does_not_save(model_dir: Path, worker_agent: Non
 def test_producer_and_consumer_instances_share_through_a_disk_dir(
     model_dir: Path, tmp_path: Path, worker_agent: None
 ) -> None:
-    pytest.importorskip("lmcache_async.backends.disk", reason="the disk tier is not in this tree")
+    pytest.importorskip("lmcache_async.disk.tier", reason="the disk tier is not in this tree")
     disk = {**SMALL, "local_disk": str(tmp_path / "ec"), "max_local_disk_size": 0.1}
     # (vLLM accepts a producer-only role only for multimodal models; ec_both produces too.)
     producer_cfg = make_vllm_config(model_dir, "ec_both", {**disk, "chunk_size": 16})

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lmcache_async.integration.vllm.impl import (
+from lmcache_async.integration.vllm.ec.impl import (
     ECLoadMetadata,
     LMCacheECConnectorImpl,
     load_connector_config,
@@ -25,25 +25,25 @@ from lmcache_async.integration.vllm.impl import (
 from lmcache_async.lazy_registry import LazyRegistry
 
 if TYPE_CHECKING:
-    from lmcache_async.integration.vllm.connector import (
+    from lmcache_async.integration.vllm.ec.connector import (
         LMCacheECConnector,
         LMCacheECConnectorMetadata,
     )
-    from lmcache_async.integration.vllm.kv_connector import (
+    from lmcache_async.integration.vllm.kv.connector import (
         LMCacheKVConnector,
         LMCacheKVConnectorMetadata,
     )
-    from lmcache_async.integration.vllm.kv_hs_connector import LMCacheKVHiddenStatesConnector
+    from lmcache_async.integration.vllm.kv.hs_connector import LMCacheKVHiddenStatesConnector
 
 _LAZY: LazyRegistry[Any] = LazyRegistry(
     "attribute",
     {
-        "LMCacheECConnector": "lmcache_async.integration.vllm.connector:LMCacheECConnector",
-        "LMCacheECConnectorMetadata": "lmcache_async.integration.vllm.connector:LMCacheECConnectorMetadata",
-        "LMCacheKVConnector": "lmcache_async.integration.vllm.kv_connector:LMCacheKVConnector",
-        "LMCacheKVConnectorMetadata": "lmcache_async.integration.vllm.kv_connector:LMCacheKVConnectorMetadata",
+        "LMCacheECConnector": "lmcache_async.integration.vllm.ec.connector:LMCacheECConnector",
+        "LMCacheECConnectorMetadata": "lmcache_async.integration.vllm.ec.connector:LMCacheECConnectorMetadata",
+        "LMCacheKVConnector": "lmcache_async.integration.vllm.kv.connector:LMCacheKVConnector",
+        "LMCacheKVConnectorMetadata": "lmcache_async.integration.vllm.kv.connector:LMCacheKVConnectorMetadata",
         "LMCacheKVHiddenStatesConnector": (
-            "lmcache_async.integration.vllm.kv_hs_connector:LMCacheKVHiddenStatesConnector"
+            "lmcache_async.integration.vllm.kv.hs_connector:LMCacheKVHiddenStatesConnector"
         ),
     },
 )
