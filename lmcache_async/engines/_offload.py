@@ -9,6 +9,12 @@ cost more than the loop time it frees.
 The job handed to :func:`run_off_loop` owns whatever it holds (pool references): it releases
 them itself, on every path, so a caller cancelled while the job runs leaks nothing — the job
 runs to its end and its result is dropped.
+
+Only an *awaited* operation leaves its loop. The same coroutine stepped by its blocking twin
+(:func:`~lmcache_async.engines._twins.blocking_twin`, through :meth:`SyncBridge.run`) has no
+loop to keep serving: :func:`should_offload` is then False (every copy runs inline on the
+caller's thread, as a blocking call always did) and :func:`yield_to_loop` does nothing.
+The engines call ``_offload.run_off_loop`` through this module, so one patch intercepts them all.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import threading
 import types
 from collections.abc import Callable, Generator
 from typing import Any, TypeVar
+
+from lmcache_async.sync_bridge import stepped_by_bridge
 
 T = TypeVar("T")
 
@@ -44,9 +52,12 @@ _lock = threading.Lock()
 _executor: concurrent.futures.ThreadPoolExecutor | None = None
 
 
-def should_offload(nbytes: int) -> bool:
-    """True when a copy of ``nbytes`` bytes should run off the caller's loop."""
-    return nbytes >= OFF_LOOP_COPY_BYTES
+def should_offload(nbytes: int, *, force: bool = False) -> bool:
+    """True when a copy of ``nbytes`` bytes (any size when ``force``) should run off the caller's
+    loop: the running operation is awaited on an event loop and the copy is large. Always False
+    while a blocking twin steps the operation (:func:`stepped_by_bridge`): the copy then runs
+    inline on the caller's thread."""
+    return (force or nbytes >= OFF_LOOP_COPY_BYTES) and not stepped_by_bridge()
 
 
 def _copy_executor() -> concurrent.futures.ThreadPoolExecutor:
@@ -96,9 +107,10 @@ async def run_off_loop(fn: Callable[[], T]) -> T:
 
 
 async def copy_maybe_off_loop(fn: Callable[[], T], nbytes: int, *, force: bool = False) -> T:
-    """``fn()`` inline when ``nbytes`` is below the threshold (and not ``force``), else
-    :func:`run_off_loop`. Same ownership rule as :func:`run_off_loop`."""
-    if force or should_offload(nbytes):
+    """:func:`run_off_loop` when :func:`should_offload` says so (awaited, and ``nbytes`` at
+    least the threshold or ``force``), else ``fn()`` inline on the caller's thread. Same
+    ownership rule as :func:`run_off_loop`."""
+    if should_offload(nbytes, force=force):
         return await run_off_loop(fn)
     return fn()
 
@@ -114,6 +126,8 @@ def yield_to_loop() -> Generator[None, None, None]:
     and every other task of that loop — one waiting for a lower-tier answer among them — would
     wait with it (measured: an awaited encoder-cache get behind 31 such tasks waited 50 s). Each
     public engine coroutine therefore yields once, as cooperative code should. Only for
-    coroutines run by an asyncio task (every engine coroutine is).
+    coroutines run by an asyncio task or stepped by a blocking twin; in the latter (no loop to
+    give a turn to, :func:`stepped_by_bridge`) it does nothing.
     """
-    yield
+    if not stepped_by_bridge():
+        yield

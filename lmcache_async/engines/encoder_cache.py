@@ -10,11 +10,15 @@ computes the same encoder output, so all ranks share one entry; changing the KV 
 changes an EC key. ``encoder_dtype`` is only the key's dtype field: an entry keeps the dtype
 and shape of the tensor that was put.
 
-Threads: the sync methods may be called from any thread except the manager's loop thread;
-CPU-tier hits and puts that fit are answered on the caller's thread without a hop. The ``a``
-twins are awaitable from any event loop and take the same paths (a hop only for lower-tier
-work); a copy of at least :data:`~lmcache_async.engines._offload.OFF_LOOP_COPY_BYTES` runs on
-the engine copy executor so it does not freeze the caller's loop.
+Threads: every operation is written once, as an ``a``-prefixed coroutine awaitable from any
+event loop; CPU-tier hits and puts that fit are answered on the caller's thread without a hop
+(a hop only for lower-tier work), and awaited, a copy of at least
+:data:`~lmcache_async.engines._offload.OFF_LOOP_COPY_BYTES` runs on the engine copy executor so
+it does not freeze the caller's loop. The blocking method of the same name without the ``a``
+(any thread except the manager's loop thread) is that coroutine stepped on the calling thread
+by the manager's :class:`~lmcache_async.sync_bridge.SyncBridge`
+(:func:`~lmcache_async.engines._twins.blocking_twin`): no loop, every copy inline, the same
+results and errors. ``close``/``aclose`` stay a pair (the manager's own close is one).
 """
 
 from __future__ import annotations
@@ -28,14 +32,17 @@ import torch
 
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.dtypes import dtype_name, parse_dtype
+from lmcache_async.engines import _offload
 from lmcache_async.engines._devices import check_device
-from lmcache_async.engines._offload import copy_maybe_off_loop, run_off_loop, should_offload, yield_to_loop
+from lmcache_async.engines._offload import should_offload, yield_to_loop
 from lmcache_async.engines._opening import EngineOpening
 from lmcache_async.engines._result_memory import ResultBuffers
+from lmcache_async.engines._twins import blocking_twin
 from lmcache_async.keys import CacheEngineKey, stable_u64_from_str
 from lmcache_async.memory import MemoryFormat, MemoryObj
 from lmcache_async.metadata import NEUTRAL_METADATA, LMCacheEngineMetadata
 from lmcache_async.storage_manager import StorageManager
+from lmcache_async.sync_bridge import SyncBridge
 from lmcache_async.tensor_checks import check_storable_tensor
 
 logger = logging.getLogger(__name__)
@@ -199,6 +206,12 @@ class ECCacheEngine:
         """True once :meth:`close` started."""
         return self._sm.closed
 
+    @property
+    def bridge(self) -> SyncBridge:
+        """The manager's bridge: it steps every blocking method's coroutine on the calling
+        thread (and refuses the manager's loop thread)."""
+        return self._sm.bridge
+
     # ---- put ----
     def _count_put(self, stored: bool, existed: bool) -> None:
         with self._lock:
@@ -217,55 +230,39 @@ class ECCacheEngine:
         # The copy must never join an autograd graph (the pool buffer would).
         return key, tensor.detach() if tensor.requires_grad else tensor
 
-    def put(self, mm_hash: str, tensor: torch.Tensor) -> bool:
+    async def aput(self, mm_hash: str, tensor: torch.Tensor) -> bool:
         """Store ``tensor`` (any device and shape; any dtype and rank the records store) under ``mm_hash``.
 
-        One ``copy_`` into the pool (device→host included); the caller's tensor is not kept.
-        An ``mm_hash`` the CPU tier holds (or is still writing down) is not copied again
-        (returns True); one only a lower tier claims is stored again, so a damaged record
-        there never turns a True into a lost entry.
+        One ``copy_`` into the pool (device→host included); the caller keeps ``tensor``, the
+        cache does not. An ``mm_hash`` the CPU tier holds (or is still writing down) is not
+        copied again (returns True); one only a lower tier claims is stored again, so a damaged
+        record there never turns a True into a lost entry.
         Returns False only when the pool cannot take the entry right now (nothing evictable):
         it never waits. ``TypeError`` naming ``tensor`` for anything the cache cannot store (a
         non-tensor; a quantized, sparse, nested or meta tensor) and for a non-str hash.
-        """
-        key, src = self._put_prologue(mm_hash, tensor)
-        if self._sm.holds_locally(key):  # content-addressed: never copied twice
-            self._count_put(True, True)
-            return True
-        ok = self._sm.put_sync(key, src, MemoryFormat.EC_TD)
-        self._count_put(ok, False)
-        return ok
 
-    async def aput(self, mm_hash: str, tensor: torch.Tensor) -> bool:
-        """Async twin of :meth:`put`, awaitable from any event loop. The copy runs on the
-        caller's thread, or on the engine copy executor from
-        :data:`~lmcache_async.engines._offload.OFF_LOOP_COPY_BYTES` on (a caller cancelled
-        meanwhile leaves the put to finish)."""
+        The copy runs on the caller's thread; awaited, one of at least
+        :data:`~lmcache_async.engines._offload.OFF_LOOP_COPY_BYTES` runs on the engine copy
+        executor instead (a caller cancelled meanwhile leaves the put to finish).
+        """
         await yield_to_loop()
         key, src = self._put_prologue(mm_hash, tensor)
-        if self._sm.holds_locally(key):
+        sm = self._sm
+        if sm.holds_locally(key):  # content-addressed: never copied twice
             self._count_put(True, True)
             return True
-        sm = self._sm
         if should_offload(src.numel() * src.element_size()):
-            ok = await run_off_loop(lambda: self._put_blocking(key, src))
+            # On the copy executor: the manager's put answers there (it never waits for lower tiers).
+            ok = await _offload.run_off_loop(lambda: sm.put_sync(key, src, MemoryFormat.EC_TD))
         else:
             ok = await sm.put(key, src, MemoryFormat.EC_TD)
         self._count_put(ok, False)
         return ok
 
-    def _put_blocking(self, key: CacheEngineKey, src: torch.Tensor) -> bool:
-        # On the copy executor: the manager's put answers there (it never waits for lower tiers).
-        return self._sm.put_sync(key, src, MemoryFormat.EC_TD)
+    put = blocking_twin(aput)
 
-    def _present_sync(self, key: CacheEngineKey) -> bool:
-        try:
-            return self._sm.contains_sync(key)
-        except TimeoutError:
-            self._count_timeout()
-            return False
-
-    async def _present_async(self, key: CacheEngineKey) -> bool:
+    async def _present(self, key: CacheEngineKey) -> bool:
+        """Whether some tier holds ``key``; a timeout is counted and answers False."""
         try:
             return await self._sm.contains(key)
         except TimeoutError:
@@ -294,7 +291,7 @@ class ECCacheEngine:
             self._hits += 1
         return out
 
-    def get(self, mm_hash: str, device: str | torch.device = "cpu") -> torch.Tensor | None:
+    async def aget(self, mm_hash: str, device: str | torch.device = "cpu") -> torch.Tensor | None:
         """The entry as a new tensor on ``device`` (its own dtype and shape), or None on a miss.
 
         The result never aliases a pool buffer and is the caller's alone: keep it as long as you
@@ -305,19 +302,10 @@ class ECCacheEngine:
         the CPU tier but lives in a lower tier (disk, remote, NIXL) is read from there (and
         promoted). Storage trouble and timeouts are misses. ``device`` is checked before the
         lookup: one this machine cannot hold a tensor on (``cuda:0`` without CUDA, ``meta``)
-        raises ``ValueError`` naming ``device`` on a hit and on a miss alike.
+        raises ``ValueError`` naming ``device`` on a hit and on a miss alike. Awaited, a copy of
+        at least :data:`~lmcache_async.engines._offload.OFF_LOOP_COPY_BYTES` runs on the engine
+        copy executor (a caller cancelled meanwhile holds no pool reference).
         """
-        key = self.key(mm_hash)
-        dev = check_device(device)
-        try:
-            obj = self._sm.get_sync(key)
-        except TimeoutError:
-            self._count_timeout()
-            obj = None
-        return self._copy_out(obj, dev)
-
-    async def aget(self, mm_hash: str, device: str | torch.device = "cpu") -> torch.Tensor | None:
-        """Async twin of :meth:`get`, awaitable from any event loop."""
         await yield_to_loop()
         key = self.key(mm_hash)
         dev = check_device(device)
@@ -326,38 +314,27 @@ class ECCacheEngine:
         except TimeoutError:
             self._count_timeout()
             obj = None
-        if obj is None:
-            return self._copy_out(None, dev)
         # _copy_out releases obj on every path, also when this caller is cancelled meanwhile.
-        nbytes = obj.tensor.numel() * obj.tensor.element_size()
-        return await copy_maybe_off_loop(lambda: self._copy_out(obj, dev), nbytes)
+        if obj is not None and should_offload(obj.tensor.numel() * obj.tensor.element_size()):
+            return await _offload.run_off_loop(lambda: self._copy_out(obj, dev))
+        return self._copy_out(obj, dev)
+
+    get = blocking_twin(aget)
 
     # ---- contains / delete ----
-    def contains(self, mm_hash: str) -> bool:
-        """True when some tier holds ``mm_hash`` (a CPU hit answers in about a microsecond; a
-        tier that fails or times out counts as absent)."""
-        key = self._keys.get(mm_hash) if type(mm_hash) is str else None
-        if key is None:
-            key = self.key(mm_hash)
-        return self._present_sync(key)
-
     async def acontains(self, mm_hash: str) -> bool:
-        """Async twin of :meth:`contains`."""
+        """True when some tier holds ``mm_hash`` (a CPU hit answers in about a microsecond, on
+        the caller's thread; a tier that fails or times out counts as absent)."""
         await yield_to_loop()
-        return await self._present_async(self.key(mm_hash))
+        key = self._keys.get(mm_hash) if type(mm_hash) is str else None
+        return await self._present(self.key(mm_hash) if key is None else key)
 
-    def delete(self, mm_hash: str) -> bool:
-        """Remove ``mm_hash`` from every tier; True when some tier held it. Tensors returned by
-        :meth:`get` are unaffected."""
-        key = self.key(mm_hash)
-        try:
-            return self._sm.remove_sync(key)
-        except TimeoutError:
-            self._count_timeout()
-            return False
+    contains = blocking_twin(acontains)
 
     async def adelete(self, mm_hash: str) -> bool:
-        """Async twin of :meth:`delete`."""
+        """Remove ``mm_hash`` from every tier; True when some tier held it (a timeout is counted
+        and answers False). Tensors returned by :meth:`get` are unaffected."""
+        await yield_to_loop()
         key = self.key(mm_hash)
         try:
             return await self._sm.remove(key)
@@ -365,15 +342,17 @@ class ECCacheEngine:
             self._count_timeout()
             return False
 
-    # ---- flush / close / stats ----
-    def flush(self, timeout: float | None = None) -> None:
-        """Wait until every lower-tier write queued so far finished (or failed); no-op without
-        lower tiers. ``TimeoutError`` when ``timeout`` passes."""
-        self._sm.flush_sync(timeout)
+    delete = blocking_twin(adelete)
 
-    async def aflush(self) -> None:
-        """Async twin of :meth:`flush`."""
-        await self._sm.flush()
+    # ---- flush / close / stats ----
+    async def aflush(self, timeout: float | None = None) -> None:  # noqa: ASYNC109 - the blocking form's bound too
+        """Wait until every lower-tier write queued so far finished (or failed); no-op without
+        lower tiers. ``timeout`` bounds the wait (seconds; default ``blocking_timeout_secs``):
+        ``TimeoutError`` when it passes (the writes go on)."""
+        await yield_to_loop()
+        await self._sm.flush(timeout)
+
+    flush = blocking_twin(aflush)
 
     def close(self) -> None:
         """Flush pending writes (bounded), close the tiers, stop the loop. Idempotent.

@@ -16,28 +16,32 @@ cannot rebuild them from KV. This store keeps them, chunked exactly like the KV 
   whose KV is *definitely* gone is dropped; a tier that failed to answer means "unknown":
   the prefix stops there and nothing is dropped.
 
-Thread-safe: worker threads may store while others retrieve. Every blocking method has an
-``a``-prefixed coroutine twin, awaitable from any loop and written over the managers'
-coroutines: the HS manager has no lower tiers, so its answers never leave the caller's thread;
-only a KV presence question a lower tier must answer crosses to the KV manager's loop (one batch).
-A copy of at least :data:`~lmcache_async.engines._offload.OFF_LOOP_COPY_BYTES` runs on the
-engine copy executor, so the caller's loop is not frozen by it.
+Thread-safe: worker threads may store while others retrieve. Every operation is written once,
+as an ``a``-prefixed coroutine over the managers' coroutines, awaitable from any loop: the HS
+manager has no lower tiers, so its answers never leave the caller's thread; only a KV presence
+question a lower tier must answer crosses to the KV manager's loop (one batch). Awaited, a copy
+of at least :data:`~lmcache_async.engines._offload.OFF_LOOP_COPY_BYTES` runs on the engine copy
+executor, so the caller's loop is not frozen by it. The blocking method of the same name without
+the ``a`` is that coroutine stepped on the calling thread by :attr:`HiddenStateStore.bridge`
+(:func:`~lmcache_async.engines._twins.blocking_twin`): no loop, every copy inline, the same
+results and errors.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
-from collections.abc import Coroutine, Iterable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
 from lmcache_async.config import LMCacheEngineConfig
+from lmcache_async.engines import _offload
 from lmcache_async.engines._chunks import ChunkPlan, copy_in, copy_out, plan_of, release_all, wait_copies
-from lmcache_async.engines._offload import copy_maybe_off_loop, yield_to_loop
+from lmcache_async.engines._hs_parts import StoreJob, check_layer, check_out, cut_hits, well_shaped
+from lmcache_async.engines._offload import should_offload, yield_to_loop
+from lmcache_async.engines._twins import blocking_twin
 from lmcache_async.errors import LoopThreadCallError, ManagerClosedError
 from lmcache_async.key_extras import KeyExtras
 from lmcache_async.keys import TAG_PREFIX, CacheEngineKey
@@ -45,13 +49,12 @@ from lmcache_async.memory import MemoryFormat, MemoryObj
 from lmcache_async.metadata import LMCacheEngineMetadata
 from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.storage_manager import StorageManager
+from lmcache_async.sync_bridge import SyncBridge
 from lmcache_async.tensor_checks import check_storable_tensor
 from lmcache_async.tiers import Presence
 from lmcache_async.token_database import ChunkedTokenDatabase
 
 logger = logging.getLogger(__name__)
-
-_T = TypeVar("_T")
 
 _HS_LAYER = "hs_layer"
 HS_LAYER_TAG = TAG_PREFIX + _HS_LAYER
@@ -67,32 +70,6 @@ def hs_entry_key(kv_key: CacheEngineKey, layer_idx: int) -> CacheEngineKey:
     ``<kv key>@hs_layer%<layer_idx>``); KV keys never carry that tag, so the two never collide.
     """
     return kv_key.with_tag(_HS_LAYER, str(layer_idx))
-
-
-@dataclass(frozen=True, slots=True)
-class _StoreJob:
-    """A checked HS store: the prompt's plan, the layer, the source rows and their entry keys."""
-
-    plan: ChunkPlan
-    layer_idx: int
-    src: torch.Tensor
-    token_offset: int
-    first: int  # the first chunk that starts at or after token_offset
-    hkeys: list[CacheEngineKey]  # the entry key of every chunk of the plan
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes a store of every chunk from ``first`` on would copy."""
-        rows = self.plan.n_tokens - self.plan.start(self.first)
-        return max(rows, 0) * self.src.shape[1] * self.src.element_size()
-
-
-def _check_layer(layer_idx: object, what: str = "layer_idx") -> int:
-    if not isinstance(layer_idx, int) or isinstance(layer_idx, bool):
-        raise TypeError(f"{what} must be an int, got {type(layer_idx).__name__}")
-    if layer_idx < 0:
-        raise ValueError(f"{what} must be >= 0, got {layer_idx}")
-    return layer_idx
 
 
 class HiddenStateStore:
@@ -192,59 +169,36 @@ class HiddenStateStore:
             for k, v in deltas.items():
                 c[k] += v
 
-    def _kv_prefix(self, plan: ChunkPlan, m: int) -> int:
+    @property
+    def bridge(self) -> SyncBridge:
+        """The bridge that steps every blocking method's coroutine on the calling thread: the KV
+        manager's when there is one (every hop of an operation here is a KV presence question:
+        the HS manager has no lower tiers), else the HS manager's."""
+        kv = self.kv_storage_manager
+        return (kv if kv is not None else self.storage_manager).bridge
+
+    async def _kv_prefix(self, plan: ChunkPlan, m: int) -> int:
         """How many of the first ``m`` chunks still have KV; drops the HS entries of the first
-        chunk whose KV is definitely gone (never on "unknown")."""
+        chunk whose KV is definitely gone (never on "unknown"). A CPU-tier answer stays on the
+        caller's thread; a lower-tier question is one hop to the KV manager's loop, bounded by
+        its ``blocking_timeout_secs`` (a timeout: "unknown", no prefix)."""
         kv = self.kv_storage_manager
         if kv is None or m == 0:
             return m
         keys = plan.keys
         try:
-            n = kv.prefix_len_sync(keys[:m])
+            n = await kv.prefix_len(keys[:m])
         except TimeoutError:
             return self._kv_timed_out()
         if n < m:
-            try:
-                presence = kv.presence_sync(keys[n])
-            except TimeoutError:
-                presence = Presence.UNKNOWN
+            presence = await kv.presence(keys[n])  # a timeout answers UNKNOWN
             # PRESENT means a racing store just wrote it: still this call's prefix boundary.
             if presence is Presence.ABSENT:
-                if self.drop_key(keys[n]):
+                if await self._drop_layers(keys[n]):
                     self._count(orphans_dropped=1)
             elif presence is Presence.UNKNOWN:
                 self._count(kv_unknown=1)
         return n
-
-    async def _akv_prefix(self, plan: ChunkPlan, m: int) -> int:
-        """Coroutine twin of :meth:`_kv_prefix`: a CPU-tier answer stays on the caller's thread;
-        a lower-tier question is one hop, bounded by the KV manager's ``blocking_timeout_secs``."""
-        kv = self.kv_storage_manager
-        if kv is None or m == 0:
-            return m
-        keys = plan.keys
-        try:
-            n = await self._kv_bounded(kv, kv.prefix_len(keys[:m]))
-        except TimeoutError:
-            return self._kv_timed_out()
-        if n < m:
-            try:
-                presence = await self._kv_bounded(kv, kv.presence(keys[n]))
-            except TimeoutError:
-                presence = Presence.UNKNOWN
-            if presence is Presence.ABSENT:
-                if await self.adrop_key(keys[n]):
-                    self._count(orphans_dropped=1)
-            elif presence is Presence.UNKNOWN:
-                self._count(kv_unknown=1)
-        return n
-
-    @staticmethod
-    async def _kv_bounded(kv: StorageManager, coro: Coroutine[Any, Any, _T]) -> _T:
-        if not kv.has_lower_tiers:  # answered on this thread: nothing to bound
-            return await coro
-        async with asyncio.timeout(float(kv.config.blocking_timeout_secs)):
-            return await coro
 
     def _kv_timed_out(self) -> int:
         self._count(kv_unknown=1)
@@ -254,10 +208,10 @@ class HiddenStateStore:
     # ---- store --------------------------------------------------------------------------------
     def _plan_store(
         self, token_ids: Any, hidden_states: torch.Tensor, layer_idx: int, token_offset: int, extras: KeyExtras | None
-    ) -> _StoreJob | None:
+    ) -> StoreJob | None:
         """Checks and plans a store on the caller's thread; None when the layer is filtered."""
         self._check_open()
-        layer_idx = _check_layer(layer_idx)
+        layer_idx = check_layer(layer_idx)
         hidden_states = check_storable_tensor(hidden_states, "hidden_states")
         if hidden_states.dim() != 2:
             raise ValueError(
@@ -284,9 +238,9 @@ class HiddenStateStore:
             self._known_layers.add(layer_idx)
         first = -(-token_offset // plan.chunk_size)
         hkeys = [hs_entry_key(k, layer_idx) for k in plan.keys]
-        return _StoreJob(plan, layer_idx, hidden_states.detach(), token_offset, first, hkeys)
+        return StoreJob(plan, layer_idx, hidden_states.detach(), token_offset, first, hkeys)
 
-    def _write(self, job: _StoreJob, found: list[MemoryObj | None]) -> int:
+    def _write(self, job: StoreJob, found: list[MemoryObj | None]) -> int:
         """Copy the chunks of ``job`` that ``found`` (this store's manager's answer for every
         entry key, each a reference or None) lacks into the pool and index them; returns the
         chunks written.
@@ -354,7 +308,7 @@ class HiddenStateStore:
             )
         return stored
 
-    def store_hidden_states(
+    async def astore_hidden_states(
         self,
         token_ids: Any,
         hidden_states: torch.Tensor,
@@ -368,80 +322,39 @@ class HiddenStateStore:
 
         ``token_ids`` is the full prefix (1-D ints); ``hidden_states`` is 2-D
         ``[len(token_ids) - token_offset, hidden_dim]`` (any device and floating dtype), row ``r``
-        belonging to token ``token_offset + r``. Only whole chunks that start at or after
-        ``token_offset`` are stored (a chunk straddling the offset is skipped); a chunk already
-        stored for this layer is not copied again (and not counted). A ``layer_idx`` outside
-        ``hidden_state_layers`` stores nothing and returns 0.
+        belonging to token ``token_offset + r``; it is copied, never kept. Only whole chunks that
+        start at or after ``token_offset`` are stored (a chunk straddling the offset is skipped);
+        a chunk already stored for this layer is not copied again (and not counted). A
+        ``layer_idx`` outside ``hidden_state_layers`` stores nothing and returns 0.
 
         When the pool cannot hold every chunk, older hidden-state entries are evicted (never the
         chunks this call stores or already found for this prompt) and the longest prefix of the
         chunks that fits is stored. Raises ``TypeError``/``ValueError`` for bad arguments
         (``TypeError`` naming ``hidden_states`` for a non-tensor and for a quantized, sparse,
-        nested or meta tensor). Runs on the caller's thread (the HS pool has no lower tiers).
+        nested or meta tensor). Answered on the caller's thread (the HS pool has no lower tiers:
+        no hop); awaited, a copy of at least
+        :data:`~lmcache_async.engines._offload.OFF_LOOP_COPY_BYTES` runs on the engine copy
+        executor, and a caller cancelled meanwhile leaves the store to finish, holding nothing.
 
         ``extras`` (:class:`~lmcache_async.key_extras.KeyExtras`) enter the chunk keys exactly as
         for the KV records: hidden states are found again only under equal extras. ``token_ids``
         may also be a :class:`~lmcache_async.engines._chunks.ChunkPlan` whose keys were derived
         already (then ``extras`` must be None).
         """
-        job = self._plan_store(token_ids, hidden_states, layer_idx, token_offset, extras)
-        if job is None:
-            return 0
-        return self._write(job, self.storage_manager.batched_get_sync(job.hkeys))
-
-    async def astore_hidden_states(
-        self,
-        token_ids: Any,
-        hidden_states: torch.Tensor,
-        layer_idx: int = 0,
-        token_offset: int = 0,
-        *,
-        extras: KeyExtras | None = None,
-    ) -> int:
-        """Coroutine twin of :meth:`store_hidden_states`, awaitable from any loop.
-
-        Answered on the caller's thread (no hop); a copy of at least
-        :data:`~lmcache_async.engines._offload.OFF_LOOP_COPY_BYTES` runs on the engine copy
-        executor. A caller cancelled meanwhile leaves the store to finish, holding nothing."""
         await yield_to_loop()
         job = self._plan_store(token_ids, hidden_states, layer_idx, token_offset, extras)
         if job is None:
             return 0
         sm = self.storage_manager
         found = await sm.batched_get(job.hkeys)
-        return await copy_maybe_off_loop(
-            lambda: self._write(job, found), job.nbytes, force=sm.loop_thread.in_loop_thread()
-        )
+        # Awaited on the HS manager's loop thread, _write's put (a blocking call) must leave it.
+        if should_offload(job.nbytes, force=sm.loop_thread.in_loop_thread()):
+            return await _offload.run_off_loop(lambda: self._write(job, found))
+        return self._write(job, found)
+
+    store_hidden_states = blocking_twin(astore_hidden_states)
 
     # ---- retrieve -------------------------------------------------------------------------------
-    def _check_out(self, out: torch.Tensor | None) -> None:
-        if out is not None:
-            if not isinstance(out, torch.Tensor):
-                raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
-            if out.dtype != torch.float32 or out.dim() != 2:
-                raise ValueError(f"out must be a 2-D float32 tensor, got {out.dtype} of shape {tuple(out.shape)}")
-
-    @staticmethod
-    def _well_shaped(plan: ChunkPlan, objs: list[MemoryObj | None]) -> list[MemoryObj]:
-        """The prefix of ``objs`` whose shapes fit the plan (one hidden size); the rest released."""
-        hits: list[MemoryObj] = []
-        hidden = -1
-        for i, obj in enumerate(objs):
-            if obj is None:
-                break
-            shape = obj.shape
-            if hidden < 0:
-                hidden = shape[1]
-            if shape != (plan.end(i) - plan.start(i), hidden):
-                break
-            hits.append(obj)
-        release_all(objs[len(hits) :])
-        return hits
-
-    def _cut(self, hits: list[MemoryObj], n: int) -> list[MemoryObj]:
-        release_all(hits[n:])
-        return hits[:n]
-
     def _fill(
         self, plan: ChunkPlan, hits: list[MemoryObj], hkeys: list[CacheEngineKey], out: torch.Tensor | None
     ) -> torch.Tensor:
@@ -472,93 +385,66 @@ class HiddenStateStore:
         self._count(retrieves=1, retrieve_hits=1, hit_tokens=total)
         return dest
 
-    def retrieve_hidden_states(
-        self,
-        token_ids: Any,
-        layer_idx: int = 0,
-        out: torch.Tensor | None = None,
-        *,
-        extras: KeyExtras | None = None,
+    async def aretrieve_hidden_states(
+        self, token_ids: Any, layer_idx: int = 0, out: torch.Tensor | None = None, *, extras: KeyExtras | None = None
     ) -> torch.Tensor | None:
         """The cached hidden states of the longest prefix of ``token_ids`` whose chunks have
         both KV (any tier) and HS for ``layer_idx``, as float32 ``[n_tokens, hidden_dim]``; None
         when the first chunk already misses.
 
-        Without ``out`` the result is a fresh contiguous CPU tensor. With ``out`` (a float32
-        tensor with at least ``n_tokens`` rows and ``hidden_dim`` columns, on any device) the
-        rows are copied into it and the filled view ``out[:n_tokens]`` is returned; ``out`` is
-        untouched on a miss. The hit chunks are touched so a prefix outlives its suffix under
-        pressure. The caller never holds pool memory. ``extras`` and ``token_ids`` as in
-        :meth:`store_hidden_states`.
-        """
-        self._check_open()
-        layer_idx = _check_layer(layer_idx)
-        self._check_out(out)
-        plan = self._plan(token_ids, extras)
-        sm = self.storage_manager
-        hkeys = [hs_entry_key(k, layer_idx) for k in plan.keys]
-        m = sm.prefix_len_sync(hkeys)
-        hits = self._well_shaped(plan, sm.batched_get_sync(hkeys[:m]) if m else [])
-        try:
-            n = self._kv_prefix(plan, len(hits))
-        except BaseException:
-            release_all(hits)
-            raise
-        hits = self._cut(hits, n)
-        if not hits:
-            self._count(retrieves=1)
-            return None
-        return self._fill(plan, hits, hkeys, out)
-
-    async def aretrieve_hidden_states(
-        self, token_ids: Any, layer_idx: int = 0, out: torch.Tensor | None = None, *, extras: KeyExtras | None = None
-    ) -> torch.Tensor | None:
-        """Coroutine twin of :meth:`retrieve_hidden_states`, awaitable from any loop.
+        Without ``out`` the result is a fresh contiguous CPU tensor the caller owns. With ``out``
+        (a float32 tensor with at least ``n_tokens`` rows and ``hidden_dim`` columns, on any
+        device) the rows are copied into it and the filled view ``out[:n_tokens]`` is returned;
+        ``out`` is untouched on a miss. The hit chunks are touched so a prefix outlives its
+        suffix under pressure. The caller never holds pool memory. ``extras`` and ``token_ids``
+        as in :meth:`store_hidden_states`.
 
         Answered on the caller's thread when the KV manager's CPU tier decides KV presence (no
-        hop); otherwise one batched hop to the KV manager's loop. A copy of at least
+        hop); otherwise one batched hop to the KV manager's loop. Awaited, a copy of at least
         :data:`~lmcache_async.engines._offload.OFF_LOOP_COPY_BYTES` runs on the engine copy
         executor; a caller cancelled at any point leaves no pool reference held (with ``out``,
         a copy already running still fills it)."""
         await yield_to_loop()
         self._check_open()
-        layer_idx = _check_layer(layer_idx)
-        self._check_out(out)
+        layer_idx = check_layer(layer_idx)
+        check_out(out)
         plan = self._plan(token_ids, extras)
         sm = self.storage_manager
         hkeys = [hs_entry_key(k, layer_idx) for k in plan.keys]
         m = await sm.prefix_len(hkeys)
-        hits = self._well_shaped(plan, await sm.batched_get(hkeys[:m]) if m else [])
+        hits = well_shaped(plan, await sm.batched_get(hkeys[:m]) if m else [])
         try:
-            n = await self._akv_prefix(plan, len(hits))
+            n = await self._kv_prefix(plan, len(hits))
         except BaseException:  # cancelled while the KV manager answered: nothing stays held
             release_all(hits)
             raise
-        hits = self._cut(hits, n)
+        hits = cut_hits(hits, n)
         if not hits:
             self._count(retrieves=1)
             return None
-        nbytes = plan.tokens_in(len(hits)) * hits[0].shape[1] * 4
-        return await copy_maybe_off_loop(lambda: self._fill(plan, hits, hkeys, out), nbytes)
+        if should_offload(plan.tokens_in(len(hits)) * hits[0].shape[1] * 4):
+            return await _offload.run_off_loop(lambda: self._fill(plan, hits, hkeys, out))
+        return self._fill(plan, hits, hkeys, out)
 
-    def coverage(self, token_ids: Any, layer_idxs: Iterable[int] = (0,), *, extras: KeyExtras | None = None) -> int:
-        """Tokens of the longest prefix of ``token_ids`` whose chunks have KV and HS for every
-        layer in ``layer_idxs`` (same rules as retrieve, orphans dropped the same way; nothing
-        is copied or touched). For schedulers that must know how far hidden states reach."""
-        plan, layers = self._coverage_args(token_ids, layer_idxs, extras)
-        return plan.tokens_in(self._kv_prefix(plan, self._hs_prefix(plan, layers)))
+    retrieve_hidden_states = blocking_twin(aretrieve_hidden_states)
 
     async def acoverage(
         self, token_ids: Any, layer_idxs: Iterable[int] = (0,), *, extras: KeyExtras | None = None
     ) -> int:
-        """Coroutine twin of :meth:`coverage` (HS presence is answered on the caller's thread;
-        KV presence as in :meth:`aretrieve_hidden_states`)."""
+        """Tokens of the longest prefix of ``token_ids`` whose chunks have KV and HS for every
+        layer in ``layer_idxs`` (same rules as retrieve, orphans dropped the same way; nothing
+        is copied or touched). For schedulers that must know how far hidden states reach. HS
+        presence is answered on the caller's thread; KV presence as in
+        :meth:`retrieve_hidden_states`."""
         await yield_to_loop()
         plan, layers = self._coverage_args(token_ids, layer_idxs, extras)
-        # The HS manager has no lower tiers: contains_sync answers on this thread, no hop.
-        return plan.tokens_in(await self._akv_prefix(plan, self._hs_prefix(plan, layers)))
+        return plan.tokens_in(await self._kv_prefix(plan, self._hs_prefix(plan, layers)))
+
+    coverage = blocking_twin(acoverage)
 
     def _hs_prefix(self, plan: ChunkPlan, layers: list[int]) -> int:
+        """Chunks of the prefix that have HS for every layer; on the caller's thread (the HS
+        manager has no lower tiers: its ``contains_sync`` never hops)."""
         sm = self.storage_manager
         m = 0
         for kv_key in plan.keys:
@@ -575,26 +461,37 @@ class HiddenStateStore:
         self, token_ids: Any, layer_idxs: Iterable[int], extras: KeyExtras | None
     ) -> tuple[ChunkPlan, list[int]]:
         self._check_open()
-        layers = [_check_layer(li, "layer_idxs entries") for li in layer_idxs]
+        layers = [check_layer(li, "layer_idxs entries") for li in layer_idxs]
         if not layers:
             raise ValueError("layer_idxs must name at least one layer")
         return self._plan(token_ids, extras), layers
 
     # ---- per-key -------------------------------------------------------------------------------
-    def has_chunk(self, key: CacheEngineKey, layer_idx: int = 0) -> bool:
+    async def ahas_chunk(self, key: CacheEngineKey, layer_idx: int = 0) -> bool:
         """True when hidden states of ``layer_idx`` are stored for the KV chunk key ``key``
-        (HS only: KV presence is not checked)."""
+        (HS only: KV presence is not checked). Answered on the caller's thread (no hop)."""
+        await yield_to_loop()
         self._check_open()
         if type(key) is not CacheEngineKey:
             raise TypeError(f"key must be a CacheEngineKey, got {type(key).__name__}")
-        return self.storage_manager.contains_sync(hs_entry_key(key, _check_layer(layer_idx)))
+        return await self.storage_manager.contains(hs_entry_key(key, check_layer(layer_idx)))
 
-    def drop_key(self, key: CacheEngineKey) -> bool:
-        """Drop every layer stored for the KV chunk key ``key``; True when something was dropped."""
+    has_chunk = blocking_twin(ahas_chunk)
+
+    async def adrop_key(self, key: CacheEngineKey) -> bool:
+        """Drop every layer stored for the KV chunk key ``key``; True when something was dropped.
+        Answered on the caller's thread (the HS manager has no lower tiers: no hop)."""
+        await yield_to_loop()
+        return await self._drop_layers(key)
+
+    drop_key = blocking_twin(adrop_key)
+
+    async def _drop_layers(self, key: CacheEngineKey) -> bool:
+        """:meth:`adrop_key` without its turn of the loop (also a step of :meth:`_kv_prefix`)."""
         sm = self.storage_manager
         removed = False
         for hkey in self._layer_keys(key):
-            removed = sm.remove_sync(hkey) or removed
+            removed = await sm.remove(hkey) or removed
         return removed
 
     def _layer_keys(self, key: CacheEngineKey) -> list[CacheEngineKey]:
@@ -606,10 +503,13 @@ class HiddenStateStore:
         return [hs_entry_key(key, li) for li in layers]
 
     # ---- lifecycle / stats ---------------------------------------------------------------------
-    def clear(self) -> None:
-        """Drop every hidden-state entry (the pool returns to zero bytes in use)."""
+    async def aclear(self) -> None:
+        """Drop every hidden-state entry (the pool returns to zero bytes in use); no hop."""
+        await yield_to_loop()
         self._check_open()
-        self.storage_manager.clear_sync()
+        await self.storage_manager.clear()
+
+    clear = blocking_twin(aclear)
 
     def stats(self) -> dict[str, Any]:
         """Counters (stores, chunks stored, truncated stores, retrieves, hit tokens, orphans
@@ -656,22 +556,14 @@ class HiddenStateStore:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- async twins of the per-key calls and of close -------------------------------------------
-    async def ahas_chunk(self, key: CacheEngineKey, layer_idx: int = 0) -> bool:
-        """Coroutine twin of :meth:`has_chunk` (answered on the caller's thread: no I/O)."""
-        return self.has_chunk(key, layer_idx)
-
-    async def adrop_key(self, key: CacheEngineKey) -> bool:
-        """Coroutine twin of :meth:`drop_key` (the HS manager has no lower tiers: no hop)."""
-        sm = self.storage_manager
-        removed = False
-        for hkey in self._layer_keys(key):
-            removed = await sm.remove(hkey) or removed
-        return removed
-
+    # ---- close (a pair: see close) --------------------------------------------------------------
     async def aclose(self) -> None:
         """Coroutine twin of :meth:`close` over the manager's async close (awaitable from any
-        loop, also the manager's own loop thread). Idempotent; the KV manager is not closed."""
+        loop, also the manager's own loop thread). Idempotent; the KV manager is not closed.
+
+        Kept beside :meth:`close`, not derived from it: the manager's ``close_sync`` (stop and
+        join its loop thread) is no coroutine a bridge could step, so the manager keeps that pair
+        itself; both forms here only compose it."""
         if self._closed:
             return
         self._closed = True

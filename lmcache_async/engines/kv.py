@@ -11,28 +11,32 @@ When ``enable_hidden_state_cache`` is set, ``engine.hidden_state_store`` is a
 :class:`~lmcache_async.engines.hidden_states.HiddenStateStore` sharing this engine's token
 database and asking this engine's manager whether KV is still present.
 
-Thread-safe. Every blocking method has an ``a``-prefixed coroutine twin, awaitable from any
-loop and written over the manager's coroutines: what the CPU tier answers is answered on the
+Thread-safe. Every operation is written once, as an ``a``-prefixed coroutine over the
+manager's coroutines, awaitable from any loop: what the CPU tier answers is answered on the
 caller's thread (no hop); only lower-tier work crosses to the manager's loop, one batch per
 call; a copy of at least :data:`~lmcache_async.engines._offload.OFF_LOOP_COPY_BYTES` runs on
-the engine copy executor so the caller's loop is not frozen by it.
+the engine copy executor so the caller's loop is not frozen by it. The blocking method of the
+same name without the ``a`` is that coroutine stepped on the calling thread by the KV
+manager's :class:`~lmcache_async.sync_bridge.SyncBridge`
+(:func:`~lmcache_async.engines._twins.blocking_twin`): no loop, every copy inline, the same
+results and errors.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from lmcache_async.config import LMCacheEngineConfig
+from lmcache_async.engines import _offload
 from lmcache_async.engines._chunks import ChunkPlan, copy_in, copy_out, release_all, wait_copies
 from lmcache_async.engines._devices import CPU, check_device
-from lmcache_async.engines._offload import copy_maybe_off_loop, yield_to_loop
+from lmcache_async.engines._offload import should_offload, yield_to_loop
 from lmcache_async.engines._opening import EngineOpening
+from lmcache_async.engines._twins import blocking_twin
 from lmcache_async.engines.hidden_states import HiddenStateStore
 from lmcache_async.errors import LoopThreadCallError, ManagerClosedError
 from lmcache_async.key_extras import KeyExtras
@@ -40,12 +44,11 @@ from lmcache_async.memory import MemoryFormat, MemoryObj
 from lmcache_async.metadata import NEUTRAL_METADATA, LMCacheEngineMetadata
 from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.storage_manager import StorageManager
+from lmcache_async.sync_bridge import SyncBridge
 from lmcache_async.tensor_checks import check_storable_tensor
 from lmcache_async.token_database import ChunkedTokenDatabase, num_masked_prefix
 
 logger = logging.getLogger(__name__)
-
-_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +96,6 @@ class LMCacheEngine:
         self.token_database = ChunkedTokenDatabase(config.chunk_size, config.save_unfull_chunk, self.metadata)
         self._closed = False
         self.timeouts = 0
-        self._timeout = float(config.blocking_timeout_secs)
         self._timeout_log = RateLimitedLog(logger)
         self.storage_manager = StorageManager(config, self.metadata, name="kv")
         self.hidden_state_store: HiddenStateStore | None = None
@@ -110,6 +112,12 @@ class LMCacheEngine:
                 raise
 
     # ---- helpers --------------------------------------------------------------------------------
+    @property
+    def bridge(self) -> SyncBridge:
+        """The KV manager's bridge: it steps every blocking method's coroutine on the calling
+        thread (and refuses the manager's loop thread)."""
+        return self.storage_manager.bridge
+
     def _check_open(self) -> None:
         if self._closed:
             raise ManagerClosedError("LMCacheEngine is closed")
@@ -118,9 +126,7 @@ class LMCacheEngine:
     def _check_kv(kv: object) -> torch.Tensor:
         kv = check_storable_tensor(kv, "kv")
         if kv.dim() != 4 or kv.shape[0] != 2:
-            raise ValueError(
-                f"kv must have shape [2, num_layers, num_tokens, hidden], got {tuple(kv.shape)}"
-            )
+            raise ValueError(f"kv must have shape [2, num_layers, num_tokens, hidden], got {tuple(kv.shape)}")
         return kv
 
     # ---- store --------------------------------------------------------------------------------
@@ -197,7 +203,9 @@ class LMCacheEngine:
             release_all(held)
         return stored
 
-    def store(self, token_ids: Any, kv: torch.Tensor, *, mask: Any = None, extras: KeyExtras | None = None) -> int:
+    async def astore(
+        self, token_ids: Any, kv: torch.Tensor, *, mask: Any = None, extras: KeyExtras | None = None
+    ) -> int:
         """Store the KV of ``token_ids``; returns the number of chunks this call wrote.
 
         ``kv`` is ``[2, num_layers, num_tokens, hidden]`` on any device and of any dtype, its
@@ -207,38 +215,33 @@ class LMCacheEngine:
         ``chunk_size`` and the rest all True (``ValueError`` otherwise). With
         ``save_unfull_chunk`` false a trailing partial chunk is not stored. ``TypeError`` naming
         ``kv`` for anything the cache cannot store (a non-tensor; a quantized, sparse, nested or
-        meta tensor).
+        meta tensor). The caller keeps ``kv``: it is copied, never kept.
 
         The prefix the CPU tier already holds (or is still writing down) is skipped and not
         counted; a chunk only a lower tier claims is stored again, and that tier keeps its record
         when it is intact (entries are content-addressed). When the CPU pool cannot take a
         chunk even after evicting what nobody holds, the chunks before it are kept and the rest
-        is skipped (never evicting a chunk this call wrote). Runs on the caller's thread; lower
-        tiers are written through in the background (never waited for).
+        is skipped (never evicting a chunk this call wrote). Answered on the caller's thread
+        (no hop); lower tiers are written through in the background (never waited for).
+        Awaited, a copy of at least :data:`~lmcache_async.engines._offload.OFF_LOOP_COPY_BYTES`
+        runs on the engine copy executor instead, so the caller's loop keeps serving; a caller
+        cancelled meanwhile leaves the store to finish (it holds no pool reference afterwards).
 
         ``extras`` (:class:`~lmcache_async.key_extras.KeyExtras`: images, LoRA adapter,
         ``cache_salt``, prompt embeddings) enter the chunk keys: a later :meth:`retrieve` or
         :meth:`lookup` finds these chunks only under equal extras. ``TypeError`` naming
         ``extras`` for anything but a ``KeyExtras`` or None.
         """
-        job = self._plan_store(token_ids, kv, mask, extras)
-        return 0 if job is None else self._write(job)
-
-    async def astore(
-        self, token_ids: Any, kv: torch.Tensor, *, mask: Any = None, extras: KeyExtras | None = None
-    ) -> int:
-        """Coroutine twin of :meth:`store`, awaitable from any loop.
-
-        Answered on the caller's thread (a store never waits for lower tiers): no hop. A copy of
-        at least :data:`~lmcache_async.engines._offload.OFF_LOOP_COPY_BYTES` runs on the engine
-        copy executor instead, so the caller's loop keeps serving; a caller cancelled meanwhile
-        leaves the store to finish (it holds no pool reference afterwards)."""
         await yield_to_loop()
         job = self._plan_store(token_ids, kv, mask, extras)
         if job is None:
             return 0
-        on_manager_loop = self.storage_manager.loop_thread.in_loop_thread()
-        return await copy_maybe_off_loop(lambda: self._write(job), job.nbytes, force=on_manager_loop)
+        # Awaited on the manager's loop thread, _write's put (a blocking call) must leave it.
+        if should_offload(job.nbytes, force=self.storage_manager.loop_thread.in_loop_thread()):
+            return await _offload.run_off_loop(lambda: self._write(job))
+        return self._write(job)
+
+    store = blocking_twin(astore)
 
     # ---- retrieve / lookup ---------------------------------------------------------------------
     def _assemble(
@@ -274,7 +277,7 @@ class LMCacheEngine:
             release_all(objs)
         return total, out
 
-    def retrieve(
+    async def aretrieve(
         self, token_ids: Any, *, device: str | torch.device | None = None, extras: KeyExtras | None = None
     ) -> tuple[int, torch.Tensor | None]:
         """``(num_hit_tokens, kv_prefix)``: the KV of the longest cached prefix of ``token_ids``
@@ -282,36 +285,18 @@ class LMCacheEngine:
         CPU by default), or ``(0, None)`` when the first chunk misses.
 
         Chunks are searched in every tier (lower-tier hits are promoted into the CPU tier) and
-        touched so the prefix outlives its suffix under pressure. The result never aliases pool
-        memory. ``device`` is checked before anything is looked up: one this machine cannot hold
-        a tensor on raises ``ValueError`` naming ``device`` on a hit and on a miss alike.
-        Storage trouble and ``blocking_timeout_secs`` passing are misses (counted in ``timeouts``).
-        ``extras`` as in :meth:`store`: only chunks stored under equal extras are found.
-        """
-        self._check_open()
-        dev = CPU if device is None else check_device(device)
-        plan = ChunkPlan(self.token_database, token_ids, extras)
-        if not len(plan):
-            return 0, None
-        sm = self.storage_manager
-        n = self._bounded(lambda: sm.prefix_len_sync(plan.keys), 0, "retrieve")
-        if n == 0:
-            return 0, None
-        objs = self._bounded(lambda: sm.batched_get_sync(plan.keys[:n]), None, "retrieve")
-        if objs is None:
-            return 0, None
-        return self._assemble(plan, objs, dev)
-
-    async def aretrieve(
-        self, token_ids: Any, *, device: str | torch.device | None = None, extras: KeyExtras | None = None
-    ) -> tuple[int, torch.Tensor | None]:
-        """Coroutine twin of :meth:`retrieve`, awaitable from any loop.
+        touched so the prefix outlives its suffix under pressure. The result is a fresh tensor
+        the caller owns; it never aliases pool memory. ``device`` is checked before anything is
+        looked up: one this machine cannot hold a tensor on raises ``ValueError`` naming
+        ``device`` on a hit and on a miss alike. Storage trouble and ``blocking_timeout_secs``
+        passing are misses (counted in ``timeouts``). ``extras`` as in :meth:`store`: only
+        chunks stored under equal extras are found.
 
         A prefix the CPU tier holds is answered on the caller's thread (no hop); only chunks a
-        lower tier must be asked about cross to the manager's loop, in one batch (bounded by
-        ``blocking_timeout_secs``, a miss when it passes). A result of at least
-        :data:`~lmcache_async.engines._offload.OFF_LOOP_COPY_BYTES` is assembled on the engine
-        copy executor; a caller cancelled at any point leaves no pool reference held."""
+        lower tier must be asked about cross to the manager's loop, in one batch. Awaited, a
+        result of at least :data:`~lmcache_async.engines._offload.OFF_LOOP_COPY_BYTES` is
+        assembled on the engine copy executor; a caller cancelled at any point leaves no pool
+        reference held."""
         await yield_to_loop()
         self._check_open()
         dev = CPU if device is None else check_device(device)
@@ -319,62 +304,43 @@ class LMCacheEngine:
         if not len(plan):
             return 0, None
         sm = self.storage_manager
-        n = await self._abounded(sm.prefix_len(plan.keys), 0, "retrieve")
-        if n == 0:
+        try:  # each hop is bounded by blocking_timeout_secs; the manager releases what it got
+            n = await sm.prefix_len(plan.keys)
+            if n == 0:
+                return 0, None
+            objs = await sm.batched_get(plan.keys[:n])
+        except TimeoutError:
+            self._timed_out("retrieve")
             return 0, None
-        objs = await self._abounded(sm.batched_get(plan.keys[:n]), None, "retrieve")
-        if objs is None:
-            return 0, None
-        nbytes = sum(o.tensor.numel() * o.tensor.element_size() for o in objs if o is not None)
-        return await copy_maybe_off_loop(lambda: self._assemble(plan, objs, dev), nbytes)
+        if should_offload(sum(o.tensor.numel() * o.tensor.element_size() for o in objs if o is not None)):
+            return await _offload.run_off_loop(lambda: self._assemble(plan, objs, dev))
+        return self._assemble(plan, objs, dev)
 
-    def lookup(self, token_ids: Any, *, extras: KeyExtras | None = None) -> int:
-        """Length in tokens of the longest prefix of ``token_ids`` whose chunks are present in
-        some tier (nothing is read or touched), under ``extras`` as in :meth:`store`."""
-        self._check_open()
-        plan = ChunkPlan(self.token_database, token_ids, extras)
-        if not len(plan):
-            return 0
-        sm = self.storage_manager
-        return plan.tokens_in(self._bounded(lambda: sm.prefix_len_sync(plan.keys), 0, "lookup"))
+    retrieve = blocking_twin(aretrieve)
 
     async def alookup(self, token_ids: Any, *, extras: KeyExtras | None = None) -> int:
-        """Coroutine twin of :meth:`lookup`: answered on the caller's thread when the CPU tier
-        (or the lower tiers' non-blocking answers) decide it, else one batched hop."""
+        """Length in tokens of the longest prefix of ``token_ids`` whose chunks are present in
+        some tier (nothing is read or touched), under ``extras`` as in :meth:`store`. Answered
+        on the caller's thread when the CPU tier (or the lower tiers' non-blocking answers)
+        decide it, else one batched hop; a timeout is a miss (0, counted in ``timeouts``)."""
         await yield_to_loop()
         self._check_open()
         plan = ChunkPlan(self.token_database, token_ids, extras)
         if not len(plan):
             return 0
-        return plan.tokens_in(await self._abounded(self.storage_manager.prefix_len(plan.keys), 0, "lookup"))
+        try:
+            return plan.tokens_in(await self.storage_manager.prefix_len(plan.keys))
+        except TimeoutError:  # the hop is bounded by blocking_timeout_secs
+            self._timed_out("lookup")
+            return 0
+
+    lookup = blocking_twin(alookup)
 
     def _timed_out(self, what: str) -> None:
+        """Count and log a lower-tier answer that did not come within ``blocking_timeout_secs``
+        (the operation ``what`` answers it as a miss)."""
         self.timeouts += 1
-        self._timeout_log.warning(
-            "KV %s: storage did not answer within blocking_timeout_secs; treated as a miss", what
-        )
-
-    def _bounded(self, call: Callable[[], _T], default: _T, what: str) -> _T:
-        """Run a blocking manager call; a ``TimeoutError`` (``blocking_timeout_secs`` passed while
-        lower tiers answered) is counted, logged and answered with ``default`` (a miss)."""
-        try:
-            return call()
-        except TimeoutError:
-            self._timed_out(what)
-            return default
-
-    async def _abounded(self, coro: Coroutine[Any, Any, _T], default: _T, what: str) -> _T:
-        """Await a manager coroutine, bounded by ``blocking_timeout_secs`` like the sync calls
-        when lower tiers may be asked (a CPU-only manager never waits); a timeout is counted,
-        logged and answered with ``default``. The manager releases what a cancelled call got."""
-        try:
-            if not self.storage_manager.has_lower_tiers:
-                return await coro
-            async with asyncio.timeout(self._timeout):
-                return await coro
-        except TimeoutError:
-            self._timed_out(what)
-            return default
+        self._timeout_log.warning("KV %s: storage did not answer within blocking_timeout_secs; treated as a miss", what)
 
     # ---- lifecycle / stats ---------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -427,7 +393,11 @@ class LMCacheEngine:
 
     async def aclose(self) -> None:
         """Coroutine twin of :meth:`close` over the managers' own async close (awaitable from
-        any loop, also a manager's own loop thread). Idempotent."""
+        any loop, also a manager's own loop thread). Idempotent.
+
+        Kept beside :meth:`close`, not derived from it: the manager's ``close_sync`` (stop and
+        join its loop thread) is no coroutine a bridge could step, so the manager keeps that pair
+        itself; both forms here only compose it."""
         if self._closed:
             return
         self._closed = True
