@@ -3,3 +3,5 @@
 Installed beside the core as ``lmcache_async_bench`` (from ``bench/``); ``lmcache-async bench`` runs
 them, and each suite module also runs alone with ``python -m lmcache_async_bench.<suite>``.
 """
+
+__all__: list[str] = []

@@ -42,6 +42,26 @@ from typing import Any
 
 import torch
 
+__all__ = [
+    "BenchOptions",
+    "CloneBaseline",
+    "CopyBaseline",
+    "FileBaseline",
+    "HopBaseline",
+    "MiB",
+    "Result",
+    "alternate",
+    "better",
+    "evict_from_page_cache",
+    "format_markdown",
+    "format_series_summary",
+    "format_table",
+    "median_of",
+    "median_time",
+    "throughput_gbs",
+    "with_redis",
+]
+
 MiB = 1 << 20
 
 
@@ -149,9 +169,7 @@ class CopyBaseline:
         return median_time(self.step, reps=reps, warmup=1, inner=inner)
 
 
-def alternate(
-    fns: Sequence[Callable[[], float]], reps: int = 5, warmup: int = 1
-) -> list[float]:
+def alternate(fns: Sequence[Callable[[], float]], reps: int = 5, warmup: int = 1) -> list[float]:
     """Run each of ``fns`` (each returns seconds per operation for one repetition) ``reps``
     times, interleaved A, B, ..., B, A, ... so drift and background noise hit all of them;
     returns the median of each. ``warmup`` unrecorded rounds come first."""

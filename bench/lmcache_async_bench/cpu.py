@@ -17,12 +17,15 @@ import time
 import torch
 
 from lmcache_async.config import LMCacheEngineConfig
+from lmcache_async.keys import CacheEngineKey
 from lmcache_async.loop import LoopThread
 from lmcache_async.metadata import LMCacheEngineMetadata
 from lmcache_async.storage_manager import StorageManager
 from lmcache_async.token_database import ChunkedTokenDatabase
 
 from .common import BenchOptions, CopyBaseline, MiB, Result, median_time
+
+__all__ = ["SUITE", "bench_hashing", "bench_lookups", "bench_put", "run"]
 
 SUITE = "cpu"
 
@@ -76,44 +79,9 @@ def bench_put(opts: BenchOptions) -> list[Result]:
     ]
 
 
-def bench_lookups(opts: BenchOptions) -> list[Result]:
-    sm = _manager(0.25)
-    db = ChunkedTokenDatabase(256, metadata=sm.metadata)
-    keys = [db.make_key(i) for i in range(1024)]
-    for k in keys:
-        sm.put_sync(k, torch.zeros(64))
-    hit, miss = keys[500], db.make_key(1 << 40)
-    inner = 20_000 if not opts.quick else 2000
-    out = [
-        Result(
-            SUITE,
-            "contains_sync hit",
-            median_time(lambda: sm.contains_sync(hit), opts.reps, 1, inner) * 1e6,
-            "µs",
-            target=3.0,
-        ),
-        Result(
-            SUITE,
-            "contains_sync miss",
-            median_time(lambda: sm.contains_sync(miss), opts.reps, 1, inner) * 1e6,
-            "µs",
-            target=3.0,
-        ),
-    ]
-
-    def get_release() -> None:
-        obj = sm.get_sync(hit)
-        assert obj is not None
-        obj.ref_count_down()
-
-    out.append(
-        Result(SUITE, "get_sync hit (+release)", median_time(get_release, opts.reps, 1, inner) * 1e6, "µs", target=5.0)
-    )
-    batch = keys[:256]
-    per_key = median_time(lambda: sm.prefix_len_sync(batch), opts.reps, 1, inner // 50) / 256
-    out.append(Result(SUITE, "prefix_len_sync 256 keys, per key", per_key * 1e6, "µs", target=1.0))
-
-    # await from a foreign loop vs the bare hop
+def _bench_foreign_await(opts: BenchOptions, sm: StorageManager, hit: CacheEngineKey, inner: int) -> list[Result]:
+    """``await get`` of the present key ``hit`` from a foreign loop, and the bridge a lower-tier
+    miss takes to the manager loop, each beside the bare ``run_coroutine_threadsafe`` hop."""
     hop = LoopThread("bench-hop")
 
     async def noop() -> None:
@@ -151,7 +119,7 @@ def bench_lookups(opts: BenchOptions) -> list[Result]:
         return statistics.median(samples_hit), statistics.median(samples_hop)
 
     hit_t, bridge_t = asyncio.run(foreign())
-    out.append(
+    return [
         Result(
             SUITE,
             "await get (hit) from a foreign loop",
@@ -160,9 +128,7 @@ def bench_lookups(opts: BenchOptions) -> list[Result]:
             "bare run_coroutine_threadsafe hop",
             hop_t * 1e6,
             target=1.2,
-        )
-    )
-    out.append(
+        ),
         Result(
             SUITE,
             "await bridge to the manager loop",
@@ -171,8 +137,50 @@ def bench_lookups(opts: BenchOptions) -> list[Result]:
             "bare run_coroutine_threadsafe hop",
             hop_t * 1e6,
             target=1.2,
-        )
+        ),
+    ]
+
+
+def bench_lookups(opts: BenchOptions) -> list[Result]:
+    """The sync lookups (contains hit/miss, get, prefix_len) and the foreign-loop awaits
+    (:func:`_bench_foreign_await`), on a manager holding 1024 small entries."""
+    sm = _manager(0.25)
+    db = ChunkedTokenDatabase(256, metadata=sm.metadata)
+    keys = [db.make_key(i) for i in range(1024)]
+    for k in keys:
+        sm.put_sync(k, torch.zeros(64))
+    hit, miss = keys[500], db.make_key(1 << 40)
+    inner = 20_000 if not opts.quick else 2000
+    out = [
+        Result(
+            SUITE,
+            "contains_sync hit",
+            median_time(lambda: sm.contains_sync(hit), opts.reps, 1, inner) * 1e6,
+            "µs",
+            target=3.0,
+        ),
+        Result(
+            SUITE,
+            "contains_sync miss",
+            median_time(lambda: sm.contains_sync(miss), opts.reps, 1, inner) * 1e6,
+            "µs",
+            target=3.0,
+        ),
+    ]
+
+    def get_release() -> None:
+        obj = sm.get_sync(hit)
+        assert obj is not None
+        obj.ref_count_down()
+
+    out.append(
+        Result(SUITE, "get_sync hit (+release)", median_time(get_release, opts.reps, 1, inner) * 1e6, "µs", target=5.0)
     )
+    batch = keys[:256]
+    per_key = median_time(lambda: sm.prefix_len_sync(batch), opts.reps, 1, inner // 50) / 256
+    out.append(Result(SUITE, "prefix_len_sync 256 keys, per key", per_key * 1e6, "µs", target=1.0))
+
+    out += _bench_foreign_await(opts, sm, hit, inner)
     sm.close_sync()
     return out
 

@@ -51,6 +51,23 @@ from .common import (
     evict_from_page_cache,
 )
 
+__all__ = [
+    "CHUNK",
+    "SUITE",
+    "WORKERS",
+    "WT_BATCH",
+    "WT_INFLIGHT",
+    "Interleaved",
+    "bench_io_style",
+    "bench_read",
+    "bench_rebuild",
+    "bench_write",
+    "drop_page_cache",
+    "file_baseline_write",
+    "interleaved",
+    "run",
+]
+
 SUITE = "disk"
 WORKERS = 4
 WT_BATCH = 64

@@ -31,6 +31,8 @@ from .common import (
     median_time,
 )
 
+__all__ = ["SUITE", "bench_contains", "bench_get", "bench_put", "main", "run"]
+
 SUITE = "ec"
 _NSRC = 64
 

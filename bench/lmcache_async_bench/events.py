@@ -25,6 +25,8 @@ from typing import Any
 
 from .common import BenchOptions, Result, alternate
 
+__all__ = ["SUITE", "run"]
+
 SUITE = "events"
 _BLOCKS = 16  # vLLM blocks per chunk (256 tokens of 16-token blocks)
 _BLOCK_SIZE = 16

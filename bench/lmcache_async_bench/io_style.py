@@ -33,6 +33,8 @@ import xxhash
 
 from .common import BenchOptions, MiB, Result, median_of
 
+__all__ = ["SUITE", "VERIFY_CHUNK", "WORKERS", "run"]
+
 SUITE = "io_style"
 WORKERS = 4
 VERIFY_CHUNK = 4 * MiB

@@ -50,6 +50,8 @@ from .common import (
     format_table,
 )
 
+__all__ = ["CHUNK", "SUITE", "main", "run"]
+
 SUITE = "kv_hs"
 CHUNK = 256
 
@@ -127,7 +129,13 @@ def _engine(kv_gib: float, hs_gib: float) -> LMCacheEngine:
 
 def _ms(name: str, value_s: float, base_name: str, base_s: float, target: float | None = None) -> Result:
     return Result(
-        SUITE, name, value_s * 1e3, "ms", base_name, base_s * 1e3, target=target,
+        SUITE,
+        name,
+        value_s * 1e3,
+        "ms",
+        base_name,
+        base_s * 1e3,
+        target=target,
         note="" if target is not None else "information",
     )
 
@@ -253,9 +261,7 @@ def _kv(opts: BenchOptions, s: _Sizes) -> list[Result]:
             chunks = [o.tensor for o in objs if o is not None]
             assert len(chunks) == n_chunks
             opts.say("kv retrieve vs torch.cat")
-            ret_s, cat_s = _paired(
-                lambda i: eng.retrieve(last), lambda i: torch.cat(chunks, dim=2), reps, warmup
-            )
+            ret_s, cat_s = _paired(lambda i: eng.retrieve(last), lambda i: torch.cat(chunks, dim=2), reps, warmup)
         finally:
             for o in objs:
                 if o is not None:

@@ -27,6 +27,8 @@ from lmcache_async.engines.kv import LMCacheEngine
 
 from .common import BenchOptions, CopyBaseline, MiB, Result, median_of
 
+__all__ = ["CHUNK", "SUITE", "hs_aretrieve", "kv_astore", "off_loop_threshold", "run"]
+
 SUITE = "kv_hs"
 CHUNK = 256
 _TARGET = 1.2

@@ -31,6 +31,8 @@ from lmcache_async.integration.vllm.kv.store import KVStore
 from lmcache_async.metadata import LMCacheEngineMetadata
 from lmcache_async_bench.common import BenchOptions, Result, median_time
 
+__all__ = ["BLOCK", "CHUNK", "SUITE", "TOKENS", "main", "run"]
+
 SUITE = "kv_keys"
 TOKENS = 3000
 CHUNK = 256

@@ -51,6 +51,8 @@ from lmcache_async.tiers import BackendContext, StorageBackend, get_backend_fact
 
 from .common import BenchOptions, MiB, Result, format_table
 
+__all__ = ["SUITE", "TARGET", "main", "run"]
+
 SUITE = "nixl"
 TARGET = 0.6
 

@@ -43,6 +43,8 @@ from lmcache_async.server.client import ServerClient, query_status
 
 from .common import BenchOptions, MiB, Result, alternate
 
+__all__ = ["DEADLINE_S", "PAYLOAD", "RAW_NAMESPACE", "SUITE", "child", "main", "run"]
+
 SUITE = "omni"
 PAYLOAD = 16 * MiB
 DEADLINE_S = 0.1

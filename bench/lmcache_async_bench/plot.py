@@ -35,6 +35,20 @@ from typing import Any
 
 from .common import Result, throughput_gbs
 
+__all__ = [
+    "DASH",
+    "LOG_Y_SPAN",
+    "MET_COLOR",
+    "MISSED_COLOR",
+    "MISSED_MARK",
+    "NEUTRAL_COLOR",
+    "TARGET_COLOR",
+    "TIMES",
+    "bar_label",
+    "plot_formats",
+    "plot_results",
+]
+
 MET_COLOR = "tab:green"
 MISSED_COLOR = "tab:red"
 NEUTRAL_COLOR = "0.62"
@@ -283,9 +297,7 @@ def bar_label(r: Result) -> str:
     numbers never are."""
     head = _clip(f"{r.suite}: {r.name}", 64)
     if r.baseline is not None:
-        values = (
-            f"{_num(r.value)} {r.unit} vs {_clip(r.baseline_name or 'baseline', 30)} {_num(r.baseline)} {r.unit}"
-        )
+        values = f"{_num(r.value)} {r.unit} vs {_clip(r.baseline_name or 'baseline', 30)} {_num(r.baseline)} {r.unit}"
     else:
         values = f"{_num(r.value)} {r.unit} (target {_bound(r)} {r.unit})"
     return f"{head}\n{values} \u00b7 {_better(r.higher_is_better)}"
@@ -388,8 +400,13 @@ def plot_results(results: list[Result], path: str) -> None:
     if not heights:  # nothing to draw against anything: still write a file that says so
         fig, ax = plt.subplots(figsize=(8, 2))
         ax.axis("off")
-        ax.text(0.5, 0.5, f"{len(results)} figures, none with a baseline or a target: see the table",
-                ha="center", va="center")
+        ax.text(
+            0.5,
+            0.5,
+            f"{len(results)} figures, none with a baseline or a target: see the table",
+            ha="center",
+            va="center",
+        )
         fig.savefig(path, dpi=120)
         plt.close(fig)
         return

@@ -44,6 +44,8 @@ from lmcache_async.tiers import BackendContext
 
 from .common import BenchOptions, MiB, Result, with_redis
 
+__all__ = ["PREFIX", "SUITE", "Op", "run"]
+
 SUITE = "remote"
 PREFIX = "bench"
 
@@ -351,7 +353,74 @@ def _pair(
     )
 
 
+async def _big_entry_figures(opts: BenchOptions, rig: _Rig, default_part: int, reps: int) -> list[Result]:
+    """16 MiB put and get in parts of ``default_part`` vs single-key SET/GET, at the rig's
+    concurrency and (informational) one at a time."""
+    out: list[Result] = []
+    n16 = 4 if opts.quick else 8
+    opts.say(f"remote: 16 MiB entries x {n16}, parts of {default_part >> 10} KiB vs single-key SET/GET")
+    r = await _put_get(rig, 16 * MiB, n16, default_part, reps)
+    out.append(
+        _pair(
+            "16 MiB put",
+            16 * MiB,
+            r,
+            "put",
+            "raw single-key SET",
+            2.0,
+            series="put",
+            part_size=default_part,
+            in_flight=rig.conc,
+        )
+    )
+    out.append(
+        _pair(
+            "16 MiB get",
+            16 * MiB,
+            r,
+            "get",
+            "raw single-key GET",
+            1.5,
+            series="get",
+            part_size=default_part,
+            in_flight=rig.conc,
+        )
+    )
+    if rig.conc != 1:
+        opts.say("remote: 16 MiB entries, one at a time")
+        r = await _put_get(rig, 16 * MiB, n16, default_part, reps, conc=1)
+        kw: dict[str, Any] = {"part_size": default_part, "in_flight": 1}
+        # Informational: with one request in flight the client and the server take turns,
+        # which shrinks what pipelining the parts can win.
+        out.append(
+            _pair(
+                "16 MiB put, concurrency 1",
+                16 * MiB,
+                r,
+                "put",
+                "raw single-key SET",
+                None,
+                series="put, 1 in flight",
+                **kw,
+            )
+        )
+        out.append(
+            _pair(
+                "16 MiB get, concurrency 1",
+                16 * MiB,
+                r,
+                "get",
+                "raw single-key GET",
+                None,
+                series="get, 1 in flight",
+                **kw,
+            )
+        )
+    return out
+
+
 async def _run(opts: BenchOptions, url: str) -> list[Result]:
+    """Every remote-tier figure on the Redis server at ``url``, then the Mooncake section."""
     rig = _Rig(opts, url)
     reps = max(opts.reps, 5) if opts.quick else 2 * max(opts.reps, 5) + 1
     default_part = int(opts.extra.get("part_size", LMCacheEngineConfig().remote_part_size))
@@ -363,65 +432,7 @@ async def _run(opts: BenchOptions, url: str) -> list[Result]:
         out.append(_pair("1 MiB put", MiB, r, "put", "raw SET", 0.85, series="put", in_flight=rig.conc))
         out.append(_pair("1 MiB get", MiB, r, "get", "raw GET", 0.85, series="get", in_flight=rig.conc))
 
-        n16 = 4 if opts.quick else 8
-        opts.say(f"remote: 16 MiB entries x {n16}, parts of {default_part >> 10} KiB vs single-key SET/GET")
-        r = await _put_get(rig, 16 * MiB, n16, default_part, reps)
-        out.append(
-            _pair(
-                "16 MiB put",
-                16 * MiB,
-                r,
-                "put",
-                "raw single-key SET",
-                2.0,
-                series="put",
-                part_size=default_part,
-                in_flight=rig.conc,
-            )
-        )
-        out.append(
-            _pair(
-                "16 MiB get",
-                16 * MiB,
-                r,
-                "get",
-                "raw single-key GET",
-                1.5,
-                series="get",
-                part_size=default_part,
-                in_flight=rig.conc,
-            )
-        )
-        if rig.conc != 1:
-            opts.say("remote: 16 MiB entries, one at a time")
-            r = await _put_get(rig, 16 * MiB, n16, default_part, reps, conc=1)
-            kw: dict[str, Any] = {"part_size": default_part, "in_flight": 1}
-            # Informational: with one request in flight the client and the server take turns,
-            # which shrinks what pipelining the parts can win.
-            out.append(
-                _pair(
-                    "16 MiB put, concurrency 1",
-                    16 * MiB,
-                    r,
-                    "put",
-                    "raw single-key SET",
-                    None,
-                    series="put, 1 in flight",
-                    **kw,
-                )
-            )
-            out.append(
-                _pair(
-                    "16 MiB get, concurrency 1",
-                    16 * MiB,
-                    r,
-                    "get",
-                    "raw single-key GET",
-                    None,
-                    series="get, 1 in flight",
-                    **kw,
-                )
-            )
+        out += await _big_entry_figures(opts, rig, default_part, reps)
 
         opts.say("remote: batched contains of 256 keys")
         out += await _contains(rig, reps)

@@ -43,6 +43,8 @@ from lmcache_async.tiers import BackendContext
 
 from .common import BenchOptions, MiB, Result
 
+__all__ = ["PREFIX", "SUITE", "Op", "available", "run", "section"]
+
 SUITE = "remote"
 PREFIX = "benchmc"
 
@@ -130,6 +132,108 @@ class _Raw:
         self.store.close()
 
 
+class _Ops:
+    """The operations one put/get figure times, on ``count`` source entries: the tier's, the raw
+    client's (plain calls, and the calls the tier itself makes) and, with ``redis_be``, the Redis
+    tier's. Every put round gets fresh keys (:meth:`new_keys`), made before it is timed."""
+
+    def __init__(
+        self, be: Any, raw: _Raw, redis_be: Any, srcs: list[MemoryObj], free_dsts: list[MemoryObj], count: int
+    ) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.be, self.raw, self.redis_be = be, raw, redis_be
+        self.srcs, self.free_dsts, self.count = srcs, free_dsts, count
+        self.gen = 0
+        self.tkeys: list[CacheEngineKey] = []
+        self.rkeys: list[str] = []
+        self.r2keys: list[str] = []
+
+    def new_keys(self) -> None:
+        self.gen += 1  # fresh keys: a put of a present key stores nothing
+        self.tkeys[:] = [_key(self.gen * 1000 + i) for i in range(self.count)]
+        self.rkeys[:] = [f"raw:{self.gen}:{i}" for i in range(self.count)]
+        self.r2keys[:] = [f"raw2:{self.gen}:{i}" for i in range(self.count)]
+
+    async def tier_put(self, i: int) -> None:
+        assert await self.be.put(self.tkeys[i], self.srcs[i])
+
+    async def tier_get(self, i: int) -> None:
+        obj = await self.be.get(self.tkeys[i])
+        assert obj is not None, "mooncake tier missed an entry it stored"
+        obj.ref_count_down()
+
+    async def raw_put(self, i: int) -> None:
+        await self.loop.run_in_executor(self.raw.executor, self.raw.put, self.rkeys[i], self.srcs[i])
+
+    async def _raw_into(self, fn: Callable[[str, MemoryObj], None], key: str) -> None:
+        dst = self.free_dsts.pop()
+        try:
+            await self.loop.run_in_executor(self.raw.executor, fn, key, dst)
+        finally:
+            self.free_dsts.append(dst)
+
+    async def raw_get(self, i: int) -> None:
+        await self._raw_into(self.raw.get, self.rkeys[i])
+
+    async def raw2_put(self, i: int) -> None:
+        await self.loop.run_in_executor(self.raw.executor, self.raw.put_header_call, self.r2keys[i], self.srcs[i])
+
+    async def raw2_get(self, i: int) -> None:
+        await self._raw_into(self.raw.get_session_call, self.r2keys[i])
+
+    async def redis_put(self, i: int) -> None:
+        assert self.redis_be is not None and await self.redis_be.put(self.tkeys[i], self.srcs[i])
+
+    async def redis_get(self, i: int) -> None:
+        assert self.redis_be is not None
+        obj = await self.redis_be.get(self.tkeys[i])
+        assert obj is not None
+        obj.ref_count_down()
+
+    async def wipe(self) -> None:
+        await self.be.clear()
+        await self.loop.run_in_executor(self.raw.executor, self.raw.remove_all, self.rkeys + self.r2keys)
+        if self.redis_be is not None:
+            await self.redis_be.clear()
+
+    def puts_and_gets(self) -> tuple[list[Op], list[Op]]:
+        """The put and the get operations, in the order tier, raw, raw2 (, redis)."""
+        puts: list[Op] = [self.tier_put, self.raw_put, self.raw2_put]
+        gets: list[Op] = [self.tier_get, self.raw_get, self.raw2_get]
+        if self.redis_be is not None:
+            puts.append(self.redis_put)
+            gets.append(self.redis_get)
+        return puts, gets
+
+
+async def _rounds(ops: _Ops, conc: int, nbytes: int, reps: int) -> dict[str, list[float]]:
+    """``reps`` (+ 1 warm-up) put rounds on fresh keys, then as many get rounds of the last put
+    round's entries, the order of the sides flipping each round; samples by ``{op}_{side}``."""
+    puts, gets = ops.puts_and_gets()
+    samples: list[list[float]] = [[] for _ in puts]
+    for r in range(reps + 1):
+        await ops.wipe()
+        ops.new_keys()
+        order = list(range(len(puts))) if r % 2 == 0 else list(reversed(range(len(puts))))
+        for j in order:
+            v = await _rate(ops.count, conc, nbytes, puts[j])
+            if r:
+                samples[j].append(v)
+    get_samples: list[list[float]] = [[] for _ in gets]
+    for r in range(reps + 1):  # the last put round's entries are read
+        order = list(range(len(gets))) if r % 2 == 0 else list(reversed(range(len(gets))))
+        for j in order:
+            v = await _rate(ops.count, conc, nbytes, gets[j])
+            if r:
+                get_samples[j].append(v)
+    out: dict[str, list[float]] = {}
+    names = ["tier", "raw", "raw2", "redis"]
+    for j in range(len(puts)):
+        out[f"put_{names[j]}"] = samples[j]
+        out[f"get_{names[j]}"] = get_samples[j]
+    return out
+
+
 async def _put_get(
     opts: BenchOptions, srv: Any, rig: dict[str, Any], nbytes: int, count: int, reps: int, redis_url: str | None
 ) -> dict[str, list[float]]:
@@ -137,7 +241,6 @@ async def _put_get(
     from lmcache_async.remote import RemoteBackend
     from lmcache_async.remote.mooncake import MooncakeBackend
 
-    loop = asyncio.get_running_loop()
     conc: int = rig["conc"]
     src_pool: PoolAllocator = rig["src"]
     dst_pool: PoolAllocator = rig["dst"]
@@ -153,106 +256,17 @@ async def _put_get(
     free_dsts = [d for d in dsts if d is not None]
     be = MooncakeBackend(rig["ctx"](srv.config()), prefix=PREFIX, timeout_s=60.0, workers=rig["workers"])
     await be.start()
-    raw: _Raw = rig["raw"]
     redis_be = None
     if redis_url is not None:
         redis_be = RemoteBackend(rig["ctx"]({"remote_url": redis_url}), prefix=PREFIX, timeout_s=60.0)
         await redis_be.start()
-    gen = [0]
-    # Keys of the current put round, made before it is timed (both sides get ready-made keys).
-    tkeys: list[CacheEngineKey] = []
-    rkeys: list[str] = []
-    r2keys: list[str] = []
-
-    def new_keys() -> None:
-        gen[0] += 1  # fresh keys: a put of a present key stores nothing
-        tkeys[:] = [_key(gen[0] * 1000 + i) for i in range(count)]
-        rkeys[:] = [f"raw:{gen[0]}:{i}" for i in range(count)]
-        r2keys[:] = [f"raw2:{gen[0]}:{i}" for i in range(count)]
-
-    def rk(i: int) -> str:
-        return rkeys[i]
-
-    def rk2(i: int) -> str:
-        return r2keys[i]
-
-    async def tier_put(i: int) -> None:
-        assert await be.put(tkeys[i], srcs[i])
-
-    async def tier_get(i: int) -> None:
-        obj = await be.get(tkeys[i])
-        assert obj is not None, "mooncake tier missed an entry it stored"
-        obj.ref_count_down()
-
-    async def raw_put(i: int) -> None:
-        await loop.run_in_executor(raw.executor, raw.put, rk(i), srcs[i])
-
-    async def raw_get(i: int) -> None:
-        dst = free_dsts.pop()
-        try:
-            await loop.run_in_executor(raw.executor, raw.get, rk(i), dst)
-        finally:
-            free_dsts.append(dst)
-
-    async def raw2_put(i: int) -> None:
-        await loop.run_in_executor(raw.executor, raw.put_header_call, rk2(i), srcs[i])
-
-    async def raw2_get(i: int) -> None:
-        dst = free_dsts.pop()
-        try:
-            await loop.run_in_executor(raw.executor, raw.get_session_call, rk2(i), dst)
-        finally:
-            free_dsts.append(dst)
-
-    async def redis_put(i: int) -> None:
-        assert redis_be is not None and await redis_be.put(tkeys[i], srcs[i])
-
-    async def redis_get(i: int) -> None:
-        assert redis_be is not None
-        obj = await redis_be.get(tkeys[i])
-        assert obj is not None
-        obj.ref_count_down()
-
-    async def wipe() -> None:
-        await be.clear()
-        await loop.run_in_executor(raw.executor, raw.remove_all, rkeys + r2keys)
-        if redis_be is not None:
-            await redis_be.clear()
-
-    async def again(op: Op) -> float:
-        return await _rate(count, conc, nbytes, op)
-
-    puts: list[Op] = [tier_put, raw_put, raw2_put]
-    gets: list[Op] = [tier_get, raw_get, raw2_get]
-    if redis_be is not None:
-        puts.append(redis_put)
-        gets.append(redis_get)
-    out: dict[str, list[float]] = {}
+    ops = _Ops(be, rig["raw"], redis_be, srcs, free_dsts, count)
     try:
-        samples: list[list[float]] = [[] for _ in puts]
-        for r in range(reps + 1):
-            await wipe()
-            new_keys()
-            order = list(range(len(puts))) if r % 2 == 0 else list(reversed(range(len(puts))))
-            for j in order:
-                v = await _rate(count, conc, nbytes, puts[j])
-                if r:
-                    samples[j].append(v)
-        get_samples: list[list[float]] = [[] for _ in gets]
-        for r in range(reps + 1):  # the last put round's entries are read
-            order = list(range(len(gets))) if r % 2 == 0 else list(reversed(range(len(gets))))
-            for j in order:
-                v = await again(gets[j])
-                if r:
-                    get_samples[j].append(v)
-        names = ["tier", "raw", "raw2", "redis"]
-        for j in range(len(puts)):
-            out[f"put_{names[j]}"] = samples[j]
-            out[f"get_{names[j]}"] = get_samples[j]
+        out = await _rounds(ops, conc, nbytes, reps)
         st = be.stats()
         if st["corrupt"] or st["foreign"]:
             raise RuntimeError(f"the Mooncake tier read bad records during the benchmark: {st}")
-        await wipe()
+        await ops.wipe()
     finally:
         await be.close()
         if redis_be is not None:
@@ -296,7 +310,62 @@ async def _recovery(srv: Any, rig: dict[str, Any], timeout_s: float = 1.0) -> tu
         src.ref_count_down()
 
 
+def _size_figures(label: str, nbytes: int, conc: int, s: dict[str, list[float]]) -> list[Result]:
+    """The rows of one entry size from :func:`_put_get`'s samples ``s``: the tier vs the plain
+    raw calls, vs the raw calls the tier uses, and (when measured) beside the Redis tier."""
+    out: list[Result] = []
+    med = statistics.median
+    for op in ("put", "get"):
+        out.append(
+            Result(
+                SUITE,
+                f"mooncake {label} {op}",
+                med(s[f"{op}_tier"]),
+                "GB/s",
+                f"raw MooncakeDistributedStore {'put_from' if op == 'put' else 'get_into'}",
+                med(s[f"{op}_raw"]),
+                higher_is_better=True,
+                target=0.85,
+                target_kind="min",
+                note=f"median of paired rounds {_paired(s[f'{op}_tier'], s[f'{op}_raw']):.3f}",
+                params={"size": nbytes, "panel": "mooncake tier", "series": op, "in_flight": conc},
+            )
+        )
+        call = "put_from_with_metadata" if op == "put" else "get session + one ranged read"
+        out.append(
+            Result(
+                SUITE,
+                f"mooncake {label} {op}, vs the raw calls the tier uses",
+                med(s[f"{op}_tier"]),
+                "GB/s",
+                f"raw MooncakeDistributedStore {call}",
+                med(s[f"{op}_raw2"]),
+                higher_is_better=True,
+                target=0.85,
+                target_kind="min",
+                note=f"median of paired rounds {_paired(s[f'{op}_tier'], s[f'{op}_raw2']):.3f}",
+                params={"size": nbytes, "in_flight": conc},
+            )
+        )
+        if f"{op}_redis" in s:
+            out.append(
+                Result(
+                    SUITE,
+                    f"mooncake {label} {op} beside the Redis tier",
+                    med(s[f"{op}_tier"]),
+                    "GB/s",
+                    "Redis tier (same entries, same rounds)",
+                    med(s[f"{op}_redis"]),
+                    higher_is_better=True,
+                    note=f"informational; median of paired rounds {_paired(s[f'{op}_tier'], s[f'{op}_redis']):.3f}",
+                    params={"size": nbytes, "in_flight": conc},
+                )
+            )
+    return out
+
+
 async def _run(opts: BenchOptions, redis_url: str | None) -> list[Result]:
+    """Start the Mooncake servers and a rig of pools and clients; every Mooncake figure."""
     from lmcache_async.testing.servers import MooncakeServers
 
     conc = int(opts.extra.get("concurrency", 4))
@@ -342,54 +411,7 @@ async def _run(opts: BenchOptions, redis_url: str | None) -> list[Result]:
                 label = f"{nbytes // MiB} MiB"
                 opts.say(f"remote/mooncake: {label} entries x {count}, concurrency {conc}")
                 s = await _put_get(opts, srv, rig, nbytes, count, reps, redis_url)
-                med = statistics.median
-                for op in ("put", "get"):
-                    out.append(
-                        Result(
-                            SUITE,
-                            f"mooncake {label} {op}",
-                            med(s[f"{op}_tier"]),
-                            "GB/s",
-                            f"raw MooncakeDistributedStore {'put_from' if op == 'put' else 'get_into'}",
-                            med(s[f"{op}_raw"]),
-                            higher_is_better=True,
-                            target=0.85,
-                            target_kind="min",
-                            note=f"median of paired rounds {_paired(s[f'{op}_tier'], s[f'{op}_raw']):.3f}",
-                            params={"size": nbytes, "panel": "mooncake tier", "series": op, "in_flight": conc},
-                        )
-                    )
-                    call = "put_from_with_metadata" if op == "put" else "get session + one ranged read"
-                    out.append(
-                        Result(
-                            SUITE,
-                            f"mooncake {label} {op}, vs the raw calls the tier uses",
-                            med(s[f"{op}_tier"]),
-                            "GB/s",
-                            f"raw MooncakeDistributedStore {call}",
-                            med(s[f"{op}_raw2"]),
-                            higher_is_better=True,
-                            target=0.85,
-                            target_kind="min",
-                            note=f"median of paired rounds {_paired(s[f'{op}_tier'], s[f'{op}_raw2']):.3f}",
-                            params={"size": nbytes, "in_flight": conc},
-                        )
-                    )
-                    if f"{op}_redis" in s:
-                        out.append(
-                            Result(
-                                SUITE,
-                                f"mooncake {label} {op} beside the Redis tier",
-                                med(s[f"{op}_tier"]),
-                                "GB/s",
-                                "Redis tier (same entries, same rounds)",
-                                med(s[f"{op}_redis"]),
-                                higher_is_better=True,
-                                note="informational; "
-                                f"median of paired rounds {_paired(s[f'{op}_tier'], s[f'{op}_redis']):.3f}",
-                                params={"size": nbytes, "in_flight": conc},
-                            )
-                        )
+                out += _size_figures(label, nbytes, conc, s)
             opts.say("remote/mooncake: recovery after a master restart (remote_timeout_s 1.0)")
             total, own = await _recovery(srv, rig)
             out.append(

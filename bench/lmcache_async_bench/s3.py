@@ -39,6 +39,8 @@ from lmcache_async.tiers import BackendContext
 from .common import BenchOptions, MiB, Result, median_of
 from .remote import _alternate, _paired, _rate
 
+__all__ = ["SUITE", "Op", "run"]
+
 SUITE = "s3"
 Op = Callable[[int], Awaitable[None]]
 

@@ -45,6 +45,8 @@ from lmcache_async.token_database import ChunkedTokenDatabase
 
 from .common import BenchOptions, MiB, Result, alternate
 
+__all__ = ["ASYNC_LEVELS", "ENTRY", "SUITE", "THREAD_LEVELS", "bench_concurrency", "bench_memory_and_contains", "run"]
+
 SUITE = "scaling"
 ENTRY = 64 << 10
 ASYNC_LEVELS = (1, 2, 4, 8, 16, 32, 64)
@@ -132,8 +134,11 @@ class _DiskFixture:
     def __init__(self, n: int, workdir: str) -> None:
         self.dir = tempfile.mkdtemp(prefix="scaling-", dir=workdir)
         cfg = LMCacheEngineConfig.from_defaults(
-            local_cpu=False, max_local_cpu_size=0, local_disk=os.path.join(self.dir, "tier"),
-            max_local_disk_size=(n * ENTRY * 2 + 64 * MiB) / (1 << 30), staging_size=(64 * MiB) / (1 << 30),
+            local_cpu=False,
+            max_local_cpu_size=0,
+            local_disk=os.path.join(self.dir, "tier"),
+            max_local_disk_size=(n * ENTRY * 2 + 64 * MiB) / (1 << 30),
+            staging_size=(64 * MiB) / (1 << 30),
         )
         self.sm = StorageManager(cfg, _META, name="bench-scale-disk")
         if not self.sm.has_lower_tiers:
@@ -249,7 +254,12 @@ def _scaling_results(
         ours, base = alternate(fns, reps=opts.reps, warmup=opts.warmup)
         out.append(
             Result(
-                SUITE, f"{what}, {n} {panel_kind}", 1e-3 / ours, "kops/s", base_name, 1e-3 / base,
+                SUITE,
+                f"{what}, {n} {panel_kind}",
+                1e-3 / ours,
+                "kops/s",
+                base_name,
+                1e-3 / base,
                 higher_is_better=True,
                 params={"concurrency": n, "size": ENTRY, "series": what, "panel": f"scaling: {panel_kind}"},
             )
@@ -280,15 +290,167 @@ def bench_concurrency(opts: BenchOptions) -> list[Result]:
         return out
     try:
         what = "get, 64 KiB disk-only entry (page cache)"
-        out += _scaling_results(opts, disk, what, "async tasks", a_levels, disk_total,
-                                "run_in_executor(readinto), same workers")
+        out += _scaling_results(
+            opts, disk, what, "async tasks", a_levels, disk_total, "run_in_executor(readinto), same workers"
+        )
         out += _scaling_results(opts, disk, what, "caller threads", t_levels, disk_total, "readinto per thread")
     finally:
         disk.close()
     return out
 
 
+def _contains_rate(m: StorageManager, probe: list[CacheEngineKey]) -> Callable[[], float]:
+    """A timer of ``m.contains_sync`` over ``probe``: seconds per call."""
+
+    def one() -> float:
+        c = m.contains_sync
+        t0 = time.perf_counter()
+        for k in probe:
+            c(k)
+        return (time.perf_counter() - t0) / len(probe)
+
+    return one
+
+
+def _dict_rate(d: dict[CacheEngineKey, int], probe: list[CacheEngineKey], lock: threading.Lock) -> Callable[[], float]:
+    """A timer of a bare lookup in ``d`` under ``lock`` over ``probe``: seconds per lookup."""
+
+    def one() -> float:
+        t0 = time.perf_counter()
+        for k in probe:
+            with lock:
+                k in d  # noqa: B015 - the lookup is what is timed
+        return (time.perf_counter() - t0) / len(probe)
+
+    return one
+
+
+def _dict_bytes_per_entry(keys: list[CacheEngineKey]) -> float:
+    """Resident bytes per entry of a plain ``dict[key] = int`` over ``keys`` (the baseline)."""
+    gc.collect()
+    r0 = _rss()
+    plain = {k: i for i, k in enumerate(keys)}
+    dict_per_entry = (_rss() - r0) / len(keys)
+    del plain
+    gc.collect()
+    return dict_per_entry
+
+
+def _memory_figure(
+    opts: BenchOptions, sm: StorageManager, keys: list[CacheEngineKey], payload: torch.Tensor, dict_per_entry: float
+) -> Result:
+    """Put every key of ``keys`` (64 B entries) into ``sm``'s fresh CPU tier: resident bytes per
+    entry beside the plain dict's."""
+    big = len(keys)
+    assert sm.pool is not None
+    sm.pool.wait_ready()
+    sm.pool.buffer.fill_(0)  # every page of the pool resident before counting
+    gc.collect()
+    opts.say(f"scaling: putting {big:,} entries of 64 B")
+    r0 = _rss()
+    t0 = time.perf_counter()
+    for k in keys:
+        if not sm.put_sync(k, payload):
+            raise RuntimeError("scaling: pool too small for the memory figure")
+    put_s = (time.perf_counter() - t0) / big
+    gc.collect()
+    per_entry = (_rss() - r0) / big
+    pool_per_entry = sm.pool.stats()["used_bytes"] / big
+    return Result(
+        SUITE,
+        f"memory per entry, {big:,} x 64 B in the CPU tier (index + objects)",
+        per_entry,
+        "B",
+        "dict[key] = int over the same keys",
+        dict_per_entry,
+        target=None,
+        note=f"pool bytes per entry {pool_per_entry:.0f} (alignment); put_sync {put_s * 1e6:.2f} µs",
+        params={"entries": big},
+    )
+
+
+def _contains_times(
+    opts: BenchOptions,
+    sm: StorageManager,
+    keys: list[CacheEngineKey],
+    absent: list[CacheEngineKey],
+    payload: torch.Tensor,
+    small: int,
+) -> tuple[float, ...]:
+    """Seconds per ``contains_sync`` (hit at ``sm``'s size, hit at ``small`` entries, miss at both)
+    and per bare locked dict lookup (at both sizes), in that order, measured in alternation."""
+    small_sm = StorageManager(
+        LMCacheEngineConfig.from_defaults(max_local_cpu_size=0.01, staging_size=0), _META, name="bench-scale-small"
+    )
+    try:
+        for k in keys[:small]:
+            small_sm.put_sync(k, payload)
+        rng = random.Random(1)
+        probe_big = rng.sample(keys, min(20_000, len(keys)))
+        probe_small = [keys[rng.randrange(small)] for _ in range(len(probe_big))]
+        big_dict = dict.fromkeys(keys, 0)
+        small_dict = dict.fromkeys(keys[:small], 0)
+        lock = threading.Lock()
+        opts.say("scaling: contains at 10^3 vs 10^6 entries")
+        times = alternate(
+            [
+                _contains_rate(sm, probe_big),
+                _contains_rate(small_sm, probe_small),
+                _contains_rate(sm, absent),
+                _contains_rate(small_sm, absent),
+                _dict_rate(big_dict, probe_big, lock),
+                _dict_rate(small_dict, probe_small, lock),
+            ],
+            reps=opts.reps,
+            warmup=opts.warmup,
+        )
+        del big_dict, small_dict
+        return tuple(times)
+    finally:
+        small_sm.close_sync()
+
+
+def _contains_figures(big: int, small: int, times: tuple[float, ...]) -> list[Result]:
+    """The contains rows from :func:`_contains_times`'s ``times`` at ``big`` and ``small`` entries."""
+    hit_big, hit_small, miss_big, miss_small, d_big, d_small = times
+    label = f"{big:,}"
+    return [
+        Result(
+            SUITE,
+            f"contains_sync hit at {label} entries (random keys)",
+            hit_big * 1e6,
+            "µs",
+            f"same call at {small:,} entries",
+            hit_small * 1e6,
+        ),
+        Result(
+            SUITE,
+            f"contains_sync miss at {label} entries",
+            miss_big * 1e6,
+            "µs",
+            f"same call at {small:,} entries",
+            miss_small * 1e6,
+            target=1.5,
+        ),
+        # "Flat" judged against physics: a hash table that outgrows the CPU caches pays DRAM misses
+        # on its slots and on the probed key objects whatever the code around it; the figure is our
+        # growth from 10^3 to 10^6 entries over a bare locked dict's growth with the same probes.
+        Result(
+            SUITE,
+            f"contains_sync hit growth {small:,} -> {label} entries",
+            hit_big / hit_small,
+            "x",
+            "locked dict lookup growth, same keys",
+            d_big / d_small,
+            target=1.5,
+            note=f"bare locked dict: {d_small * 1e6:.3f} -> {d_big * 1e6:.3f} µs",
+        ),
+    ]
+
+
 def bench_memory_and_contains(opts: BenchOptions) -> list[Result]:
+    """Memory per entry at 10^6 entries (:func:`_memory_figure`) and ``contains_sync`` at 10^6
+    vs 10^3 entries (:func:`_contains_times`, :func:`_contains_figures`)."""
     big = 20_000 if opts.quick else 1_000_000
     small = 1_000
     payload = torch.randn(16)  # 64 B entries
@@ -296,94 +458,12 @@ def bench_memory_and_contains(opts: BenchOptions) -> list[Result]:
     opts.say(f"scaling: building {big:,} keys")
     keys = [db.make_key(i + 1) for i in range(big)]
     absent = [db.make_key(big + 10 + i) for i in range(10_000)]
-
-    gc.collect()
-    r0 = _rss()
-    plain = {k: i for i, k in enumerate(keys)}
-    dict_per_entry = (_rss() - r0) / big
-    del plain
-    gc.collect()
-
+    dict_per_entry = _dict_bytes_per_entry(keys)
     cfg = LMCacheEngineConfig.from_defaults(max_local_cpu_size=(big * 512 + 64 * MiB) / (1 << 30), staging_size=0)
     sm = StorageManager(cfg, _META, name="bench-scale-mem")
     try:
-        assert sm.pool is not None
-        sm.pool.wait_ready()
-        sm.pool.buffer.fill_(0)  # every page of the pool resident before counting
-        gc.collect()
-        opts.say(f"scaling: putting {big:,} entries of 64 B")
-        r0 = _rss()
-        t0 = time.perf_counter()
-        for k in keys:
-            if not sm.put_sync(k, payload):
-                raise RuntimeError("scaling: pool too small for the memory figure")
-        put_s = (time.perf_counter() - t0) / big
-        gc.collect()
-        per_entry = (_rss() - r0) / big
-        pool_per_entry = sm.pool.stats()["used_bytes"] / big
-        out = [
-            Result(
-                SUITE, f"memory per entry, {big:,} x 64 B in the CPU tier (index + objects)", per_entry, "B",
-                "dict[key] = int over the same keys", dict_per_entry, target=None,
-                note=f"pool bytes per entry {pool_per_entry:.0f} (alignment); put_sync {put_s * 1e6:.2f} µs",
-                params={"entries": big},
-            )
-        ]
-
-        small_sm = StorageManager(
-            LMCacheEngineConfig.from_defaults(max_local_cpu_size=0.01, staging_size=0), _META, name="bench-scale-small"
-        )
-        try:
-            for k in keys[:small]:
-                small_sm.put_sync(k, payload)
-            rng = random.Random(1)
-            probe_big = rng.sample(keys, min(20_000, big))
-            probe_small = [keys[rng.randrange(small)] for _ in range(len(probe_big))]
-
-            def rate(m: StorageManager, probe: list[CacheEngineKey]) -> Callable[[], float]:
-                def one() -> float:
-                    c = m.contains_sync
-                    t0 = time.perf_counter()
-                    for k in probe:
-                        c(k)
-                    return (time.perf_counter() - t0) / len(probe)
-
-                return one
-
-            big_dict = dict.fromkeys(keys, 0)
-            small_dict = dict.fromkeys(keys[:small], 0)
-            lock = threading.Lock()
-
-            def dict_rate(d: dict[CacheEngineKey, int], probe: list[CacheEngineKey]) -> Callable[[], float]:
-                def one() -> float:
-                    t0 = time.perf_counter()
-                    for k in probe:
-                        with lock:
-                            k in d  # noqa: B015 - the lookup is what is timed
-                    return (time.perf_counter() - t0) / len(probe)
-
-                return one
-
-            opts.say("scaling: contains at 10^3 vs 10^6 entries")
-            hit_big, hit_small, miss_big, miss_small, d_big, d_small = alternate(
-                [rate(sm, probe_big), rate(small_sm, probe_small), rate(sm, absent), rate(small_sm, absent),
-                 dict_rate(big_dict, probe_big), dict_rate(small_dict, probe_small)],
-                reps=opts.reps, warmup=opts.warmup,
-            )
-            del big_dict, small_dict
-        finally:
-            small_sm.close_sync()
-        label = f"{big:,}"
-        out.append(Result(SUITE, f"contains_sync hit at {label} entries (random keys)", hit_big * 1e6, "µs",
-                          f"same call at {small:,} entries", hit_small * 1e6))
-        out.append(Result(SUITE, f"contains_sync miss at {label} entries", miss_big * 1e6, "µs",
-                          f"same call at {small:,} entries", miss_small * 1e6, target=1.5))
-        # "Flat" judged against physics: a hash table that outgrows the CPU caches pays DRAM misses
-        # on its slots and on the probed key objects whatever the code around it; the figure is our
-        # growth from 10^3 to 10^6 entries over a bare locked dict's growth with the same probes.
-        out.append(Result(SUITE, f"contains_sync hit growth {small:,} -> {label} entries", hit_big / hit_small, "x",
-                          "locked dict lookup growth, same keys", d_big / d_small, target=1.5,
-                          note=f"bare locked dict: {d_small * 1e6:.3f} -> {d_big * 1e6:.3f} µs"))
+        out = [_memory_figure(opts, sm, keys, payload, dict_per_entry)]
+        out += _contains_figures(big, small, _contains_times(opts, sm, keys, absent, payload, small))
         return out
     finally:
         sm.close_sync()

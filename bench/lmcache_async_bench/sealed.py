@@ -36,6 +36,8 @@ from lmcache_async.tiers import BackendContext
 from .common import BenchOptions, MiB, Result
 from .remote import _alternate, _paired, _rate
 
+__all__ = ["SUITE", "Op", "run"]
+
 SUITE = "sealed"
 Op = Callable[[int], Awaitable[None]]
 

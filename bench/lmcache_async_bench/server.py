@@ -19,7 +19,7 @@ processes; this process is the client.
   >= 0.7 for the default client; the asking client's row is for reference;
 * **1 MiB put and get vs the Redis tier** on loopback (``RemoteBackend`` on a ``redis-server``
   started for the run, one at a time): throughput ratios; target >= 3 (skipped without a
-  redis/valkey binary).
+  redis/valkey binary; :mod:`lmcache_async_bench.server_redis`).
 
 All processes run on one CPU (see ``_one_cpu``). Rounds alternate figure and baseline so
 background noise hits both; each figure is the median of
@@ -29,8 +29,6 @@ background noise hits both; each figure is the median of
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextlib
 import ctypes
 import itertools
@@ -52,6 +50,8 @@ from lmcache_async.memory import MemoryFormat, MemoryObj, PoolAllocator
 from lmcache_async.server.client import ServerClient, query_status
 
 from .common import BenchOptions, MiB, Result, alternate, with_redis
+
+__all__ = ["EC_ENTRIES", "SUITE", "run"]
 
 SUITE = "server"
 
@@ -219,7 +219,64 @@ def _first_touch(opts: BenchOptions, sock: str) -> list[Result]:
     ]  # fmt: skip
 
 
+def _local_rows(
+    t_contains: float,
+    t_echo: float,
+    t_get: float,
+    t_base: float,
+    t_asked: float,
+    t_base2: float,
+    t_view: float,
+    t_echo2: float,
+) -> list[Result]:
+    """The rows of :func:`_local_figures` from its timings (seconds per call, each beside its
+    baseline): contains, get copied out (location known; asked), get_view."""
+    return [
+        Result(
+            SUITE,
+            "contains (1 key)",
+            t_contains * 1e6,
+            "us",
+            "unix-socket echo round trip",
+            t_echo * 1e6,
+            target=1.5,
+            note="blocking client; server " + _loop_kind(),
+        ),
+        Result(
+            SUITE,
+            "get 1 MiB, copied out (location known)",
+            t_get * 1e6,
+            "us",
+            "echo round trip + the same 1 MiB copy",
+            t_base * 1e6,
+            target=1.5,
+            note="the default client: no round trip for an entry it read before",
+        ),
+        Result(
+            SUITE,
+            "get 1 MiB, copied out (asked: one READ)",
+            t_asked * 1e6,
+            "us",
+            "echo round trip + the same 1 MiB copy",
+            t_base2 * 1e6,
+            target=1.5,
+            note="remember_locations=False",
+        ),
+        Result(
+            SUITE,
+            "get_view 1 MiB (zero copy, lease + release)",
+            t_view * 1e6,
+            "us",
+            "unix-socket echo round trip",
+            t_echo2 * 1e6,
+            note="for reference: the server wakes twice (the lease, then its release)",
+        ),
+    ]
+
+
 def _local_figures(opts: BenchOptions, client: ServerClient, asking: ServerClient, echo_path: str) -> list[Result]:
+    """contains, 1 MiB get (the default client and the asking one), get_view and the EC
+    comparison, each beside its same-run baseline (:func:`_local_rows`, :func:`_ec_figure`)."""
     reps = opts.reps
     inner = 50 if opts.quick else 400
     staging = PoolAllocator(64 * MiB, name="bench-staging")
@@ -261,47 +318,7 @@ def _local_figures(opts: BenchOptions, client: ServerClient, asking: ServerClien
     t_get, t_base = alternate([_per_op(get, inner // 4), _per_op(echo_plus_copy, inner // 4)], reps=reps)
     t_asked, t_base2 = alternate([_per_op(get_asked, inner // 4), _per_op(echo_plus_copy, inner // 4)], reps=reps)
     t_view, t_echo2 = alternate([_per_op(view_sum, inner), _per_op(echo_small.round_trip, inner)], reps=reps)
-    out = [
-        Result(
-            SUITE,
-            "contains (1 key)",
-            t_contains * 1e6,
-            "us",
-            "unix-socket echo round trip",
-            t_echo * 1e6,
-            target=1.5,
-            note="blocking client; server " + _loop_kind(),
-        ),
-        Result(
-            SUITE,
-            "get 1 MiB, copied out (location known)",
-            t_get * 1e6,
-            "us",
-            "echo round trip + the same 1 MiB copy",
-            t_base * 1e6,
-            target=1.5,
-            note="the default client: no round trip for an entry it read before",
-        ),
-        Result(
-            SUITE,
-            "get 1 MiB, copied out (asked: one READ)",
-            t_asked * 1e6,
-            "us",
-            "echo round trip + the same 1 MiB copy",
-            t_base2 * 1e6,
-            target=1.5,
-            note="remember_locations=False",
-        ),
-        Result(
-            SUITE,
-            "get_view 1 MiB (zero copy, lease + release)",
-            t_view * 1e6,
-            "us",
-            "unix-socket echo round trip",
-            t_echo2 * 1e6,
-            note="for reference: the server wakes twice (the lease, then its release)",
-        ),
-    ]
+    out = _local_rows(t_contains, t_echo, t_get, t_base, t_asked, t_base2, t_view, t_echo2)
     out.append(_ec_figure(opts, client, staging, src, inner // 4, "locations known", 0.7))
     out.append(_ec_figure(opts, asking, staging, src, inner // 4, "asked: one READ each", None))
     echo_small.sock.close()
@@ -359,118 +376,6 @@ def _ec_figure(
         target=target,
         target_kind="min",
     )
-
-
-def _redis_figures(opts: BenchOptions, client: ServerClient, url: str) -> list[Result]:
-    from lmcache_async.config import LMCacheEngineConfig
-    from lmcache_async.memory import HeapAllocator
-    from lmcache_async.metadata import LMCacheEngineMetadata
-    from lmcache_async.remote import RemoteBackend
-    from lmcache_async.tiers import BackendContext
-
-    count = 16 if opts.quick else 64
-    staging = PoolAllocator(64 * MiB, name="bench-staging-r")
-    staging.wait_ready(30)
-    heap = HeapAllocator("bench-heap")
-    srcs_pool = PoolAllocator(8 * MiB, name="bench-src-r", pretouch=False)
-    src = srcs_pool.allocate((256, 1024), torch.float32, MemoryFormat.EC_TD)
-    assert src is not None
-    src.tensor.copy_(torch.randn(256, 1024))
-    ids = itertools.count(1000)
-
-    async def run() -> list[Result]:
-        loop = asyncio.get_running_loop()
-        executor = concurrent.futures.ThreadPoolExecutor(4)
-
-        def alloc(shape, dtype, fmt):  # type: ignore[no-untyped-def]
-            return staging.allocate(shape, dtype, fmt) or heap.allocate(shape, dtype, fmt)
-
-        ctx = BackendContext(
-            config=LMCacheEngineConfig.from_defaults(remote_url=url, remote_key_prefix="benchsrv"),
-            metadata=LMCacheEngineMetadata("bench/server"),
-            cache_name="bench",
-            loop=loop,
-            executor=executor,
-            staging=alloc,
-            staging_pool=staging,
-            pool=None,
-        )
-        be = RemoteBackend(ctx, timeout_s=60.0)
-        await be.start()
-        try:
-
-            async def redis_round(op: str) -> float:
-                keys = [_key(next(ids)) for _ in range(count)]
-                if op == "get":
-                    for k in keys:
-                        await be.put(k, src)
-                times = []
-                for k in keys:
-                    t0 = time.perf_counter()
-                    if op == "put":
-                        await be.put(k, src)
-                    else:
-                        got = await be.get(k)
-                        assert got is not None
-                        got.ref_count_down()
-                    times.append(time.perf_counter() - t0)
-                dt = statistics.median(times)
-                for k in keys:
-                    await be.remove(k)
-                return dt
-
-            def server_round(op: str) -> float:
-                keys = [_kb(next(ids)) for _ in range(count)]
-                if op == "get":
-                    assert client.put([(k, src) for k in keys]) == [True] * count
-                times = []
-                for k in keys:
-                    t0 = time.perf_counter()
-                    if op == "put":
-                        assert client.put([(k, src)]) == [True]
-                    else:
-                        got = client.get([k], alloc)
-                        assert got is not None and got[0] is not None
-                        got[0].ref_count_down()
-                    times.append(time.perf_counter() - t0)
-                dt = statistics.median(times)
-                client.remove(keys)
-                return dt
-
-            out = []
-            for op in ("put", "get"):
-                srv_s, red_s = [], []
-                for r in range(opts.reps + 1):
-                    a = server_round(op)
-                    b = await redis_round(op)
-                    if r:  # the first round warms both
-                        srv_s.append(a)
-                        red_s.append(b)
-                srv_s.sort()
-                red_s.sort()
-                t_srv, t_red = srv_s[len(srv_s) // 2], red_s[len(red_s) // 2]
-                out.append(
-                    Result(
-                        SUITE,
-                        f"{op} 1 MiB vs Redis tier",
-                        MiB / t_srv / 1e9,
-                        "GB/s",
-                        f"Redis tier {op} (loopback)",
-                        MiB / t_red / 1e9,
-                        higher_is_better=True,
-                        target=3.0,
-                        target_kind="min",
-                    )
-                )
-            return out
-        finally:
-            await be.close()
-            executor.shutdown(wait=False)
-
-    try:
-        return asyncio.run(run())
-    finally:
-        src.ref_count_down()
 
 
 def _loop_kind() -> str:
@@ -551,7 +456,9 @@ def _run(opts: BenchOptions) -> list[Result]:
             finally:
                 asking.close()
             opts.say("server: put/get vs the Redis tier")
-            results += with_redis(opts, "server vs redis", lambda url: _redis_figures(opts, client, url))
+            from .server_redis import redis_figures  # it imports this module
+
+            results += with_redis(opts, "server vs redis", lambda url: redis_figures(opts, client, url))
             return first + results
         finally:
             if client is not None:

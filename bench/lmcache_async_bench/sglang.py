@@ -52,6 +52,8 @@ import torch
 
 from .common import BenchOptions, MiB, Result, alternate, format_table
 
+__all__ = ["CPU_REPS", "FACTORY_KEYS", "LAYOUTS", "PAGES", "SUITE", "TIERS", "main", "run"]
+
 SUITE = "sglang"
 PAGES = 64
 CPU_REPS = 15

@@ -58,6 +58,22 @@ from lmcache_async.storage_manager import StorageManager
 
 from .common import BenchOptions, CopyBaseline, MiB, Result, alternate, with_redis
 
+__all__ = [
+    "QUICK_SIZES",
+    "SIZES",
+    "SUITE",
+    "TIERS",
+    "Point",
+    "Round",
+    "main",
+    "run",
+    "size_label",
+    "sweep_cpu",
+    "sweep_disk",
+    "sweep_nixl",
+    "sweep_remote",
+]
+
 SUITE = "sweep"
 KiB = 1 << 10
 SIZES = (64 * KiB, 256 * KiB, MiB, 4 * MiB, 16 * MiB)

@@ -51,6 +51,26 @@ from typing import Any
 
 import torch
 
+__all__ = [
+    "BARE_REPS",
+    "EVICT_BYTES",
+    "LOAD_METHODS",
+    "RECORD_HEADER",
+    "SAVE_METHODS",
+    "WARMUP_TOKENS",
+    "bare_file_read",
+    "bare_gather_scatter",
+    "flush_connector",
+    "install_bare_save",
+    "install_connector_timers",
+    "main",
+    "prompt_ids",
+    "run",
+    "step_blocks",
+    "take_bare_at_save",
+    "take_connector_seconds",
+]
+
 SAVE_METHODS = ("save_kv_layer", "wait_for_save")
 LOAD_METHODS = ("start_load_kv", "wait_for_layer_load", "get_finished")
 WARMUP_TOKENS = 256

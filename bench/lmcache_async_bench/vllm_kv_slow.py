@@ -39,11 +39,28 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .common import BenchOptions, Result, format_table
 from .vllm_kv import ENGINE_ENV, _end_group, _python_with_vllm, ensure_model
+
+__all__ = [
+    "CHILD",
+    "CHUNK_SIZE",
+    "HOOK_P99_S",
+    "NATIVE_OFFLOAD_GIB",
+    "SLOW_BYTES_PER_S",
+    "SLOW_DELAY_S",
+    "SUITE",
+    "TTFT_BOUND",
+    "figures",
+    "main",
+    "measure",
+    "run",
+    "run_child",
+]
 
 SUITE = "vllm_kv_slow"
 CHILD = Path(__file__).resolve().parent / "vllm_kv_slow_child.py"
@@ -109,6 +126,92 @@ def _chunk_read_bound(model: Path, bytes_per_s: float) -> float:
     return max(2.0, 3.0 * chunk_bytes / bytes_per_s)
 
 
+@dataclass
+class _Children:
+    """What every engine child of one :func:`measure` shares: the interpreter, the work
+    directory, the time limit, the spec fields every child gets (``base``) and the connector
+    settings every one of ours starts from (``common``)."""
+
+    python: str
+    workdir: Path
+    timeout_s: float
+    base: dict[str, Any]
+    common: dict[str, Any]
+    disk: str
+
+    def run(self, name: str, spec: dict[str, Any], code: Path | None = None) -> dict[str, Any]:
+        """One child named ``name`` with ``spec`` added to :attr:`base` (see :func:`run_child`)."""
+        return run_child(self.python, self.workdir, name, {**self.base, **spec}, self.timeout_s, code)
+
+
+def _measure_slow(
+    ch: _Children,
+    raw: dict[str, Any],
+    binary: str,
+    model: Path,
+    seeds: dict[str, list[int]],
+    bytes_per_s: float,
+    first_rounds: int,
+    pairs: bool,
+) -> None:
+    """The store to Redis (and the disk directory), then the slow pairs and the fresh-process
+    rounds through a slow proxy in front of the same Redis; results into ``raw``."""
+    from lmcache_async.testing.servers import RedisServer
+    from lmcache_async.testing.slow_link import SlowProxy
+
+    auto, always, uncached = seeds["auto"], seeds["always"], seeds["uncached"]
+    runs = len(auto)
+    with RedisServer(binary) as srv:
+        port = int(srv.port)
+        store_kv = {**ch.common, "remote_url": srv.url, "local_disk": ch.disk, "max_local_disk_size": 4.0}
+        store_seeds = {"all": auto + (always if pairs else [])}
+        raw["store"] = ch.run("store", {"mode": "store", "kv": store_kv, "seeds": store_seeds})
+        proxy = SlowProxy(port, bytes_per_s=bytes_per_s, delay_s=SLOW_DELAY_S).start()
+        try:
+            # a timeout well above one chunk's read over the link: slow, not failing
+            slow_kv = {**ch.common, "remote_url": proxy.url, "remote_timeout_s": _chunk_read_bound(model, bytes_per_s)}
+            if pairs:
+                raw["slow_pairs"] = ch.run("slow_pairs", {"mode": "pairs", "kv": slow_kv, "seeds": seeds})
+            for r in range(first_rounds):
+                order = [("auto", auto), ("uncached", uncached)]
+                for kind, pool in order if r % 2 == 0 else order[::-1]:
+                    spec = {"mode": "first", "kind": kind, "kv": slow_kv, "seeds": {"all": [pool[r % runs]]}}
+                    raw[f"first_{kind}_{r}"] = ch.run(f"first_{kind}_{r}", spec)
+        finally:
+            proxy.stop()
+    if "slow_pairs" in raw:
+        raw["slow_pairs"]["bytes_per_s"] = bytes_per_s
+
+
+def _measure_server(ch: _Children, raw: dict[str, Any], auto: list[int], before: Path | None) -> None:
+    """A store through a node cache server (``tier_order: [cpu, server]``), then run 2 from it,
+    ours and ``before``'s; results into ``raw``."""
+    from .vllm_kv import _cache_server
+
+    with _cache_server(ch.workdir / "server") as socket:
+        served = {
+            **ch.common,
+            "tier_order": ["cpu", "server"],
+            "cache_server_socket": socket,
+            "cache_server_namespace": "vllm-kv-slow",
+        }
+        raw["server_store"] = ch.run("server_store", {"mode": "store", "kv": served, "seeds": {"all": auto}})
+        hit = {"mode": "hit", "kv": served, "seeds": {"all": auto}}
+        raw["server_hit"] = ch.run("server_hit", hit)
+        if before is not None:
+            raw["server_hit_before"] = ch.run("server_hit_before", hit, before)
+
+
+def _measure_reloads(ch: _Children, raw: dict[str, Any], runs: int) -> None:
+    """The CPU-offload hit in one process, with our CPU tier and with vLLM's native offloading."""
+    reload = [400 + i for i in range(runs)]
+    ours_kv = {"chunk_size": CHUNK_SIZE, "max_local_cpu_size": 2.0}
+    raw["ours_reload"] = ch.run("ours_reload", {"mode": "reload", "kv": ours_kv, "seeds": {"all": reload}})
+    native_llm = {"kv_offloading_backend": "native", "kv_offloading_size": NATIVE_OFFLOAD_GIB}
+    native = {"mode": "reload", "kv": None, "llm": native_llm, "seeds": {"all": reload}}
+    raw["native_reload"] = ch.run("native_reload", native)
+
+
 def measure(
     python: str,
     model: Path,
@@ -135,108 +238,36 @@ def measure(
     stored (uncached), alternating which starts; ``pairs``: run the slow pairs process;
     ``server``: also run 2 through a node cache server (``tier_order: [cpu, server]``), ours and
     ``before``'s, after a store through it."""
-    from lmcache_async.testing.servers import RedisServer, find_server_binary
-    from lmcache_async.testing.slow_link import SlowProxy
+    from lmcache_async.testing.servers import find_server_binary
 
     vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
     binary = find_server_binary()
     if binary is None:
         raise ValueError("no redis-server/valkey-server binary for the slow tier")
     auto = [100 + i for i in range(runs)]
-    always = [200 + i for i in range(runs)]
-    uncached = [300 + i for i in range(runs)]
-    costs = str(workdir / "kv-costs.json")
-    disk = str(workdir / "disk")
+    seeds = {"auto": auto, "always": [200 + i for i in range(runs)], "uncached": [300 + i for i in range(runs)]}
+    common = {"chunk_size": CHUNK_SIZE, "max_local_cpu_size": 2.0, "load_cost_file": str(workdir / "kv-costs.json")}
     base = {"model": str(model), "tokens": tokens, "vocab": vocab}
-    common = {"chunk_size": CHUNK_SIZE, "max_local_cpu_size": 2.0, "load_cost_file": costs}
+    ch = _Children(python, workdir, timeout_s, base, common, str(workdir / "disk"))
     raw: dict[str, Any] = {}
+    disk_kv = {**common, "local_disk": ch.disk, "max_local_disk_size": 4.0}
     if fast_only:
-        store_kv = {**common, "local_disk": disk, "max_local_disk_size": 4.0}
-        store = {**base, "mode": "store", "kv": store_kv, "seeds": {"all": auto}}
-        raw["store"] = run_child(python, workdir, "store", store, timeout_s)
+        raw["store"] = ch.run("store", {"mode": "store", "kv": disk_kv, "seeds": {"all": auto}})
     else:
-        with RedisServer(binary) as srv:
-            port = int(srv.port)
-            store_kv = {**common, "remote_url": srv.url, "local_disk": disk, "max_local_disk_size": 4.0}
-            raw["store"] = run_child(
-                python,
-                workdir,
-                "store",
-                {**base, "mode": "store", "kv": store_kv, "seeds": {"all": auto + (always if pairs else [])}},
-                timeout_s,
-            )
-            proxy = SlowProxy(port, bytes_per_s=bytes_per_s, delay_s=SLOW_DELAY_S).start()
-            try:
-                # a timeout well above one chunk's read over the link: slow, not failing
-                slow_kv = {**common, "remote_url": proxy.url, "remote_timeout_s": _chunk_read_bound(model, bytes_per_s)}
-                seeds = {"auto": auto, "always": always, "uncached": uncached}
-                if pairs:
-                    pairs_spec = {**base, "mode": "pairs", "kv": slow_kv, "seeds": seeds}
-                    raw["slow_pairs"] = run_child(python, workdir, "slow_pairs", pairs_spec, timeout_s)
-                for r in range(first_rounds):
-                    order = [("auto", auto), ("uncached", uncached)]
-                    for kind, pool in order if r % 2 == 0 else order[::-1]:
-                        spec = {
-                            **base,
-                            "mode": "first",
-                            "kind": kind,
-                            "kv": slow_kv,
-                            "seeds": {"all": [pool[r % runs]]},
-                        }
-                        raw[f"first_{kind}_{r}"] = run_child(python, workdir, f"first_{kind}_{r}", spec, timeout_s)
-            finally:
-                proxy.stop()
-        if "slow_pairs" in raw:
-            raw["slow_pairs"]["bytes_per_s"] = bytes_per_s
+        _measure_slow(ch, raw, binary, model, seeds, bytes_per_s, first_rounds, pairs)
         if slow_only:
             return raw
-    disk_kv = {**common, "local_disk": disk, "max_local_disk_size": 4.0}
-    disk_spec = {**base, "mode": "hit", "kv": disk_kv, "seeds": {"all": auto}}
+    disk_spec = {"mode": "hit", "kv": disk_kv, "seeds": {"all": auto}}
     for r in range(max(fast_rounds, 1)):
         tail = "" if r == 0 else f"_{r}"
-        raw[f"disk_hit{tail}"] = run_child(python, workdir, f"disk_hit{tail}", disk_spec, timeout_s)
+        raw[f"disk_hit{tail}"] = ch.run(f"disk_hit{tail}", disk_spec)
         if before is not None:
-            name = f"disk_hit_before{tail}"
-            raw[name] = run_child(python, workdir, name, disk_spec, timeout_s, before)
+            raw[f"disk_hit_before{tail}"] = ch.run(f"disk_hit_before{tail}", disk_spec, before)
     if server:
-        from .vllm_kv import _cache_server
-
-        with _cache_server(workdir / "server") as socket:
-            served = {
-                **common,
-                "tier_order": ["cpu", "server"],
-                "cache_server_socket": socket,
-                "cache_server_namespace": "vllm-kv-slow",
-            }
-            store = {**base, "mode": "store", "kv": served, "seeds": {"all": auto}}
-            raw["server_store"] = run_child(python, workdir, "server_store", store, timeout_s)
-            hit = {**base, "mode": "hit", "kv": served, "seeds": {"all": auto}}
-            raw["server_hit"] = run_child(python, workdir, "server_hit", hit, timeout_s)
-            if before is not None:
-                raw["server_hit_before"] = run_child(python, workdir, "server_hit_before", hit, timeout_s, before)
+        _measure_server(ch, raw, auto, before)
     if fast_only:
         return raw
-    reload = [400 + i for i in range(runs)]
-    raw["ours_reload"] = run_child(
-        python,
-        workdir,
-        "ours_reload",
-        {
-            **base,
-            "mode": "reload",
-            "kv": {"chunk_size": CHUNK_SIZE, "max_local_cpu_size": 2.0},
-            "seeds": {"all": reload},
-        },
-        timeout_s,
-    )
-    native_llm = {"kv_offloading_backend": "native", "kv_offloading_size": NATIVE_OFFLOAD_GIB}
-    raw["native_reload"] = run_child(
-        python,
-        workdir,
-        "native_reload",
-        {**base, "mode": "reload", "kv": None, "llm": native_llm, "seeds": {"all": reload}},
-        timeout_s,
-    )
+    _measure_reloads(ch, raw, runs)
     return raw
 
 
@@ -268,139 +299,137 @@ def _med(vals: Sequence[float]) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def figures(raw: dict[str, Any]) -> tuple[list[Result], dict[str, Any]]:
-    """The results table and the facts beside it (tokens equal, hook times, errors)."""
+def _slow_pair_rows(pairs: dict[str, Any], store_tokens: dict[Any, Any], facts: dict[str, Any]) -> list[Result]:
+    """The slow-pairs process's rows: its first request (``auto``), the paired medians of
+    ``auto`` and ``always`` vs uncached, and the scheduler hook's p99; its facts into ``facts``."""
     out: list[Result] = []
-    facts: dict[str, Any] = {}
-    store_tokens = {r["seed"]: r["token"] for r in raw.get("store", {}).get("runs") or []}
-    pairs = raw.get("slow_pairs", {})
-    if pairs.get("runs"):
-        auto, unc, alw = _ttfts(pairs, "auto"), _ttfts(pairs, "uncached"), _ttfts(pairs, "always")
-        ratios = [a / u for a, u in zip(auto, unc, strict=False)]
-        first = pairs["runs"][0]
-        mbps = f"{float(pairs.get('bytes_per_s', SLOW_BYTES_PER_S)) / 1e6:g}"
+    auto, unc, alw = _ttfts(pairs, "auto"), _ttfts(pairs, "uncached"), _ttfts(pairs, "always")
+    ratios = [a / u for a, u in zip(auto, unc, strict=False)]
+    first = pairs["runs"][0]
+    mbps = f"{float(pairs.get('bytes_per_s', SLOW_BYTES_PER_S)) / 1e6:g}"
+    out.append(
+        Result(
+            SUITE,
+            f"slow tier ({mbps} MB/s) TTFT, auto, first request of a fresh process",
+            first["ttft_s"],
+            "s",
+            "uncached, same process (round 0)",
+            unc[0] if unc else None,
+            target=TTFT_BOUND,
+            note=f"restored {first['cached']} tokens",
+        )
+    )
+    out.append(
+        Result(
+            SUITE,
+            f"slow tier ({mbps} MB/s) TTFT, auto (median of pairs)",
+            _med(auto) or 0.0,
+            "s",
+            "uncached, paired",
+            _med(unc),
+            target=TTFT_BOUND,
+            note=f"median of per-pair ratios {(_med(ratios) or 0):.3f}; "
+            f"restored tokens {[r['cached'] for r in pairs['runs'] if r['kind'] == 'auto']}",
+        )
+    )
+    out.append(
+        Result(
+            SUITE,
+            f"slow tier ({mbps} MB/s) TTFT, always (every hit loaded)",
+            _med(alw) or 0.0,
+            "s",
+            "uncached, paired",
+            _med(unc),
+            note="what a load of the whole slow hit costs (the behaviour before the decision)",
+        )
+    )
+    sched = pairs.get("scheduler") or {}
+    hook = sched.get("hook_s") or {}
+    if hook:
         out.append(
             Result(
                 SUITE,
-                f"slow tier ({mbps} MB/s) TTFT, auto, first request of a fresh process",
-                first["ttft_s"],
+                "scheduler hook per call, slow tier (p99)",
+                hook["p99"],
                 "s",
-                "uncached, same process (round 0)",
-                unc[0] if unc else None,
-                target=TTFT_BOUND,
-                note=f"restored {first['cached']} tokens",
+                target=HOOK_P99_S,
+                note=f"{hook['calls']} calls, p50 {hook['p50'] * 1e6:.1f} us, max {hook['max'] * 1e3:.2f} ms",
             )
         )
-        out.append(
-            Result(
-                SUITE,
-                f"slow tier ({mbps} MB/s) TTFT, auto (median of pairs)",
-                _med(auto) or 0.0,
-                "s",
-                "uncached, paired",
-                _med(unc),
-                target=TTFT_BOUND,
-                note=f"median of per-pair ratios {(_med(ratios) or 0):.3f}; "
-                f"restored tokens {[r['cached'] for r in pairs['runs'] if r['kind'] == 'auto']}",
-            )
-        )
-        out.append(
-            Result(
-                SUITE,
-                f"slow tier ({mbps} MB/s) TTFT, always (every hit loaded)",
-                _med(alw) or 0.0,
-                "s",
-                "uncached, paired",
-                _med(unc),
-                note="what a load of the whole slow hit costs (the behaviour before the decision)",
-            )
-        )
-        sched = pairs.get("scheduler") or {}
-        hook = sched.get("hook_s") or {}
-        if hook:
-            out.append(
-                Result(
-                    SUITE,
-                    "scheduler hook per call, slow tier (p99)",
-                    hook["p99"],
-                    "s",
-                    target=HOOK_P99_S,
-                    note=f"{hook['calls']} calls, p50 {hook['p50'] * 1e6:.1f} us, max {hook['max'] * 1e3:.2f} ms",
-                )
-            )
-        facts["slow_decisions"] = {k: v for k, v in sched.items() if k.startswith("decision_")}
-        facts["slow_costs"] = sched.get("costs")
-        facts["slow_lookups"] = {k: sched.get(k) for k in ("lookups_deferred", "lookups_given_up", "probes")}
-        facts["slow_tokens_equal"] = all(
-            r["token"] == store_tokens.get(r["seed"]) for r in pairs["runs"] if r["kind"] in ("auto", "always")
-        )
+    facts["slow_decisions"] = {k: v for k, v in sched.items() if k.startswith("decision_")}
+    facts["slow_costs"] = sched.get("costs")
+    facts["slow_lookups"] = {k: sched.get(k) for k in ("lookups_deferred", "lookups_given_up", "probes")}
+    facts["slow_tokens_equal"] = all(
+        r["token"] == store_tokens.get(r["seed"]) for r in pairs["runs"] if r["kind"] in ("auto", "always")
+    )
+    return out
+
+
+def _first_rows(raw: dict[str, Any], store_tokens: dict[Any, Any], facts: dict[str, Any]) -> list[Result]:
+    """The fresh-process rounds' row: a first request of a stored prompt vs of a never-stored one."""
     firsts = {kind: _pooled(raw, f"first_{kind}") for kind in ("auto", "uncached")}
     fa, fu = _ttfts(firsts["auto"], "auto"), _ttfts(firsts["uncached"], "uncached")
-    if fa and fu:
-        out.append(
-            Result(
-                SUITE,
-                "slow tier TTFT, first request of a fresh process (auto; median over processes)",
-                _med(fa) or 0.0,
-                "s",
-                "first request of a fresh process, never stored",
-                _med(fu),
-                target=TTFT_BOUND,
-                note=f"{len(fa)} + {len(fu)} processes, alternating; auto {[round(x, 2) for x in fa]}, "
-                f"uncached {[round(x, 2) for x in fu]}",
-            )
+    if not (fa and fu):
+        return []
+    facts["first_tokens_equal"] = all(r["token"] == store_tokens.get(r["seed"]) for r in firsts["auto"]["runs"])
+    return [
+        Result(
+            SUITE,
+            "slow tier TTFT, first request of a fresh process (auto; median over processes)",
+            _med(fa) or 0.0,
+            "s",
+            "first request of a fresh process, never stored",
+            _med(fu),
+            target=TTFT_BOUND,
+            note=f"{len(fa)} + {len(fu)} processes, alternating; auto {[round(x, 2) for x in fa]}, "
+            f"uncached {[round(x, 2) for x in fu]}",
         )
-        facts["first_tokens_equal"] = all(r["token"] == store_tokens.get(r["seed"]) for r in firsts["auto"]["runs"])
+    ]
+
+
+def _run2_row(res: dict[str, Any], label: str, restored: bool = True) -> Result:
+    """A run-2 row of ``res`` (a hit process): restored TTFT vs vLLM's prefix-cache hit of the
+    same prompt; ``restored``: the note lists each prompt's restored tokens too."""
+    note = f"median of per-prompt ratios {_paired_ratio(res, 'restored', 'prefix_hit') or 0:.3f}"
+    if restored:
+        note += f"; restored {[r['cached'] for r in res['runs'] if r['kind'] == 'restored']} tokens"
+    return Result(
+        SUITE,
+        label,
+        _med(_ttfts(res, "restored")) or 0.0,
+        "s",
+        "vLLM prefix-cache hit, same prompt",
+        _med(_ttfts(res, "prefix_hit")),
+        note=note,
+    )
+
+
+def _run2_rows(raw: dict[str, Any], store_tokens: dict[Any, Any], facts: dict[str, Any]) -> list[Result]:
+    """Run 2 from the disk (ours, the code before) and through the node server (ours, before)."""
+    out: list[Result] = []
     disk = _pooled(raw, "disk_hit", "disk_hit_before")
     if disk.get("runs"):
-        restored, hit = _ttfts(disk, "restored"), _ttfts(disk, "prefix_hit")
-        out.append(
-            Result(
-                SUITE,
-                "disk run-2 TTFT (auto)",
-                _med(restored) or 0.0,
-                "s",
-                "vLLM prefix-cache hit, same prompt",
-                _med(hit),
-                note=f"median of per-prompt ratios {_paired_ratio(disk, 'restored', 'prefix_hit') or 0:.3f}; "
-                f"restored {[r['cached'] for r in disk['runs'] if r['kind'] == 'restored']} tokens",
-            )
-        )
+        out.append(_run2_row(disk, "disk run-2 TTFT (auto)"))
         facts["disk_tokens_equal"] = all(
             r["token"] == store_tokens.get(r["seed"]) for r in disk["runs"] if r["kind"] == "restored"
         )
         facts["disk_decisions"] = {k: v for k, v in (disk.get("scheduler") or {}).items() if k.startswith("decision_")}
     old = _pooled(raw, "disk_hit_before")
     if old.get("runs"):
-        out.append(
-            Result(
-                SUITE,
-                "disk run-2 TTFT, the code before (--before)",
-                _med(_ttfts(old, "restored")) or 0.0,
-                "s",
-                "vLLM prefix-cache hit, same prompt",
-                _med(_ttfts(old, "prefix_hit")),
-                note=f"median of per-prompt ratios {_paired_ratio(old, 'restored', 'prefix_hit') or 0:.3f}",
-            )
-        )
+        out.append(_run2_row(old, "disk run-2 TTFT, the code before (--before)", restored=False))
     for key, label in (
         ("server_hit", "node server run-2 TTFT (auto)"),
         ("server_hit_before", "node server run-2 TTFT, the code before"),
     ):
         res = raw.get(key, {})
         if res.get("runs"):
-            out.append(
-                Result(
-                    SUITE,
-                    label,
-                    _med(_ttfts(res, "restored")) or 0.0,
-                    "s",
-                    "vLLM prefix-cache hit, same prompt",
-                    _med(_ttfts(res, "prefix_hit")),
-                    note=f"median of per-prompt ratios {_paired_ratio(res, 'restored', 'prefix_hit') or 0:.3f}; "
-                    f"restored {[r['cached'] for r in res['runs'] if r['kind'] == 'restored']} tokens",
-                )
-            )
+            out.append(_run2_row(res, label))
+    return out
+
+
+def _reload_rows(raw: dict[str, Any]) -> list[Result]:
+    """The CPU-offload hit in one process: ours and vLLM's native offloading, each vs uncached."""
+    out: list[Result] = []
     ours, native = raw.get("ours_reload", {}), raw.get("native_reload", {})
     if ours.get("runs"):
         out.append(
@@ -425,6 +454,20 @@ def figures(raw: dict[str, Any]) -> tuple[list[Result], dict[str, Any]]:
                 note=f"cached {[r['cached'] for r in native['runs'] if r['kind'] == 'reload']} tokens",
             )
         )
+    return out
+
+
+def figures(raw: dict[str, Any]) -> tuple[list[Result], dict[str, Any]]:
+    """The results table and the facts beside it (tokens equal, hook times, errors)."""
+    out: list[Result] = []
+    facts: dict[str, Any] = {}
+    store_tokens = {r["seed"]: r["token"] for r in raw.get("store", {}).get("runs") or []}
+    pairs = raw.get("slow_pairs", {})
+    if pairs.get("runs"):
+        out += _slow_pair_rows(pairs, store_tokens, facts)
+    out += _first_rows(raw, store_tokens, facts)
+    out += _run2_rows(raw, store_tokens, facts)
+    out += _reload_rows(raw)
     facts["errors"] = {k: v.get("error") for k, v in raw.items() if v.get("error")}
     return out, facts
 

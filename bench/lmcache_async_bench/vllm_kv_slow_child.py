@@ -37,6 +37,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+__all__ = ["WARMUP_SEED", "main", "prompt_ids", "run"]
+
 WARMUP_SEED = 10_000_019
 
 

@@ -13,3 +13,5 @@
   systems in separate long-lived processes, alternating the order each round, and prints both
   medians, our ratio and the same-run baseline.
 """
+
+__all__: list[str] = []

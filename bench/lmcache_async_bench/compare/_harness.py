@@ -151,8 +151,13 @@ def worker_main(make_adapter: Callable[[], Any], argv: list[str] | None, system:
                 o.error = f"{system} is not available: {type(exc).__name__}: {exc}"
                 return o.to_dict()
         o = run_workload(
-            adapter, name, size, int(req.get("reps", 5)), int(req.get("warmup", 1)),
-            str(req.get("workdir") or tmp), bool(req.get("quick", False)),
+            adapter,
+            name,
+            size,
+            int(req.get("reps", 5)),
+            int(req.get("warmup", 1)),
+            str(req.get("workdir") or tmp),
+            bool(req.get("quick", False)),
         )
         o.system = system
         return o.to_dict()

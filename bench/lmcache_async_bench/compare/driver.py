@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -46,9 +47,18 @@ TARGETS: dict[tuple[str, int | None], float] = {
 }
 
 DEFAULT_ORDER = (
-    "ec_put", "ec_get", "ec_contains", "ec_contains_miss", "hs_store", "hs_retrieve",
-    "hs_retrieve_out", "cpu_batched_put", "cpu_batched_get", "disk_write_through",
-    "disk_cold_read", "ec_get_after_eviction",
+    "ec_put",
+    "ec_get",
+    "ec_contains",
+    "ec_contains_miss",
+    "hs_store",
+    "hs_retrieve",
+    "hs_retrieve_out",
+    "cpu_batched_put",
+    "cpu_batched_get",
+    "disk_write_through",
+    "disk_cold_read",
+    "ec_get_after_eviction",
 )
 
 
@@ -81,8 +91,13 @@ class Worker:
     def _start(self) -> subprocess.Popen[str]:
         if self.proc is None or self.proc.poll() is not None:
             self.proc = subprocess.Popen(
-                self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                text=True, bufsize=1, env=self.env,
+                self.cmd,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self.log,
+                text=True,
+                bufsize=1,
+                env=self.env,
             )
         return self.proc
 
@@ -103,8 +118,12 @@ class Worker:
             rc = proc.poll()
             self.proc = None
             return {
-                "system": self.system, "workload": req.get("workload"), "size": req.get("size"),
-                "ok": False, "error": f"{err}; rc={rc}", "samples": [],
+                "system": self.system,
+                "workload": req.get("workload"),
+                "size": req.get("size"),
+                "ok": False,
+                "error": f"{err}; rc={rc}",
+                "samples": [],
             }
         out: dict[str, Any] = json.loads(line)
         return out
@@ -177,14 +196,21 @@ class Row:
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
-            "workload": self.workload, "size": self.size, "bytes_per_op": self.bytes_per_op,
-            "ratio": self.ratio, "target": self.target, "met": self.met,
+            "workload": self.workload,
+            "size": self.size,
+            "bytes_per_op": self.bytes_per_op,
+            "ratio": self.ratio,
+            "target": self.target,
+            "met": self.met,
         }
         for s in SYSTEMS:
             d[s] = {
-                "median_s": self.median(s), "samples": self.samples.get(s, []),
-                "hits": self.hits.get(s, 0), "misses": self.misses.get(s, 0),
-                "error": self.errors.get(s, ""), "note": self.notes.get(s, ""),
+                "median_s": self.median(s),
+                "samples": self.samples.get(s, []),
+                "hits": self.hits.get(s, 0),
+                "misses": self.misses.get(s, 0),
+                "error": self.errors.get(s, ""),
+                "note": self.notes.get(s, ""),
                 "faults_per_op": self.faults_per_op(s),
             }
         return d
@@ -200,8 +226,20 @@ def _fmt_t(x: float | None) -> str:
 
 def format_rows(rows: list[Row]) -> str:
     """The comparison table: both medians, our ratio, the target and the same-run baseline."""
-    head = ("workload", "size", "ours", "LMCache 0.5.6", "ratio", "target", "ok", "baseline",
-            "ours/base", "LMC/base", "ours GB/s", "note")
+    head = (
+        "workload",
+        "size",
+        "ours",
+        "LMCache 0.5.6",
+        "ratio",
+        "target",
+        "ok",
+        "baseline",
+        "ours/base",
+        "LMC/base",
+        "ours GB/s",
+        "note",
+    )
     table: list[tuple[str, ...]] = [head]
     for r in rows:
         o, lmc, b = r.median("ours"), r.median("lmcache"), r.median("baseline")
@@ -221,8 +259,11 @@ def format_rows(rows: list[Row]) -> str:
             note = "LMCache has no out=: its plain retrieve"
         faults = [(s, r.faults_per_op(s)) for s in SYSTEMS]
         if any(f is not None for _, f in faults):
-            note = (note + "; " if note else "") + "faults/op " + ", ".join(
-                f"{s} {f or 0:.3g}" for s, f in faults if s in r.samples)
+            note = (
+                (note + "; " if note else "")
+                + "faults/op "
+                + ", ".join(f"{s} {f or 0:.3g}" for s, f in faults if s in r.samples)
+            )
         gbs = f"{r.bytes_per_op / o / 1e9:.2f}" if o and r.bytes_per_op else "-"
         ratio = f"{r.ratio:.2f}x" if r.ratio is not None else "n/a"
         tgt = f">= {r.target:g}x" if r.target is not None else "-"
@@ -286,12 +327,19 @@ def rows_to_results(rows: list[Row]) -> list[Any]:
             b = base if system == "ours" else None
             out.append(
                 Result(
-                    "compare", f"{r.workload} {human_size(r.size)} ({label})", med * 1e6, "µs",
+                    "compare",
+                    f"{r.workload} {human_size(r.size)} ({label})",
+                    med * 1e6,
+                    "µs",
                     "physical baseline" if b is not None else None,
                     b * 1e6 if b is not None else None,
                     params={
-                        "size": r.size, "entries": entries, "series": label, "panel": f"compare: {r.workload}",
-                        "workload": r.workload, "system": system,
+                        "size": r.size,
+                        "entries": entries,
+                        "series": label,
+                        "panel": f"compare: {r.workload}",
+                        "workload": r.workload,
+                        "system": system,
                     },
                 )
             )
@@ -326,7 +374,89 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+def _measure_row(
+    args: argparse.Namespace,
+    name: str,
+    size: int,
+    systems: list[str],
+    workers: dict[str, Worker],
+    workdir: str,
+    lmc_py: str,
+    say: Callable[[str], None],
+) -> Row:
+    """One table row: ``args.rounds`` A/B rounds of workload ``name`` at entry ``size`` on every
+    system in ``systems`` (the order flips each round), samples and counters pooled."""
+    row = Row(name, size)
+    for rnd in range(args.rounds):
+        order = systems if rnd % 2 == 0 else list(reversed(systems))
+        got = []
+        for system in order:
+            if system == "baseline" and name in _harness.NO_BASELINE:
+                continue
+            if system == "lmcache" and not os.path.exists(lmc_py):
+                row.errors[system] = "not available (no LMCache venv)"
+                continue
+            req = {
+                "workload": name,
+                "size": size,
+                "reps": args.reps,
+                "warmup": args.warmup,
+                "workdir": workdir,
+                "quick": args.quick,
+            }
+            out = workers[system].ask(req)
+            row.bytes_per_op = row.bytes_per_op or int(out.get("bytes_per_op") or 0)
+            if out.get("ok"):
+                row.samples.setdefault(system, []).extend(out.get("samples", []))
+                row.hits[system] = row.hits.get(system, 0) + int(out.get("hits", 0))
+                row.misses[system] = row.misses.get(system, 0) + int(out.get("misses", 0))
+                row.faults[system] = row.faults.get(system, 0) + int(out.get("faults", 0))
+                if out.get("note"):
+                    row.notes[system] = str(out["note"])
+                got.append(f"{system} {_fmt_t(out.get('median'))}")
+            else:
+                row.errors[system] = str(out.get("error", "failed"))
+                got.append(f"{system} failed")
+        say(f"{name} {human_size(size)} round {rnd + 1}/{args.rounds}: " + ", ".join(got))
+    return row
+
+
+def _report(args: argparse.Namespace, rows: list[Row], log_path: str, say: Callable[[str], None]) -> None:
+    """Print the table and the machine, then write the JSON, Markdown and plot files asked for."""
+    print()
+    print("LMCache 0.5.6 vs lmcache_async — median time per operation; ratio = LMCache / ours (> 1: ours faster)")
+    print(format_rows(rows))
+    print(f"\nmachine: {json.dumps(machine_info())}")
+    print(f"worker log: {log_path}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(
+                {
+                    "machine": machine_info(),
+                    "rounds": args.rounds,
+                    "reps": args.reps,
+                    "rows": [r.to_dict() for r in rows],
+                },
+                f,
+                indent=2,
+            )
+        say(f"JSON written to {args.json}")
+    if args.markdown:
+        with open(args.markdown, "w", encoding="utf-8") as f:
+            f.write(format_markdown(rows) + "\n")
+        say(f"Markdown table written to {args.markdown}")
+    if args.plot:
+        from ..plot import plot_results
+
+        plottable = [x for x in rows_to_results(rows) if x.params["workload"] in _SIZED]
+        if plottable:
+            plot_results(plottable, args.plot)
+            say(f"plot written to {args.plot}")
+
+
 def run(args: argparse.Namespace) -> int:
+    """Measure every workload and size asked for on every system, in worker processes
+    (:func:`_measure_row`), then report (:func:`_report`)."""
     start = time.monotonic()
 
     def say(msg: str) -> None:
@@ -362,65 +492,22 @@ def run(args: argparse.Namespace) -> int:
                 if args.quick:
                     sizes = sizes[:1]
                 for size in sizes:
-                    row = Row(name, size)
-                    for rnd in range(args.rounds):
-                        order = systems if rnd % 2 == 0 else list(reversed(systems))
-                        got = []
-                        for system in order:
-                            if system == "baseline" and name in _harness.NO_BASELINE:
-                                continue
-                            if system == "lmcache" and not os.path.exists(lmc_py):
-                                row.errors[system] = "not available (no LMCache venv)"
-                                continue
-                            req = {"workload": name, "size": size, "reps": args.reps, "warmup": args.warmup,
-                                   "workdir": workdir, "quick": args.quick}
-                            out = workers[system].ask(req)
-                            row.bytes_per_op = row.bytes_per_op or int(out.get("bytes_per_op") or 0)
-                            if out.get("ok"):
-                                row.samples.setdefault(system, []).extend(out.get("samples", []))
-                                row.hits[system] = row.hits.get(system, 0) + int(out.get("hits", 0))
-                                row.misses[system] = row.misses.get(system, 0) + int(out.get("misses", 0))
-                                row.faults[system] = row.faults.get(system, 0) + int(out.get("faults", 0))
-                                if out.get("note"):
-                                    row.notes[system] = str(out["note"])
-                                got.append(f"{system} {_fmt_t(out.get('median'))}")
-                            else:
-                                row.errors[system] = str(out.get("error", "failed"))
-                                got.append(f"{system} failed")
-                        say(f"{name} {human_size(size)} round {rnd + 1}/{args.rounds}: " + ", ".join(got))
-                    rows.append(row)
+                    rows.append(_measure_row(args, name, size, systems, workers, workdir, lmc_py, say))
         finally:
             for w in workers.values():
                 w.close()
-    print()
-    print("LMCache 0.5.6 vs lmcache_async — median time per operation; ratio = LMCache / ours (> 1: ours faster)")
-    print(format_rows(rows))
-    print(f"\nmachine: {json.dumps(machine_info())}")
-    print(f"worker log: {log_path}")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"machine": machine_info(), "rounds": args.rounds, "reps": args.reps,
-                       "rows": [r.to_dict() for r in rows]}, f, indent=2)
-        say(f"JSON written to {args.json}")
-    if args.markdown:
-        with open(args.markdown, "w", encoding="utf-8") as f:
-            f.write(format_markdown(rows) + "\n")
-        say(f"Markdown table written to {args.markdown}")
-    if args.plot:
-        from ..plot import plot_results
-
-        plottable = [x for x in rows_to_results(rows) if x.params["workload"] in _SIZED]
-        if plottable:
-            plot_results(plottable, args.plot)
-            say(f"plot written to {args.plot}")
+    _report(args, rows, log_path, say)
     if own_workdir:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m lmcache_async_bench.compare", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m lmcache_async_bench.compare",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--workloads", help=f"comma-separated subset of: {', '.join(DEFAULT_ORDER)}")
     p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], help="entry sizes in bytes (override)")
     p.add_argument("--rounds", type=int, default=2, help="A/B rounds per figure (order flips each round)")
@@ -448,4 +535,3 @@ __all__ = ["DEFAULT_ORDER", "TARGETS", "Row", "Worker", "format_markdown", "form
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
-

@@ -37,6 +37,8 @@ from __future__ import annotations
 import os
 import sys
 
+__all__ = ["LMCacheAdapter", "main"]
+
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 os.environ.setdefault("PYTHONHASHSEED", "0")
 
@@ -82,8 +84,13 @@ class LMCacheAdapter:
         self._Key = CacheEngineKey
         self._Config = LMCacheEngineConfig
         self._meta = LMCacheMetadata(
-            model_name="bench-model", world_size=1, local_world_size=1, worker_id=0,
-            local_worker_id=0, kv_dtype=torch.bfloat16, kv_shape=(1, 2, 256, 8, 128),
+            model_name="bench-model",
+            world_size=1,
+            local_world_size=1,
+            worker_id=0,
+            local_worker_id=0,
+            kv_dtype=torch.bfloat16,
+            kv_shape=(1, 2, 256, 8, 128),
         )
         self._ec: Any = None
         self._hs: Any = None
@@ -172,7 +179,11 @@ class LMCacheAdapter:
         from lmcache.v1.token_database import ChunkedTokenDatabase
 
         cfg = self._config(
-            64 << 20, None, 0, chunk_size=chunk, enable_hidden_state_cache=True,
+            64 << 20,
+            None,
+            0,
+            chunk_size=chunk,
+            enable_hidden_state_cache=True,
             max_hidden_state_cpu_size=_gib(pool_bytes),
         )
         self._hs = HiddenStateStore(cfg, ChunkedTokenDatabase(cfg, self._meta))

@@ -23,6 +23,8 @@ from lmcache_async.metadata import LMCacheEngineMetadata
 from lmcache_async.storage_manager import StorageManager
 from lmcache_async.token_database import ChunkedTokenDatabase
 
+__all__ = ["OursAdapter"]
+
 _META = LMCacheEngineMetadata("bench-model")
 _STAGING_GIB = 1 / 16
 
@@ -120,7 +122,11 @@ class OursAdapter:
         from lmcache_async.engines.hidden_states import HiddenStateStore
 
         cfg = _config(
-            0, None, 0, chunk_size=chunk, enable_hidden_state_cache=True,
+            0,
+            None,
+            0,
+            chunk_size=chunk,
+            enable_hidden_state_cache=True,
             max_hidden_state_cpu_size=_gib(pool_bytes),
         )
         self._hs = HiddenStateStore(cfg, _META, token_database=ChunkedTokenDatabase(chunk, metadata=_META))

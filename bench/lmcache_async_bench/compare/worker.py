@@ -15,6 +15,8 @@ from pathlib import Path
 
 from . import _harness
 
+__all__ = ["LMCACHE_SIDE", "default_lmcache_python", "main"]
+
 LMCACHE_SIDE = str(Path(__file__).with_name("lmcache_side.py"))
 
 
