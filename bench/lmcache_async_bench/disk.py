@@ -173,8 +173,12 @@ class Interleaved(list[float]):
 
 
 def interleaved(
-    n: int, reps: int, warmup: int, fns: Sequence[Callable[[list[int]], float]],
-    before_rep: Callable[[int], None] = lambda r: None, after_rep: Callable[[int], None] = lambda r: None,
+    n: int,
+    reps: int,
+    warmup: int,
+    fns: Sequence[Callable[[list[int]], float]],
+    before_rep: Callable[[int], None] = lambda r: None,
+    after_rep: Callable[[int], None] = lambda r: None,
 ) -> Interleaved:
     """Median seconds per file of each of ``fns`` over ``reps`` repetitions of ``n`` files.
 
@@ -279,9 +283,15 @@ def bench_write(rig: _Rig, opts: BenchOptions) -> tuple[list[Result], str]:
     t_tier, t_base = got
     shutil.rmtree(base_dir, ignore_errors=True)
     res = Result(
-        SUITE, f"write-through {n} x {rig.size >> 10} KiB (fsync={rig.fsync})", 1 / t_tier, "files/s",
-        baseline_name="file baseline (executor job per file, temp+rename)", baseline=1 / t_base,
-        higher_is_better=True, target=0.9, target_kind="min",
+        SUITE,
+        f"write-through {n} x {rig.size >> 10} KiB (fsync={rig.fsync})",
+        1 / t_tier,
+        "files/s",
+        baseline_name="file baseline (executor job per file, temp+rename)",
+        baseline=1 / t_base,
+        higher_is_better=True,
+        target=0.9,
+        target_kind="min",
         note=f"{WORKERS} threads each, interleaved in chunks of {CHUNK}{_paired_note(got)}",
         params={"size": rig.size, "panel": "disk tier", "series": "write-through"},
     )
@@ -341,22 +351,39 @@ def bench_read(rig: _Rig, opts: BenchOptions, root: str) -> list[Result]:
     try:
         cold = interleaved(len(keys), opts.reps, opts.warmup, make(True), before_cold)
         hot = interleaved(len(keys), opts.reps, opts.warmup, make(False))
-        (c_tier, c_raw), (h_tier, h_raw) = cold, hot
     finally:
         rig.run(be.close())
+    return _read_rows(rig, len(keys), cold, hot, how["cold"])
+
+
+def _read_rows(rig: _Rig, n: int, cold: Interleaved, hot: Interleaved, cold_how: str) -> list[Result]:
+    """The cold and hot read rows of :func:`bench_read` (``cold_how``: how the page cache was dropped)."""
+    (c_tier, c_raw), (h_tier, h_raw) = cold, hot
     common = {"size": rig.size, "panel": "disk tier"}
     return [
         Result(
-            SUITE, f"cold read + verify {len(keys)} x {rig.size >> 10} KiB", 1 / c_tier, "files/s",
-            baseline_name="raw readinto of the same files", baseline=1 / c_raw, higher_is_better=True,
-            target=0.8, target_kind="min",
-            note=f"page cache dropped ({how['cold']}; per chunk: fadvise){_paired_note(cold)}",
+            SUITE,
+            f"cold read + verify {n} x {rig.size >> 10} KiB",
+            1 / c_tier,
+            "files/s",
+            baseline_name="raw readinto of the same files",
+            baseline=1 / c_raw,
+            higher_is_better=True,
+            target=0.8,
+            target_kind="min",
+            note=f"page cache dropped ({cold_how}; per chunk: fadvise){_paired_note(cold)}",
             params={**common, "series": "cold read"},
         ),
         Result(
-            SUITE, f"hot read + verify {len(keys)} x {rig.size >> 10} KiB", 1 / h_tier, "files/s",
-            baseline_name="raw readinto of the same files", baseline=1 / h_raw, higher_is_better=True,
-            note=f"page cache (reference){_paired_note(hot)}", params={**common, "series": "hot read"},
+            SUITE,
+            f"hot read + verify {n} x {rig.size >> 10} KiB",
+            1 / h_tier,
+            "files/s",
+            baseline_name="raw readinto of the same files",
+            baseline=1 / h_raw,
+            higher_is_better=True,
+            note=f"page cache (reference){_paired_note(hot)}",
+            params={**common, "series": "hot read"},
         ),
     ]
 
@@ -386,11 +413,24 @@ def bench_rebuild(rig: _Rig, opts: BenchOptions, root: str) -> list[Result]:
     cold = alternate([lambda: once(True)], reps=max(3, opts.reps // 2), warmup=0)[0]
     n = len(paths)
     return [
-        Result(SUITE, f"index rebuild, {n} entries (warm)", n / warm, "entries/s",
-               higher_is_better=True, target=None if opts.quick else 20_000, target_kind="min",
-               note="headers in page cache" + ("; quick: the 256 shard scans dominate" if opts.quick else "")),
-        Result(SUITE, f"index rebuild, {n} entries (cold)", n / cold, "entries/s",
-               higher_is_better=True, note="page cache dropped first (reference)"),
+        Result(
+            SUITE,
+            f"index rebuild, {n} entries (warm)",
+            n / warm,
+            "entries/s",
+            higher_is_better=True,
+            target=None if opts.quick else 20_000,
+            target_kind="min",
+            note="headers in page cache" + ("; quick: the 256 shard scans dominate" if opts.quick else ""),
+        ),
+        Result(
+            SUITE,
+            f"index rebuild, {n} entries (cold)",
+            n / cold,
+            "entries/s",
+            higher_is_better=True,
+            note="page cache dropped first (reference)",
+        ),
     ]
 
 
@@ -459,17 +499,36 @@ def bench_io_style(rig: _Rig, opts: BenchOptions) -> list[Result]:
     reps, warm = opts.reps, opts.warmup
     wr = interleaved(n, reps, warm, [timed(aio_write), timed(ex_write)], clean)
     rd = interleaved(n, reps, warm, [timed(aio_read), timed(ex_read)])
-    (w_aio, w_ex), (r_aio, r_ex) = wr, rd
     shutil.rmtree(d, ignore_errors=True)
+    return _io_style_rows(rig, n, wr, rd)
+
+
+def _io_style_rows(rig: _Rig, n: int, wr: Interleaved, rd: Interleaved) -> list[Result]:
+    """The write and hot-read rows of :func:`bench_io_style` (aiofiles first, executor jobs second)."""
+    (w_aio, w_ex), (r_aio, r_ex) = wr, rd
     note = "both from asyncio, same threads; the tier uses the faster"
     kib = rig.size >> 10
     return [
-        Result(SUITE, f"aiofiles write {n} x {kib} KiB", 1 / w_aio, "files/s",
-               baseline_name="one executor job per file", baseline=1 / w_ex, higher_is_better=True,
-               note=note + _paired_note(wr)),
-        Result(SUITE, f"aiofiles hot read {n} x {kib} KiB", 1 / r_aio, "files/s",
-               baseline_name="one executor job per file", baseline=1 / r_ex, higher_is_better=True,
-               note=note + _paired_note(rd)),
+        Result(
+            SUITE,
+            f"aiofiles write {n} x {kib} KiB",
+            1 / w_aio,
+            "files/s",
+            baseline_name="one executor job per file",
+            baseline=1 / w_ex,
+            higher_is_better=True,
+            note=note + _paired_note(wr),
+        ),
+        Result(
+            SUITE,
+            f"aiofiles hot read {n} x {kib} KiB",
+            1 / r_aio,
+            "files/s",
+            baseline_name="one executor job per file",
+            baseline=1 / r_ex,
+            higher_is_better=True,
+            note=note + _paired_note(rd),
+        ),
     ]
 
 

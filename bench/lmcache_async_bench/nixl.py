@@ -242,9 +242,7 @@ class _TierRounds:
         return t
 
 
-async def _measure_pair(
-    opts: BenchOptions, rounds: _TierRounds, bare: _Bare
-) -> tuple[float, float, float, float]:
+async def _measure_pair(opts: BenchOptions, rounds: _TierRounds, bare: _Bare) -> tuple[float, float, float, float]:
     """Median seconds of (tier put, bare write, tier get, bare read), rounds interleaved.
     The bare write goes to new files when the tier's round starts from an empty tier."""
     tp: list[float] = []
@@ -291,10 +289,79 @@ async def _disk_backend(fx: _Fixture, loop: asyncio.AbstractEventLoop, budget_gi
     return be
 
 
-async def _bench_size(opts: BenchOptions, entry_bytes: int, count: int, label: str, workdir: Path) -> list[Result]:
+async def _variant_rows(
+    opts: BenchOptions,
+    fx: _Fixture,
+    bare: _Bare,
+    variant: tuple[str, int, str, bool],
+    label: str,
+    budget: int,
+    workdir: Path,
+) -> tuple[list[Result], float, float]:
+    """One NIXL-tier variant (layout, pool size, call style, fresh files) against the bare NIXL
+    transfers: its put and get rows, and its put and get seconds."""
     from lmcache_async.nixl.tier import NixlBackend, NixlSettings
 
-    loop = asyncio.get_running_loop()
+    layout, pool_size, calls, fresh = variant
+    count, total = fx.count, fx.entry_bytes * fx.count
+    root = workdir / f"nixl-{layout}"
+    settings = NixlSettings(plugin="POSIX", path=str(root), pool_size=pool_size, max_bytes=budget)
+    be = NixlBackend(fx.context(asyncio.get_running_loop()), settings)
+    await be.start()
+    mode = "fresh files" if fresh else layout
+    try:
+        opts.say(f"nixl {label} {mode} {calls}")
+        tp, bp, tg, bg = await _measure_pair(opts, _TierRounds(fx, be, calls, fresh), bare)
+    finally:
+        await be.clear()
+        await be.close()
+        shutil.rmtree(root, ignore_errors=True)
+    put_how, get_how = {
+        "one": ("put", "get"),
+        "concurrent": (f"{count} put in flight", f"{count} get in flight"),
+        "batched": ("batched_put", "batched_get"),
+    }[calls]
+    note = f"{count} x {label}, {mode}" + ("" if fresh else ", tier full (each put evicts)")
+    # Transfer-bound figures carry the target; per-call ones of small entries are
+    # bound by the thread hand-off of each call (see the module docstring).
+    target = TARGET if fx.entry_bytes >= 8 * MiB or calls == "batched" else None
+    if target is None:
+        note += "; per-call latency, informational"
+    rows = [
+        Result(SUITE, f"{put_how} {label} ({mode})", _gbps(total, tp), "GB/s",
+               "bare NIXL write" + (" to new files" if fresh else ""), _gbps(total, bp),
+               higher_is_better=True, target=target, target_kind="min", note=note),
+        Result(SUITE, f"{get_how} {label} ({mode})", _gbps(total, tg), "GB/s", "bare NIXL read", _gbps(total, bg),
+               higher_is_better=True, target=target, target_kind="min", note=note),
+    ]  # fmt: skip
+    return rows, tp, tg
+
+
+async def _disk_rows(
+    opts: BenchOptions, fx: _Fixture, bare: _Bare, label: str, budget: int, nixl_put: float, nixl_get: float
+) -> list[Result]:
+    """The disk tier on the same filesystem and budget, beside the NIXL tier's file layout."""
+    total = fx.entry_bytes * fx.count
+    disk = await _disk_backend(fx, asyncio.get_running_loop(), budget / (1 << 30))  # same budget: steady state too
+    if isinstance(disk, str):
+        return [Result(SUITE, f"disk tier {label}", float("nan"), "GB/s", note=disk)]
+    try:
+        opts.say(f"disk {label}")
+        tp, _, tg, _ = await _measure_pair(opts, _TierRounds(fx, disk, calls="one", fresh=False), bare)
+    finally:
+        await disk.clear()
+        await disk.close()
+    note = f"{fx.count} x {label}, same filesystem"
+    return [
+        Result(SUITE, f"disk tier put {label}", _gbps(total, tp), "GB/s", "nixl tier put (files)", nixl_put,
+               higher_is_better=True, note=note),
+        Result(SUITE, f"disk tier get {label}", _gbps(total, tg), "GB/s", "nixl tier get (files)", nixl_get,
+               higher_is_better=True, note=note),
+    ]  # fmt: skip
+
+
+async def _bench_size(opts: BenchOptions, entry_bytes: int, count: int, label: str, workdir: Path) -> list[Result]:
+    """Every variant of the NIXL tier at one entry size, then the disk tier beside its file layout."""
     fx = _Fixture(entry_bytes, count, workdir)
     total = entry_bytes * count
     # Room for exactly ``count`` records: in the steady state every put evicts one entry.
@@ -306,61 +373,24 @@ async def _bench_size(opts: BenchOptions, entry_bytes: int, count: int, label: s
     try:
         # (layout, nixl_pool_size, calls, fresh)
         variants: list[tuple[str, int, str, bool]] = [
-            ("files", 0, "one", False), ("slots", count, "one", False), ("files", 0, "one", True)
+            ("files", 0, "one", False),
+            ("slots", count, "one", False),
+            ("files", 0, "one", True),
         ]
         if entry_bytes < 8 * MiB:
-            variants += [(layout, size, calls, False) for calls in ("concurrent", "batched")
-                         for layout, size in (("files", 0), ("slots", count))]
-        for layout, pool_size, calls, fresh in variants:
-            root = workdir / f"nixl-{layout}"
-            settings = NixlSettings(plugin="POSIX", path=str(root), pool_size=pool_size, max_bytes=budget)
-            be = NixlBackend(fx.context(loop), settings)
-            await be.start()
-            mode = "fresh files" if fresh else layout
-            try:
-                opts.say(f"nixl {label} {mode} {calls}")
-                tp, bp, tg, bg = await _measure_pair(opts, _TierRounds(fx, be, calls, fresh), bare)
-            finally:
-                await be.clear()
-                await be.close()
-                shutil.rmtree(root, ignore_errors=True)
-            put_how, get_how = {
-                "one": ("put", "get"),
-                "concurrent": (f"{count} put in flight", f"{count} get in flight"),
-                "batched": ("batched_put", "batched_get"),
-            }[calls]
-            note = f"{count} x {label}, {mode}" + ("" if fresh else ", tier full (each put evicts)")
-            # Transfer-bound figures carry the target; per-call ones of small entries are
-            # bound by the thread hand-off of each call (see the module docstring).
-            target = TARGET if entry_bytes >= 8 * MiB or calls == "batched" else None
-            if target is None:
-                note += "; per-call latency, informational"
-            out.append(Result(SUITE, f"{put_how} {label} ({mode})", _gbps(total, tp), "GB/s",
-                              "bare NIXL write" + (" to new files" if fresh else ""), _gbps(total, bp),
-                              higher_is_better=True, target=target, target_kind="min", note=note))
-            out.append(Result(SUITE, f"{get_how} {label} ({mode})", _gbps(total, tg), "GB/s",
-                              "bare NIXL read", _gbps(total, bg), higher_is_better=True,
-                              target=target, target_kind="min", note=note))
+            variants += [
+                (layout, size, calls, False)
+                for calls in ("concurrent", "batched")
+                for layout, size in (("files", 0), ("slots", count))
+            ]
+        for variant in variants:
+            rows, tp, tg = await _variant_rows(opts, fx, bare, variant, label, budget, workdir)
+            out.extend(rows)
+            layout, _, calls, fresh = variant
             if calls == "one" and not fresh:
                 nixl_put[layout] = _gbps(total, tp)
                 nixl_get[layout] = _gbps(total, tg)
-        disk = await _disk_backend(fx, loop, budget / (1 << 30))  # same budget: steady state too
-        if isinstance(disk, str):
-            out.append(Result(SUITE, f"disk tier {label}", float("nan"), "GB/s", note=disk))
-        else:
-            try:
-                opts.say(f"disk {label}")
-                rounds = _TierRounds(fx, disk, calls="one", fresh=False)
-                tp, _, tg, _ = await _measure_pair(opts, rounds, bare)
-            finally:
-                await disk.clear()
-                await disk.close()
-            out.append(Result(SUITE, f"disk tier put {label}", _gbps(total, tp), "GB/s",
-                              "nixl tier put (files)", nixl_put["files"], higher_is_better=True,
-                              note=f"{count} x {label}, same filesystem"))
-            out.append(Result(SUITE, f"disk tier get {label}", _gbps(total, tg), "GB/s",
-                              "nixl tier get (files)", nixl_get["files"], higher_is_better=True,
-                              note=f"{count} x {label}, same filesystem"))
+        out.extend(await _disk_rows(opts, fx, bare, label, budget, nixl_put["files"], nixl_get["files"]))
     finally:
         bare.close()
         fx.close()
@@ -401,8 +431,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workdir", default=None, help="directory for the files (default: a temp dir)")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
-    opts = BenchOptions(reps=max(args.reps, 1), quick=args.quick, workdir=args.workdir,
-                        progress=(lambda m: print(f"... {m}", flush=True)) if args.verbose else None)
+    opts = BenchOptions(
+        reps=max(args.reps, 1),
+        quick=args.quick,
+        workdir=args.workdir,
+        progress=(lambda m: print(f"... {m}", flush=True)) if args.verbose else None,
+    )
     print(format_table(run(opts)))
 
 
