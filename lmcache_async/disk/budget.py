@@ -46,6 +46,22 @@ from lmcache_async.disk.layout import (
     shard_name,
 )
 
+__all__ = [
+    "ACCT_MAGIC",
+    "ACCT_SIZE",
+    "ACCT_VERSION",
+    "DIRTY_ALL",
+    "DIRTY_NONE",
+    "AccountingFormatError",
+    "DirBudget",
+    "EntryFile",
+    "Ledger",
+    "Repairs",
+    "ShardListing",
+    "list_shard",
+    "read_accounting",
+]
+
 ACCT_MAGIC = b"LMCDACCT"
 ACCT_VERSION = 1
 _HEAD = struct.Struct("<8sIiQQQ")  # magic, version, dirty, total bytes, total files, generation
@@ -319,8 +335,7 @@ class DirBudget:
             version = _HEAD.unpack_from(head, 0)[1]
             if version != ACCT_VERSION:
                 raise AccountingFormatError(
-                    f"{self.path} has accounting format version {version}; this release "
-                    f"reads version {ACCT_VERSION}"
+                    f"{self.path} has accounting format version {version}; this release reads version {ACCT_VERSION}"
                 )
         # Blocks must exist before stores go through the mapping: a store into a hole of a
         # mapped file on a full filesystem would kill the process with SIGBUS.

@@ -32,6 +32,37 @@ from lmcache_async.record_files import write_all as write_all
 from lmcache_async.record_files import writer_alive as writer_alive
 from lmcache_async.records import RecordError
 
+__all__ = [
+    "ACCT_NAME",
+    "DIGEST_LEN",
+    "DIR_MODE",
+    "ENTRY_SUFFIX",
+    "FILE_MODE",
+    "HOST_TAG",
+    "NUM_SHARDS",
+    "TMP_OLD_S",
+    "TMP_SUFFIX",
+    "drop_from_page_cache",
+    "ensure_dir",
+    "entry_key",
+    "entry_path",
+    "fsync_dir",
+    "is_shard_name",
+    "key_digest",
+    "make_private_dirs",
+    "parse_entry_name",
+    "parse_tmp_name",
+    "process_start_time",
+    "publish_noreplace",
+    "read_exact_into",
+    "reap_temp",
+    "shard_name",
+    "tmp_name",
+    "tmp_reapable",
+    "write_all",
+    "writer_alive",
+]
+
 NUM_SHARDS = 256
 ENTRY_SUFFIX = ".lmc"
 TMP_SUFFIX = TEMP_SUFFIX

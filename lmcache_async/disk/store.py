@@ -9,6 +9,10 @@ open, write or read, close), never run on the event loop. It owns
   order is directory lock -> index lock;
 * the write stop/resume state and the counters reported by ``stats()``.
 
+This module holds the whole-file operations (write, read, start-up scan); the index, counters
+and write stop/resume state are :mod:`.store_state`, deletion, eviction and accounting repair
+:mod:`.store_removal`.
+
 Nothing here trusts a file: every read checks the record (:mod:`lmcache_async.records`), and a
 damaged, truncated or foreign file is deleted and counted. A write that finds a record already at
 its key's name checks it the same way (:meth:`DiskStore.write`): a valid one is kept, a damaged or
@@ -21,29 +25,15 @@ entry without a file (:meth:`DiskStore._note_present`).
 
 from __future__ import annotations
 
-import errno
 import functools
-import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal
 
-from lmcache_async.disk.budget import (
-    DirBudget,
-    EntryFile,
-    Ledger,
-    Repairs,
-    ShardListing,
-    list_shard,
-)
+from lmcache_async.disk.budget import EntryFile, list_shard
 from lmcache_async.disk.layout import (
     ENTRY_SUFFIX,
-    NUM_SHARDS,
     ensure_dir,
-    entry_key,
-    entry_path,
     fsync_dir,
     key_digest,
     publish_noreplace,
@@ -52,10 +42,19 @@ from lmcache_async.disk.layout import (
     tmp_name,
     write_all,
 )
+from lmcache_async.disk.store_removal import StoreRemoval
+from lmcache_async.disk.store_state import (
+    COUNTERS,
+    EXISTS,
+    FAILED,
+    NO_SPACE,
+    STORED,
+    WRITE_STOP_ERRNOS,
+    FsyncPolicy,
+)
 from lmcache_async.encryption import new_buffer
 from lmcache_async.lru import LruIndex
 from lmcache_async.memory import MemoryObj
-from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.read_sinks import ReadSink
 from lmcache_async.record_files import payload_problem, payload_problem_views, read_header, verified_header
 from lmcache_async.record_sections import SEAL_SECTION_LEN
@@ -67,378 +66,28 @@ from lmcache_async.records import (
     header_length,
     payload_checksum,
 )
-from lmcache_async.tiers import Allocate, RemovalReason
+from lmcache_async.tiers import Allocate
 
-if TYPE_CHECKING:
-    from lmcache_async.encryption import RecordCipher
+__all__ = [
+    "COUNTERS",
+    "EXISTS",
+    "FAILED",
+    "NO_SPACE",
+    "STORED",
+    "WRITE_STOP_ERRNOS",
+    "DiskStore",
+    "FsyncPolicy",
+]
 
-logger = logging.getLogger("lmcache_async.disk.tier")
-
-FsyncPolicy = Literal["none", "data", "full"]
-
-WRITE_STOP_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG})
-"""Errors that stop writes for a back-off (disk full, quota, read-only, permission, too big)."""
 _TOUCH_AFTER_S = 60.0  # refresh a file's mtime on read at most this often
 _PUBLISH_TRIES = 4  # publish attempts of one write, each after a damaged record at its name went
-_LOG_EVERY_S = 5.0
-
-# outcomes of write()
-STORED = "stored"
-EXISTS = "exists"
-NO_SPACE = "no_space"
-FAILED = "failed"
-
-COUNTERS = (
-    "evictions",
-    "corrupt",
-    "vanished",
-    "write_errors",
-    "writes_refused",
-    "no_space",
-    "read_errors",
-    "alloc_failures",
-    "tmp_reaped",
-    "stored",
-    "read_hits",
-    "read_mismatch",
-    "foreign_key",
-)
 _SKIP = "skip"  # a payload reader declined the record (see DiskStore._read_record)
 
 
-class DiskStore:
+class DiskStore(StoreRemoval):
     """Blocking, thread-safe file operations over one disk-tier directory (see the module
     docstring). ``write_retry_s`` is the first back-off after writes stopped on a storage error
     (doubling up to ``write_retry_max_s``)."""
-
-    def __init__(
-        self,
-        root: str,
-        budget_bytes: int,
-        *,
-        fsync: FsyncPolicy = "none",
-        write_retry_s: float = 1.0,
-        write_retry_max_s: float = 30.0,
-        cipher: RecordCipher | None = None,
-    ) -> None:
-        self.root = root
-        self.budget_bytes = budget_bytes
-        self.on_removed: Callable[[list[str], RemovalReason], None] | None = None
-        """Told the key strings of entries the store dropped on its own and why: budget
-        evictions (EVICTED), files found deleted behind its back (DELETED), records found
-        damaged and deleted (DAMAGED). Called on the thread that found them, possibly under the
-        directory lock: it must be quick and must not call back into the store. Only entries
-        whose key is known are reported (kept in the index, else read from the record header)."""
-        self.cipher = cipher
-        """Seals written records and opens read ones (None: plain records only)."""
-        self._key_id = cipher.key_id if cipher is not None else None
-        self.fsync: FsyncPolicy = fsync
-        self._budget = DirBudget(root)
-        # digest -> its key string when this process wrote or read it (None: found by the scan;
-        # the record header names it), weighted by the file's bytes, LRU first
-        self._index: LruIndex[bytes, str | None] = LruIndex()
-        self._ilock = threading.Lock()
-        self._scan_removed: set[bytes] | None = None
-        self._scan_cleared = False
-        self._evict_cursor = 0
-        self.closed = False
-        self._log = RateLimitedLog(logger, _LOG_EVERY_S)
-        self._retry_base = write_retry_s
-        self._retry_max = write_retry_max_s
-        self._w_lock = threading.Lock()
-        self._w_stopped = False
-        self._w_backoff = 0.0
-        self._w_retry_at = 0.0
-        self._clock = threading.Lock()
-        self._c: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-
-    # ---- small helpers ---------------------------------------------------------------------------
-    def count(self, name: str, n: int = 1) -> None:
-        """Add ``n`` to the counter ``name`` (thread-safe)."""
-        with self._clock:
-            self._c[name] += n
-
-    def warn(self, category: str, msg: str, *args: Any) -> None:
-        """Log a warning, at most one per ``category`` every few seconds (thread-safe)."""
-        self._log.warning(msg, *args, key=category)
-
-    def counters(self) -> dict[str, int]:
-        with self._clock:
-            return dict(self._c)
-
-    @property
-    def budget(self) -> DirBudget:
-        return self._budget
-
-    @property
-    def writes_stopped(self) -> bool:
-        return self._w_stopped
-
-    def __len__(self) -> int:
-        return len(self._index)
-
-    def __contains__(self, digest: bytes) -> bool:
-        """Index membership (lock-free; any thread)."""
-        return digest in self._index
-
-    def begin_scan(self) -> None:
-        """Remember removals from now on, so a scan does not re-add what was removed meanwhile."""
-        with self._ilock:
-            self._scan_removed = set()
-            self._scan_cleared = False
-
-    def abort_scan(self) -> None:
-        with self._ilock:
-            self._scan_removed = None
-            self._scan_cleared = False
-
-    def close(self) -> None:
-        self.closed = True
-        self._budget.close()
-
-    def _path(self, digest: bytes) -> str:
-        return entry_path(self.root, digest)
-
-    def _report(self, kstrs: list[str], reason: RemovalReason) -> None:
-        """Hand ``kstrs`` to :attr:`on_removed` (nothing for none; its errors are dropped)."""
-        listener = self.on_removed
-        if listener is None or not kstrs:
-            return
-        try:
-            listener(kstrs, reason)
-        except Exception:  # pragma: no cover - a listener must not break the store
-            logger.debug("disk tier: removal listener failed", exc_info=True)
-
-    def _note_removed(self, digest: bytes) -> None:
-        """Forget ``digest`` (index lock NOT held by the caller)."""
-        with self._ilock:
-            self._index.pop(digest)
-            if self._scan_removed is not None:
-                self._scan_removed.add(digest)
-
-    def _note_present(self, digest: bytes, size: int, still_there: Callable[[], bool], kstr: str) -> None:
-        """Index ``digest`` under its key string ``kstr`` (most recently used) unless its file
-        was deleted meanwhile.
-
-        ``still_there`` looks at the file again *after* the insertion: a deletion racing this
-        either comes later and forgets the entry itself (every deletion unlinks first, then
-        forgets), or has unlinked already and is seen here. At worst a record published again
-        in between drops out of the index, which only costs a lookup an ``os.stat``.
-        """
-        with self._ilock:
-            self._index.put(digest, kstr, size)
-            if self._scan_removed is not None:
-                self._scan_removed.discard(digest)
-        try:
-            there = still_there()
-        except OSError:
-            there = False
-        if not there:
-            self._note_removed(digest)
-
-    # ---- write stop / resume ------------------------------------------------------------------
-    def writes_allowed(self) -> bool:
-        return not self._w_stopped or time.monotonic() >= self._w_retry_at
-
-    def _write_failed(self, exc: OSError, what: str) -> None:
-        self.count("write_errors")
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # the filesystem (not the budget) is full
-            self.count("no_space")
-        if exc.errno not in WRITE_STOP_ERRNOS:
-            self.warn("write", "disk tier: %s failed: %s", what, exc)
-            return
-        with self._w_lock:
-            first = not self._w_stopped
-            now = time.monotonic()
-            if first:
-                self._w_backoff = self._retry_base
-            elif now >= self._w_retry_at:  # a retry after the back-off failed: back off longer
-                self._w_backoff = min(self._w_backoff * 2, self._retry_max)
-            else:  # one more write that was already in flight when writes stopped
-                return
-            self._w_stopped = True
-            self._w_retry_at = now + self._w_backoff
-        if first:
-            logger.warning(
-                "disk tier %s: writes stopped (%s); reads go on, writes are retried after a back-off",
-                self.root,
-                exc,
-            )
-
-    def _write_ok(self) -> None:
-        if not self._w_stopped:
-            return
-        with self._w_lock:
-            was = self._w_stopped
-            self._w_stopped = False
-            self._w_backoff = 0.0
-        if was:
-            logger.warning("disk tier %s: writes resumed", self.root)
-
-    # ---- removal primitives (directory lock held) ----------------------------------------------
-    def _unlink_entry(
-        self,
-        led: Ledger,
-        digest: bytes,
-        expect_ino: int | None = None,
-        *,
-        repairs: Repairs | None = None,
-    ) -> int | None:
-        """Delete the entry file of ``digest`` (only if it is inode ``expect_ino`` when given);
-        bytes freed, or None when nothing was deleted. The accounting follows.
-
-        ``repairs``: the caller knew the file (an indexed entry). If it is already gone, it was
-        deleted behind the tier's back (or by another process) and the accounting may still
-        count it: its shard is recounted (see :class:`Repairs`).
-        """
-        path = self._path(digest)
-        missing = False
-
-        def fn() -> tuple[int, int]:
-            nonlocal missing
-            try:
-                st = os.stat(path, follow_symlinks=False)
-            except FileNotFoundError:
-                missing = True
-                return 0, 0
-            if expect_ino is not None and st.st_ino != expect_ino:
-                return 0, 0  # replaced by a fresh record since the caller looked
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                missing = True
-                return 0, 0
-            return -st.st_size, -1
-
-        db, df = led.change(digest[0], fn)
-        self._note_removed(digest)
-        if df:
-            return -db
-        if missing and repairs is not None:
-            repairs.shard(led, digest[0])
-        return None
-
-    def _pop_victim(self, exclude: bytes | None) -> tuple[bytes, str | None] | None:
-        with self._ilock:
-            return self._index.pop_oldest(None if exclude is None else lambda d, _kstr: d == exclude)
-
-    def _evict_unindexed(
-        self, led: Ledger, need: int, exclude: bytes | None, repairs: Repairs, evicted: list[str]
-    ) -> bool:
-        """Evict files this process has not indexed (oldest mtime first, shard by shard) until
-        ``need`` more bytes fit in the budget, appending the key each record header names to
-        ``evicted``. A shard whose accounting claims more bytes than its files hold (files
-        deleted behind the tier's back) is recounted instead of paying for the missing bytes
-        with real entries. True when anything was evicted or recounted."""
-        budget = self.budget_bytes
-        progress = False
-        for _ in range(NUM_SHARDS):
-            if led.total_bytes + need <= budget:
-                break
-            shard = self._evict_cursor
-            self._evict_cursor = (shard + 1) % NUM_SHARDS
-            listing = list_shard(self.root, shard)
-            if sum(e.size for e in listing.entries) < led.shard(shard)[0]:
-                fresh = repairs.shard(led, shard)
-                if fresh is not None:
-                    listing = fresh
-                    progress = True
-                    if led.total_bytes + need <= budget:
-                        break
-            for e in sorted(listing.entries, key=lambda e: e.mtime_ns):
-                if led.total_bytes + need <= budget:
-                    return True
-                if e.digest == exclude:
-                    continue
-                kstr = entry_key(self.root, e.digest)
-                if self._unlink_entry(led, e.digest, e.ino) is not None:
-                    self.count("evictions")
-                    progress = True
-                    if kstr is not None:
-                        evicted.append(kstr)
-        return progress
-
-    def _make_room(self, led: Ledger, need: int, exclude: bytes | None) -> bool:
-        """Evict (LRU) until ``need`` more bytes fit in the budget; False when they cannot.
-
-        Self-repairing (:class:`Repairs`): an indexed victim whose file is already gone has its
-        shard recounted, and when nothing at all can be evicted while the accounting says the
-        directory is over budget, every shard is recounted once before giving up (files deleted
-        behind the tier's back must not refuse writes until the next start)."""
-        budget = self.budget_bytes
-        if need > budget:
-            return False
-        repairs = Repairs()
-        evicted: list[str] = []
-        vanished: list[str] = []
-        try:
-            while led.total_bytes + need > budget:
-                victim = self._pop_victim(exclude)
-                if victim is None:
-                    if self._evict_unindexed(led, need, exclude, repairs, evicted) or repairs.everything(led):
-                        continue
-                    return False
-                digest, kstr = victim
-                if kstr is None:  # found by the scan: its record header names it
-                    kstr = entry_key(self.root, digest)
-                if self._unlink_entry(led, digest, repairs=repairs) is not None:
-                    self.count("evictions")
-                    if kstr is not None:
-                        evicted.append(kstr)
-                elif kstr is not None:  # its file was already gone
-                    vanished.append(kstr)
-            return True
-        finally:
-            self._report(evicted, RemovalReason.EVICTED)
-            self._report(vanished, RemovalReason.DELETED)
-
-    def _discard_corrupt(self, digest: bytes, ino: int, why: str, kstr: str | None = None) -> None:
-        """Count and delete a damaged file (unless a fresh record replaced it meanwhile); the
-        key ``kstr`` (when known) is reported DAMAGED unless a fresh record replaced it."""
-        self.count("corrupt")
-        self.warn("corrupt", "disk tier: %s is damaged (%s); deleted", self._path(digest), why)
-        try:
-            with self._budget.locked() as led:
-                self._unlink_entry(led, digest, ino)
-                led.recount(digest[0])  # its size may have changed behind the accounting
-        except OSError as exc:  # read-only filesystem: it stays, and stays a miss
-            self._note_removed(digest)
-            self.warn("corrupt-rm", "disk tier: cannot delete a damaged file: %s", exc)
-        if kstr is not None and not _replaced(self._path(digest), ino):
-            self._report([kstr], RemovalReason.DAMAGED)
-
-    def forget_vanished(self, digest: bytes, kstr: str | None = None) -> bool:
-        """A lookup found no file for ``digest`` (the entry of ``kstr``, when the caller knows
-        it): drop its index entry (any thread, no I/O).
-
-        True when it was indexed (counted as ``vanished``, its key reported DELETED): the file
-        was deleted behind the tier's back and the accounting may still count it, so the caller
-        has its shard recounted (:meth:`repair_shard`)."""
-        with self._ilock:
-            known = digest in self._index
-            if known:
-                kstr = self._index.pop(digest) or kstr
-                if self._scan_removed is not None:
-                    self._scan_removed.add(digest)
-        if known:
-            self.count("vanished")
-            self._report([kstr] if kstr is not None else [], RemovalReason.DELETED)
-        return known
-
-    def repair_shard(self, shard: int) -> None:
-        """Recount ``shard`` (all of them when it counted bytes of missing files; see
-        :class:`Repairs`) under the directory lock. Blocking; failures are ignored (the next
-        holder of the lock, or the next start, repairs it)."""
-        try:
-            with self._budget.locked() as led:
-                Repairs().shard(led, shard)
-        except OSError:
-            pass
-
-    def _vanished(self, digest: bytes, kstr: str) -> None:
-        """A file the index knew is gone: forget it and repair the shard's accounting."""
-        if self.forget_vanished(digest, kstr):
-            self.repair_shard(digest[0])
 
     # ---- whole-file operations (executor threads) ------------------------------------------------
     def write(self, digest: bytes, kstr: str, obj: MemoryObj) -> str:
@@ -725,39 +374,6 @@ class DiskStore:
 
         return self._read_record(digest, kstr, land)
 
-    def remove(self, digest: bytes) -> bool:
-        """Delete the entry; True when a file was deleted. An indexed entry whose file is gone
-        has its shard recounted (it was deleted behind the tier's back)."""
-        repairs = Repairs() if digest in self._index else None
-        with self._budget.locked() as led:
-            return self._unlink_entry(led, digest, repairs=repairs) is not None
-
-    def clear(self) -> None:
-        for shard in range(NUM_SHARDS):
-            with self._budget.locked() as led:
-                listing = list_shard(self.root, shard)
-                if listing.entries or led.shard(shard) != (0, 0):
-                    kstrs = self._keys_of(listing) if self.on_removed is not None else []
-                    led.delete_listed(listing)
-                    self._report(kstrs, RemovalReason.DELETED)
-        with self._ilock:
-            self._index.clear()
-            if self._scan_removed is not None:
-                self._scan_removed = set()
-                self._scan_cleared = True
-
-    def _keys_of(self, listing: ShardListing) -> list[str]:
-        """The key strings of the entries in ``listing`` (from the index, else from each record
-        header; entries whose key cannot be read are left out)."""
-        with self._ilock:
-            known = [self._index.get(e.digest) for e in listing.entries]
-        out = []
-        for e, kstr in zip(listing.entries, known, strict=True):
-            kstr = kstr if kstr is not None else entry_key(self.root, e.digest)
-            if kstr is not None:
-                out.append(kstr)
-        return out
-
     def scan_group(self, shards: list[int]) -> list[tuple[int, bytes, int]]:
         """Recount ``shards`` exactly (under the lock), reap dead writers' temporary files and
         read every record header; ``(mtime_ns, digest, size)`` of the valid entries."""
@@ -833,10 +449,6 @@ class DiskStore:
             self._index = merged
             return len(merged)
 
-    def evict_to_budget(self) -> None:
-        with self._budget.locked() as led:
-            self._make_room(led, 0, None)
-
 
 def _exists(path: str) -> bool:
     try:
@@ -844,14 +456,6 @@ def _exists(path: str) -> bool:
     except FileNotFoundError:
         return False
     return True
-
-
-def _replaced(path: str, ino: int) -> bool:
-    """True when ``path`` now holds another file than inode ``ino`` (a fresh record)."""
-    try:
-        return os.stat(path, follow_symlinks=False).st_ino != ino
-    except OSError:
-        return False
 
 
 def _linked(fd: int) -> bool:

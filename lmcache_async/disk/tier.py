@@ -1,10 +1,11 @@
 """The local disk tier (``local_disk``, ``max_local_disk_size`` GiB, ``local_disk_fsync``).
 
 One self-describing record file per entry (:mod:`lmcache_async.records`), named after a hash of
-the key string in one of 256 shard directories (:mod:`.disk_layout`). This module is the async
+the key string in one of 256 shard directories (:mod:`.layout`). This module is the async
 half (event loop: batching, de-duplication, cancellation, start-up); the blocking whole-file
-operations, the index and the counters live in :mod:`.disk_store`, the shared budget in
-:mod:`.disk_budget`. Contract on top of :class:`~lmcache_async.tiers.StorageBackend`:
+operations, the index and the counters live in :mod:`.store`, the shared budget in
+:mod:`.budget`, the awaiting of executor jobs in :mod:`.executor_jobs`. Contract on top of
+:class:`~lmcache_async.tiers.StorageBackend`:
 
 * **Atomic publish.** A record is written to a unique temporary name in its shard directory and
   renamed to its final name without replacing an existing one, so readers see a whole record or
@@ -55,11 +56,11 @@ import errno
 import functools
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from lmcache_async.disk.executor_jobs import await_job, gather_jobs, release, release_refs
 from lmcache_async.disk.layout import NUM_SHARDS, entry_path, key_digest
 from lmcache_async.disk.store import EXISTS, STORED, DiskStore, FsyncPolicy
 from lmcache_async.encryption import RecordCipher, cipher_for
@@ -165,56 +166,8 @@ class DiskBackend(StorageBackend):
         cf.add_done_callback(self._jobs.discard)
         return cf
 
-    @staticmethod
-    async def _await(cf: concurrent.futures.Future[T], orphan: Callable[[T], None] | None = None) -> T:
-        """Await an executor job; if the caller is cancelled while the job runs, ``orphan``
-        receives the job's result once it finishes (so buffers it allocated are released)."""
-        try:
-            return await asyncio.wrap_future(cf)
-        except asyncio.CancelledError:
-            if orphan is not None:
-                cf.add_done_callback(functools.partial(_orphan_cb, orphan))
-            raise
-
-    @staticmethod
-    async def _gather(
-        cfs: Sequence[concurrent.futures.Future[T]], orphan: Callable[[T], None] | None = None
-    ) -> list[T | BaseException]:
-        """Await executor jobs with one loop wake-up for all of them; each job's result, or
-        the exception it raised. On cancellation, jobs not yet started are cancelled and
-        ``orphan`` receives the results of those still running once they finish."""
-        if not cfs:
-            return []
-        loop = asyncio.get_running_loop()
-        all_done: asyncio.Future[None] = loop.create_future()
-        left = [len(cfs)]
-        lock = threading.Lock()
-
-        def one_done(_f: concurrent.futures.Future[T]) -> None:
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                try:
-                    loop.call_soon_threadsafe(_resolve, all_done)
-                except RuntimeError:  # the loop is closed: nobody waits any more
-                    pass
-
-        for cf in cfs:
-            cf.add_done_callback(one_done)
-        try:
-            await all_done
-        except asyncio.CancelledError:
-            for cf in cfs:
-                cf.cancel()
-                if orphan is not None:
-                    cf.add_done_callback(functools.partial(_orphan_cb, orphan))
-            raise
-        out: list[T | BaseException] = []
-        for cf in cfs:
-            exc = cf.exception()
-            out.append(exc if exc is not None else cf.result())
-        return out
+    _await = staticmethod(await_job)
+    _gather = staticmethod(gather_jobs)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -335,7 +288,7 @@ class DiskBackend(StorageBackend):
                 for _, d, _, _, f in group:
                     self._settle_write(d, f, asyncio.CancelledError())
                 continue
-            cf.add_done_callback(functools.partial(_release_refs, objs))
+            cf.add_done_callback(functools.partial(release_refs, objs))
             cfs.append(cf)
             submitted.append(group)
         try:
@@ -424,7 +377,7 @@ class DiskBackend(StorageBackend):
                 cfs.append(self._submit(self.store.read, key_digest(kstr), kstr, use))
             except RuntimeError:  # the executor was shut down
                 break
-        results = await self._gather(cfs, _release)
+        results = await self._gather(cfs, release)
         for i, r in enumerate(results):
             if isinstance(r, MemoryObj):
                 out[i] = r
@@ -579,26 +532,6 @@ class DiskBackend(StorageBackend):
         """``(bytes, files)`` of the directory, read now under the lock (blocking; for tests
         and tools)."""
         return self.store.budget.snapshot()
-
-
-def _release(obj: MemoryObj | None) -> None:
-    if obj is not None:
-        obj.ref_count_down()
-
-
-def _release_refs(objs: list[MemoryObj], _f: object) -> None:
-    for obj in objs:
-        obj.ref_count_down()
-
-
-def _orphan_cb(orphan: Callable[[T], None], f: concurrent.futures.Future[T]) -> None:
-    if not f.cancelled() and f.exception() is None:
-        orphan(f.result())
-
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 def _check_key(key: CacheEngineKey) -> CacheEngineKey:

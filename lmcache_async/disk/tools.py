@@ -25,6 +25,22 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+__all__ = [
+    "SEARCH_DEPTH",
+    "SEARCH_MAX_DIRS",
+    "InspectReport",
+    "ProgressFn",
+    "TierSearch",
+    "add_inspect_parser",
+    "check_entry_file",
+    "find_tier_dirs",
+    "format_report",
+    "inspect_dir",
+    "is_tier_dir",
+    "purge_dir",
+    "run_inspect",
+]
+
 _CHUNK = 4 << 20
 
 

@@ -32,6 +32,24 @@ from lmcache_async.memory import GiB, MiB, gib_to_bytes
 if TYPE_CHECKING:
     from lmcache_async.config import LMCacheEngineConfig
 
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "FILE_PLUGINS",
+    "HEADER_SCRATCH_BYTES",
+    "INSTALL_HINT",
+    "OBJECT_PLUGINS",
+    "SUPPORTED_PLUGINS",
+    "NixlAgent",
+    "NixlSettings",
+    "NixlStuckError",
+    "NixlTransferError",
+    "default_workers",
+    "load_nixl",
+    "nixl_available",
+    "park",
+    "parked_count",
+]
+
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'lmcache-async[nixl]'"
@@ -48,6 +66,8 @@ SUPPORTED_PLUGINS = FILE_PLUGINS + OBJECT_PLUGINS
 DEFAULT_CHUNK_BYTES = 2 * MiB
 """Payloads are moved in pieces of this size so each piece is checksummed while it is in the
 CPU cache (measured best among 1-8 MiB on the reference host; see docs/nixl.md)."""
+
+
 def default_workers() -> int:
     """Worker threads of the tier: 2 where at least 4 CPUs are usable (one can checksum while
     the other transfers), else 1. Measured on a 2-CPU host: a second worker only contends with
@@ -130,8 +150,7 @@ class NixlSettings:
     def __post_init__(self) -> None:
         if self.plugin not in SUPPORTED_PLUGINS:
             raise ConfigError(
-                f"nixl_backend={self.plugin!r} is not supported; use one of "
-                f"{', '.join(SUPPORTED_PLUGINS)}"
+                f"nixl_backend={self.plugin!r} is not supported; use one of {', '.join(SUPPORTED_PLUGINS)}"
             )
         if not isinstance(self.path, str) or not self.path:
             raise ConfigError(f"nixl_path must be a non-empty path, got {self.path!r}")
@@ -147,9 +166,7 @@ class NixlSettings:
         for k, v in self.params.items():
             if not isinstance(k, str) or not isinstance(v, str):
                 raise ConfigError(f"nixl_backend_params must map str to str, got {k!r}: {v!r}")
-        if self.is_object_store and not (
-            self.params.get("bucket") or os.environ.get("AWS_DEFAULT_BUCKET")
-        ):
+        if self.is_object_store and not (self.params.get("bucket") or os.environ.get("AWS_DEFAULT_BUCKET")):
             raise ConfigError(
                 "nixl_backend='OBJ' needs a bucket: set nixl_backend_params: {bucket: <name>} "
                 "(or the AWS_DEFAULT_BUCKET environment variable)"
@@ -231,9 +248,7 @@ class NixlAgent:
         self.plugin = plugin
         self.name = f"{name}-{os.getpid()}-{next(self._names)}"
         sync = api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
-        conf = api.nixl_agent_config(
-            enable_prog_thread=False, enable_listen_thread=False, backends=[], sync_mode=sync
-        )
+        conf = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[], sync_mode=sync)
         try:
             self._agent: Any = api.nixl_agent(self.name, conf)
         except Exception as exc:

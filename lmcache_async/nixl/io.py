@@ -10,7 +10,7 @@ Layouts:
   under a temporary name (:mod:`lmcache_async.record_files`, the scheme every record-file store
   shares) and published without replacing another; the file of an evicted entry is overwritten
   in place under its name (a torn record fails its checksum on read); recently used record
-  files stay open and registered (:class:`OpenFiles`). The tier locks its directory, so a
+  files stay open and registered (:class:`~lmcache_async.nixl.open_files.OpenFiles`). The tier locks its directory, so a
   restart deletes every temporary file there;
 * :class:`SlotFileLayout` — ``nixl_pool_size`` pre-created slot files, opened and registered
   once; an entry occupies one slot;
@@ -20,7 +20,6 @@ Layouts:
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import errno
 import fcntl
@@ -29,13 +28,13 @@ import itertools
 import logging
 import os
 import secrets
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from lmcache_async.errors import BackendUnavailableError
 from lmcache_async.nixl.agent import NixlAgent, NixlSettings, NixlStuckError, NixlTransferError, park
+from lmcache_async.nixl.open_files import OPEN_FILES, OpenFile, OpenFiles
 from lmcache_async.nixl.transfer import (
     EntryMeta,
     Loc,
@@ -114,109 +113,6 @@ def storage_root(ctx: BackendContext, settings: NixlSettings) -> str:
     if settings.is_object_store:
         return f"{settings.path.rstrip('/')}/{leaf}"
     return str(Path(settings.path) / leaf)
-
-
-# ---- open record files ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class OpenFile:
-    """A record file opened and registered with the agent as a NIXL target."""
-
-    fd: int
-    handle: object
-    dev: int
-    writable: bool
-
-
-OPEN_FILES = 256
-"""How many record files :class:`OpenFiles` keeps open and registered, at most."""
-
-
-class OpenFiles:
-    """Record files kept open and registered between operations, least recently used first
-    out, so reading a record soon after it was written or read skips ``open``, registration,
-    deregistration and ``close`` (≈ 15 µs here).
-
-    A file is *taken* for an operation (out of the cache, so nothing else closes it under the
-    operation) and *given back* afterwards under its (possibly new) name. Any thread; the
-    lock covers the bookkeeping only, descriptors are closed outside it.
-    """
-
-    def __init__(self, agent: NixlAgent, cap: int = OPEN_FILES) -> None:
-        self._agent = agent
-        self._cap = cap
-        self._lock = threading.Lock()
-        self._files: collections.OrderedDict[str, OpenFile] = collections.OrderedDict()
-        self._taken: set[str] = set()
-        self._dropped: set[str] = set()
-
-    def __len__(self) -> int:
-        return len(self._files)
-
-    def take(self, name: str) -> OpenFile | None:
-        """The open file of record ``name``, now owned by the caller; None when not kept."""
-        with self._lock:
-            f = self._files.pop(name, None)
-            if f is not None:
-                self._taken.add(name)
-            return f
-
-    def give_back(self, name: str, f: OpenFile, taken_as: str | None = None) -> None:
-        """Keep ``f`` as record ``name``'s open file (``taken_as``: the name it was taken
-        under, when it was). Closes it instead when ``taken_as`` was dropped meanwhile, and
-        closes the least recently used files beyond the cap."""
-        out: list[OpenFile] = []
-        with self._lock:
-            if taken_as is not None:
-                self._taken.discard(taken_as)
-                if taken_as in self._dropped:
-                    self._dropped.discard(taken_as)
-                    out.append(f)
-            if not out:
-                self._files[name] = f
-                while len(self._files) > self._cap:
-                    out.append(self._files.popitem(last=False)[1])
-        for old in out:
-            self._close(old)
-
-    def drop(self, name: str) -> None:
-        """Record ``name`` is going away: close its kept file (or, when an operation has it
-        taken, have :meth:`give_back` close it)."""
-        with self._lock:
-            f = self._files.pop(name, None)
-            if f is None and name in self._taken:
-                self._dropped.add(name)
-        if f is not None:
-            self._close(f)
-
-    def release(self, f: OpenFile, taken_as: str | None = None) -> None:
-        """Deregister and close ``f`` (owned by the caller; ``taken_as``: the name it was
-        taken under, when it was)."""
-        if taken_as is not None:
-            with self._lock:
-                self._taken.discard(taken_as)
-                self._dropped.discard(taken_as)
-        self._close(f)
-
-    def settle(self, name: str, f: OpenFile, taken_as: str | None, ok: bool, stuck: bool) -> None:
-        """After an operation on ``f``: keep it as ``name``'s file when it went well, park it
-        after a stuck request (never closed: the request may still use it, and a closed
-        descriptor's number would soon name another file), else close it."""
-        if stuck:
-            park(f.fd, f.handle)
-        elif ok:
-            self.give_back(name, f, taken_as)
-        else:
-            self.release(f, taken_as)
-
-    def close(self) -> None:
-        with self._lock:
-            files = list(self._files.values())
-            self._files.clear()
-        for f in files:
-            self._close(f)
-
-    def _close(self, f: OpenFile) -> None:
-        _release_target(self._agent, f.fd, f.handle, stuck=False)
 
 
 # ---- layouts -----------------------------------------------------------------------------------
@@ -601,16 +497,6 @@ class ObjectLayout:
 Layout = KeyFileLayout | SlotFileLayout | ObjectLayout
 
 
-def _release_target(agent: NixlAgent, fd: int, handle: object | None, stuck: bool) -> None:
-    """Deregister and close a per-operation file target; after a stuck request, park both."""
-    if stuck:
-        park(fd, handle)
-        return
-    if handle is not None:
-        agent.deregister(handle)
-    os.close(fd)
-
-
 def _key_id(header: RecordHeader) -> bytes | None:
     return header.seal.key_id if header.seal is not None else None
 
@@ -625,6 +511,7 @@ def _unlink(path: str) -> int:
 
 __all__ = [
     "EMPTY_MAGIC",
+    "OPEN_FILES",
     "RECORD_SUFFIX",
     "TMP_SUFFIX",
     "DirectoryInUseError",
@@ -635,6 +522,8 @@ __all__ = [
     "NixlStuckError",
     "NixlTransferError",
     "ObjectLayout",
+    "OpenFile",
+    "OpenFiles",
     "Scanned",
     "Scratch",
     "ScratchSlot",

@@ -5,6 +5,10 @@ stores self-describing, checksummed records (:mod:`lmcache_async.records`) throu
 named by ``nixl_backend`` — ``POSIX`` (files; works on CPU-only hosts), ``GDS``/``GDS_MT``
 (files through cuFile on GPU hosts) or ``OBJ`` (S3-compatible object stores).
 
+This module is the tier's event-loop side (index, put/get/remove, start and close); the NIXL
+resources it holds and their release are :mod:`.resources`, eviction and the release of
+removed entries' storage :mod:`.removals`.
+
 Contract (beyond :class:`~lmcache_async.tiers.StorageBackend`):
 
 * Memory is registered with the agent once: the manager's CPU pool and staging area, plus a
@@ -51,46 +55,35 @@ Contract (beyond :class:`~lmcache_async.tiers.StorageBackend`):
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
-import os
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from lmcache_async.disk.layout import make_private_dirs
 from lmcache_async.encryption import RecordCipher, cipher_for
-from lmcache_async.errors import BackendUnavailableError
 from lmcache_async.keys import CacheEngineKey
-from lmcache_async.memory import MemoryObj, PoolAllocator
+from lmcache_async.memory import MemoryObj
 from lmcache_async.nixl.agent import (
     HEADER_SCRATCH_BYTES,
     INSTALL_HINT,
-    NixlAgent,
     NixlSettings,
     NixlStuckError,
-    NixlTransferError,
     load_nixl,
     nixl_available,
-    park,
 )
 from lmcache_async.nixl.index import Entry, NixlCounters, NixlIndex
 from lmcache_async.nixl.io import (
     DirectoryInUseError,
     EntryMeta,
     KeyFileLayout,
-    Layout,
     ObjectLayout,
     Scanned,
-    Scratch,
     SlotFileLayout,
-    lock_directory,
     storage_root,
 )
-from lmcache_async.nixl.jobs import JobKind, JobRunner
+from lmcache_async.nixl.jobs import JobKind
+from lmcache_async.nixl.removals import NixlRemovals
 from lmcache_async.nixl.work import (
-    NixlWork,
     ReadBatch,
     ReadJob,
     WritePlan,
@@ -100,9 +93,9 @@ from lmcache_async.nixl.work import (
     slot_bytes,
 )
 from lmcache_async.ratelog import RateLimitedLog
-from lmcache_async.record_sections import SEAL_SECTION_LEN, TAG_LEN, sealed_length
+from lmcache_async.record_sections import SEAL_SECTION_LEN, sealed_length
 from lmcache_async.records import MAX_KEY_LEN, MAX_RANK, ForeignSeal, RecordError, header_length
-from lmcache_async.tiers import UNKNOWN, Allocate, BackendContext, CannotTell, RemovalReason, StorageBackend
+from lmcache_async.tiers import UNKNOWN, Allocate, BackendContext, CannotTell, RemovalReason
 
 logger = logging.getLogger(__name__)
 
@@ -119,11 +112,9 @@ __all__ = [
 ]
 
 _LOG_BURST_S = 5.0
-T = TypeVar("T")
-X = TypeVar("X")
 
 
-class NixlBackend(StorageBackend):
+class NixlBackend(NixlRemovals):
     """A storage tier over one NIXL agent; see the module docstring for the contract.
 
     ``root`` is the storage directory for file-backed plugins (default ``settings.path``) or
@@ -151,65 +142,7 @@ class NixlBackend(StorageBackend):
         self._key_id = cipher.key_id if cipher is not None else None
         self._lru = settings.policy == "LRU"
         self._closed = False
-        self._torn_down = False
-        self._teardown_pending = False
-        self._teardown_lock = threading.Lock()
-        self._quarantine: list[MemoryObj] = []
-        self._lock_fd: int | None = None
-        self._regions: list[Any] = []
-        self._scratch: Scratch | None = None
-        self._layout: Layout | None = None
-        self._runner: JobRunner | None = None
-        target = str(root) if root is not None else settings.path
-        self.root: Path | None = None
-        self._agent = None
-        try:
-            if not settings.is_object_store:
-                self.root = Path(target)
-                try:
-                    make_private_dirs(self.root)
-                except OSError as exc:
-                    raise BackendUnavailableError(f"nixl_path directory {target!r} cannot be created: {exc}") from exc
-                self._lock_fd = lock_directory(self.root)
-            self._agent = NixlAgent(f"lmcache-async-{ctx.cache_name}", settings.plugin, settings.params)
-            self._registered: tuple[PoolAllocator, ...] = tuple(
-                p for p in (ctx.pool, ctx.staging_pool) if p is not None and p.capacity > 0
-            )
-            for p in self._registered:
-                self._regions.append(self._agent.register_dram(p.base_ptr, p.capacity))
-            # A sealed piece is its chunk plus the tag, all in the bounce area.
-            bounce = settings.chunk_bytes + (TAG_LEN if cipher is not None else 0)
-            self._scratch = Scratch(self._agent, settings.workers, bounce)
-            if settings.is_object_store:
-                self._layout = ObjectLayout(self._agent, target)
-            elif settings.pool_size:
-                assert self.root is not None
-                self._layout = SlotFileLayout(self._agent, self.root, settings.pool_size)
-            else:
-                assert self.root is not None
-                self._layout = KeyFileLayout(self._agent, self.root)
-            staging = ctx.staging_pool
-            registered_staging = staging if any(staging is p for p in self._registered) else None
-            work = NixlWork(
-                self._agent,
-                self._layout,
-                self._scratch,
-                settings.chunk_bytes,
-                self._registered,
-                registered_staging,
-                cipher,
-            )
-            self._work = work
-            self._runner = JobRunner(
-                settings.workers,
-                f"lmcache-async-{ctx.cache_name}-nixl",
-                2 * settings.chunk_bytes,
-                on_idle=self._maybe_teardown,
-                on_orphaned_idle=self._teardown,
-            )
-        except BaseException:
-            self._teardown()
-            raise
+        work = self._acquire(ctx, settings, str(root) if root is not None else settings.path, cipher)
         self._index = NixlIndex(settings.max_bytes, self._lru)
         self._writing: dict[CacheEngineKey, asyncio.Future[bool]] = {}
         self._zeroing: set[asyncio.Future[None]] = set()
@@ -333,159 +266,6 @@ class NixlBackend(StorageBackend):
             self._teardown_pending = True
             self._maybe_teardown()
 
-    def _maybe_teardown(self) -> None:
-        """On the loop: release everything once closed and nothing is in flight."""
-        if self._teardown_pending and (self._runner is None or self._runner.idle):
-            self._teardown()
-
-    def _teardown(self) -> None:
-        """Release everything (idempotent, any thread; only once no job runs)."""
-        with self._teardown_lock:
-            if self._torn_down:
-                return
-            self._torn_down = True
-        agent = self._agent
-        if self._quarantine:  # a stuck request may still write into them: never freed
-            park(*self._quarantine)
-        if self._runner is not None:
-            self._runner.shutdown()
-        if self._layout is not None:
-            self._layout.close()
-            self._layout = None
-        if self._scratch is not None:
-            self._scratch.close()
-            self._scratch = None
-        if agent is not None:
-            if agent.stuck:
-                park(*self._regions)  # the registrations stay with the parked agent
-            else:
-                for h in self._regions:
-                    agent.deregister(h)
-            self._regions.clear()
-            agent.close()
-            self._agent = None
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
-
-    # ---- helpers --------------------------------------------------------------------------------
-    @property
-    def _tasks(self) -> set[asyncio.Future[Any]]:
-        """What :meth:`close` waits for (loop thread)."""
-        return self._runner.tasks if self._runner is not None else set()
-
-    @property
-    def _executor(self) -> concurrent.futures.ThreadPoolExecutor | None:
-        return self._runner.executor if self._runner is not None else None
-
-    def _track(self, fut: asyncio.Future[Any]) -> None:
-        assert self._runner is not None
-        self._runner.track(fut)
-
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(*args)`` on a worker thread (index scans, file deletions)."""
-        if self._runner is None:
-            raise NixlTransferError("the nixl tier is closed")
-        return await self._runner.run(fn, *args)
-
-    def _enqueue(self, kind: JobKind[X], items: list[X]) -> asyncio.Future[None]:
-        """Queue ``items`` for the next hand-off to the workers (see :meth:`JobRunner.enqueue`)."""
-        assert self._runner is not None
-        return self._runner.enqueue(kind, items)
-
-    def _make_room(self, size: int, recycle: list[str | int] | None = None) -> bool:
-        """Evict unread entries (LRU/FIFO order) until ``size`` more bytes (and, for slots, a
-        slot) fit. False when they cannot. With ``recycle``, the victims' files or slots are
-        handed over to the coming write job instead of being deleted or invalidated here: it
-        reuses one and deletes/invalidates the rest off the event loop."""
-        layout = self._layout
-        slots = isinstance(layout, SlotFileLayout)
-        stuck = layout.stuck if isinstance(layout, SlotFileLayout) else set()
-        handover = recycle if isinstance(layout, KeyFileLayout | SlotFileLayout) else None
-        index = self._index
-        evicted: list[CacheEngineKey] = []
-        try:
-            while not index.fits(size) or (slots and size and not index.free_slots and not recycle):
-                victim = index.oldest_unread()
-                if victim is None:
-                    return False
-                key, entry = victim
-                if handover is not None and entry.location not in stuck:  # a stuck slot is never reused
-                    if self._forget(key, entry):
-                        evicted.append(key)
-                    handover.append(entry.location)
-                else:
-                    self._drop(key, entry, evicted)
-                self.counters.evictions += 1
-            return True
-        finally:  # the victims are out of the index already (also when room cannot be made)
-            self.report_removed(evicted, RemovalReason.EVICTED)
-
-    def _forget(self, key: CacheEngineKey, entry: Entry) -> bool:
-        """Take ``entry`` out of the index and the budget. True when ``key`` left the tier now
-        (a removal to report): False when ``entry`` was removed already, or ``key`` is still
-        held by another entry."""
-        return self._index.discard(key, entry) and key not in self._index
-
-    def _drop(
-        self, key: CacheEngineKey, entry: Entry, gone: list[CacheEngineKey] | None = None
-    ) -> asyncio.Future[Any] | None:
-        """Remove ``key`` from the index and account its bytes; storage goes once unread.
-        Returns what finishes the storage's removal when it started now, else None. With
-        ``gone``, ``key`` is appended when it left the tier now (the caller reports it)."""
-        if entry.removed:
-            return None
-        if self._forget(key, entry) and gone is not None:
-            gone.append(key)
-        if entry.readers == 0:
-            return self._release_location(entry.location)
-        return None
-
-    def _release_location(self, location: str | int) -> asyncio.Future[Any] | None:
-        """Delete what ``location`` holds and make it reusable: a file is deleted, a slot is
-        zeroed on a worker thread and freed once that is done (a slot a stuck request may
-        still use is never reused). Returns the future of that work (None: nothing to do);
-        it never raises (failures are logged)."""
-        if isinstance(self._layout, SlotFileLayout):
-            # An 8-byte write into a page under writeback can wait for the disk: a zero job.
-            done = self._enqueue(self._zeroings, [int(location)])
-            if done not in self._zeroing:
-                self._zeroing.add(done)
-                done.add_done_callback(self._zeroing.discard)
-            return done
-        return self._discard_storage(location)
-
-    def _finish_zeroing(self, slots: list[int], outcomes: list[BaseException | None]) -> None:
-        """On the loop: free the zeroed slots (one that could not be zeroed is not reused)."""
-        layout = self._layout
-        for slot, failure in zip(slots, outcomes, strict=True):
-            if failure is not None:
-                self._log.warning("nixl: invalidating slot %s failed: %s", slot, failure)
-            elif isinstance(layout, SlotFileLayout) and slot not in layout.stuck:
-                self._index.free_slots.append(slot)
-
-    def _discard_storage(self, location: str | int) -> asyncio.Future[Any] | None:
-        """Delete a record file on a worker thread (a slot: invalidate it here). Returns the
-        deletion's task, None when nothing is left to wait for."""
-        layout = self._layout
-        if layout is None or isinstance(layout, ObjectLayout):
-            return None
-        if isinstance(layout, SlotFileLayout):
-            try:
-                layout.delete(location)  # an 8-byte pwrite on an open fd
-            except OSError as exc:
-                self._log.warning("nixl: invalidating slot %s failed: %s", location, exc)
-            return None
-        task = asyncio.get_running_loop().create_task(self._unlink(layout, location))
-        self._track(task)
-        return task
-
-    async def _unlink(self, layout: KeyFileLayout, location: str | int) -> None:
-        try:
-            await self._run(layout.delete, location)
-        except Exception as exc:
-            self._log.warning("nixl: deleting %s failed: %s", location, exc)
-
     def _failed(self, what: str, key: CacheEngineKey, exc: BaseException) -> None:
         self.counters.io_errors += 1
         if isinstance(exc, NixlStuckError):
@@ -494,15 +274,6 @@ class NixlBackend(StorageBackend):
             logger.error("nixl: %s of %s is stuck in NIXL: %s", what, key, exc)
             return
         self._log.warning("nixl: %s of %s failed: %s: %s", what, key, type(exc).__name__, exc)
-
-    def _quarantine_block(self, obj: MemoryObj) -> None:
-        """Keep ``obj`` allocated for good: a stuck request may still write into it."""
-        self._quarantine.append(obj)
-        self.counters.quarantined_bytes += obj.nbytes
-        logger.error(
-            "nixl: a %d-byte read buffer is withheld for good (a stuck NIXL request may still write it)",
-            obj.nbytes,
-        )
 
     # ---- contains -------------------------------------------------------------------------------
     def contains_nowait(self, key: CacheEngineKey) -> bool | CannotTell:
@@ -709,10 +480,6 @@ class NixlBackend(StorageBackend):
                 self.report_removed(gone, RemovalReason.DELETED if vanished else RemovalReason.DAMAGED)
             else:
                 self._failed("read", job.key, failure)
-
-    def _reader_done(self, entry: Entry) -> None:
-        if self._index.end_read(entry):
-            self._release_location(entry.location)
 
     # ---- remove / clear -------------------------------------------------------------------------
     async def remove(self, key: CacheEngineKey) -> bool:
