@@ -69,4 +69,7 @@ fi
 # The project itself: editable and without dependencies, so every run tests this checkout and
 # never touches the pinned packages.
 "$VPY" -m pip install -q --no-deps -e "$ROOT" 2>&1 | resolver_filter >&2
+# The benchmark suite (its own distribution, bench/) the same way: `python -m
+# lmcache_async_bench.vllm_kv` runs with this python.
+"$VPY" -m pip install -q --no-deps -e "$ROOT/bench" 2>&1 | resolver_filter >&2
 echo "$VPY"
