@@ -61,6 +61,8 @@ fi
 pip_install "${DEPS[@]}"
 # The project itself (editable) plus what its tests need.
 pip_install -e "$ROOT[test]"
+# The benchmark suite (its own distribution) for the suites that run in this environment.
+pip_install --no-deps -e "$ROOT/bench"
 # The CPU torch must have survived the --no-deps installs, and Omni's connector API must import.
 VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" - >&2 <<'PYEOF'
 import torch, vllm, vllm_omni

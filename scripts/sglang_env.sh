@@ -67,6 +67,8 @@ fi
 
 # The project itself, editable, with what its tests need (cheap when already present).
 pip_install -e "$ROOT[test]" "$TORCH_PIN" "$TORCHVISION_PIN"
+# The benchmark suite (its own distribution) for the suites that run in this environment.
+pip_install --no-deps -e "$ROOT/bench"
 
 # Fail here, not in the tests, when SGLang's storage interface or its factory cannot be imported.
 "$VPY" - >&2 <<'PYEOF'

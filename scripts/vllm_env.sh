@@ -41,6 +41,8 @@ fi
 pip_install "${DEPS[@]}"
 # The project itself (editable) plus what its tests need.
 pip_install -e "$ROOT[test]"
+# The benchmark suite (its own distribution) for the suites that run in this environment.
+pip_install --no-deps -e "$ROOT/bench"
 # A --no-deps install may still have pulled nothing CUDA-specific; check that the CPU torch
 # survived and that vLLM imports.
 VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" - <<'PYEOF'
