@@ -26,7 +26,7 @@ import functools
 import threading
 import types
 from collections.abc import Callable, Coroutine, Generator
-from typing import Any, Concatenate, Final, Generic, ParamSpec, Protocol, TypeVar
+from typing import Any, Concatenate, Final, Generic, ParamSpec, Protocol, TypeVar, cast
 
 from lmcache_async.errors import LoopThreadCallError
 from lmcache_async.loop import LoopThread
@@ -177,8 +177,8 @@ def sync_twin(
             if r is NOT_HERE:
                 return self.bridge.run(op(self, *args, **kwargs))
             if type(r) is types.CoroutineType:
-                return self.bridge.run(r)
-            return r  # type: ignore[return-value]
+                return cast(R, self.bridge.run(r))
+            return cast(R, r)
 
     twin.__doc__ = (
         f"Blocking twin of :meth:`{op.__name__}` for threads without an event loop: the same "

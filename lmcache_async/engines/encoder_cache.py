@@ -45,6 +45,8 @@ from lmcache_async.storage_manager import StorageManager
 from lmcache_async.sync_bridge import SyncBridge
 from lmcache_async.tensor_checks import check_storable_tensor
 
+__all__ = ["EC_KEY_WORKER_ID", "EC_KEY_WORLD_SIZE", "ECCacheEngine", "ec_cache_key"]
+
 logger = logging.getLogger(__name__)
 
 EC_KEY_WORLD_SIZE = 1

@@ -54,6 +54,8 @@ from lmcache_async.tensor_checks import check_storable_tensor
 from lmcache_async.tiers import Presence
 from lmcache_async.token_database import ChunkedTokenDatabase
 
+__all__ = ["HS_LAYER_TAG", "HiddenStateStore", "hs_entry_key"]
+
 logger = logging.getLogger(__name__)
 
 _HS_LAYER = "hs_layer"

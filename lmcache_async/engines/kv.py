@@ -48,6 +48,8 @@ from lmcache_async.sync_bridge import SyncBridge
 from lmcache_async.tensor_checks import check_storable_tensor
 from lmcache_async.token_database import ChunkedTokenDatabase, num_masked_prefix
 
+__all__ = ["LMCacheEngine"]
+
 logger = logging.getLogger(__name__)
 
 
