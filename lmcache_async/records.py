@@ -52,6 +52,31 @@ from lmcache_async.record_sections import (
 )
 from lmcache_async.token_database import HASH_SCHEME_ID
 
+__all__ = [
+    "FIXED",
+    "FLAG_PARTS",
+    "FLAG_SEALED",
+    "HEADER_ALIGN",
+    "MAGIC",
+    "MAX_HEADER_LEN",
+    "MAX_KEY_LEN",
+    "MAX_PAYLOAD_LEN",
+    "MAX_RANK",
+    "PROBE_LEN",
+    "READ_VERSIONS",
+    "VERSION",
+    "ForeignSeal",
+    "RecordError",
+    "RecordHeader",
+    "decode_header",
+    "encode_header",
+    "header_length",
+    "payload_checksum",
+    "payload_checksum_parts",
+    "peek_header_len",
+    "verify_payload",
+]
+
 MAGIC = b"\x89LMCR\r\n\x1a"
 VERSION = 2
 READ_VERSIONS = frozenset({1, 2})
@@ -249,15 +274,7 @@ def decode_header(
         raise RecordError("header checksum mismatch")
     if rank > MAX_RANK or klen > MAX_KEY_LEN or FIXED.size + 8 * rank + klen > hlen:
         raise RecordError("bad rank or key length")
-    if scheme != HASH_SCHEME_ID:
-        raise RecordError(f"unknown chunk-hash scheme {scheme}")
-    try:
-        mfmt = MemoryFormat(fmt)
-    except ValueError:
-        raise RecordError(f"unknown memory format {fmt}") from None
-    dtype = CODE_TO_DTYPE.get(dcode)
-    if dtype is None:
-        raise RecordError(f"unknown dtype code {dcode}")
+    mfmt, dtype = _entry_type(scheme, fmt, dcode)
     shape = struct.unpack_from(f"<{rank}Q", buf, FIXED.size) if rank else ()
     n = dtype.itemsize
     for d in shape:
@@ -269,29 +286,8 @@ def decode_header(
             seal, prov = decode_sections(memoryview(buf)[-(-(koff + klen) // 8) * 8 : hlen])
         except SectionError as exc:
             raise RecordError(str(exc)) from None
-    if (seal is not None) != bool(flags & FLAG_SEALED):
-        raise RecordError("seal flag and seal section disagree")
-    if seal is not None:
-        if not seal_layout_matches(seal, n, plen):
-            raise RecordError("sealed payload length does not match shape, dtype and segments")
-    elif n != plen:
-        raise RecordError("payload length does not match shape and dtype")
-    if plen > MAX_PAYLOAD_LEN:
-        raise RecordError("payload is too long")
-    known_flags = FLAG_PARTS | (FLAG_SEALED if version >= 2 else 0)
-    if flags & ~known_flags:
-        raise RecordError(f"unknown flags {flags:#x}")
-    if flags & FLAG_PARTS:
-        if nparts < 2 or psize <= 0 or -(-plen // psize) != nparts:
-            raise RecordError("bad part layout")
-    elif nparts != 1:
-        raise RecordError("bad part count")
-    try:
-        key = bytes(buf[koff : koff + klen]).decode("utf-8")
-    except UnicodeDecodeError:
-        raise RecordError("key is not UTF-8") from None
-    if expect_key is not None and key != expect_key:
-        raise RecordError("record holds another key")
+    _check_payload_layout(version, flags, seal, n, plen, nparts, psize)
+    key = _checked_key(buf, koff, klen, expect_key)
     if key_id is not False and (seal.key_id if seal is not None else None) != key_id:
         raise ForeignSeal("record is sealed under another key" if seal is not None else "record is not sealed")
     return RecordHeader(
@@ -309,6 +305,57 @@ def decode_header(
         seal=seal,
         provenance=prov,
     )
+
+
+def _entry_type(scheme: int, fmt: int, dcode: int) -> tuple[MemoryFormat, torch.dtype]:
+    """The memory format and dtype a header names; ``RecordError`` for an unknown chunk-hash
+    scheme, format or dtype code."""
+    if scheme != HASH_SCHEME_ID:
+        raise RecordError(f"unknown chunk-hash scheme {scheme}")
+    try:
+        mfmt = MemoryFormat(fmt)
+    except ValueError:
+        raise RecordError(f"unknown memory format {fmt}") from None
+    dtype = CODE_TO_DTYPE.get(dcode)
+    if dtype is None:
+        raise RecordError(f"unknown dtype code {dcode}")
+    return mfmt, dtype
+
+
+def _check_payload_layout(
+    version: int, flags: int, seal: Seal | None, n: int, plen: int, nparts: int, psize: int
+) -> None:
+    """``RecordError`` unless the flags, the seal, the payload length (``n`` bytes of entry) and
+    the part layout of a header agree."""
+    if (seal is not None) != bool(flags & FLAG_SEALED):
+        raise RecordError("seal flag and seal section disagree")
+    if seal is not None:
+        if not seal_layout_matches(seal, n, plen):
+            raise RecordError("sealed payload length does not match shape, dtype and segments")
+    elif n != plen:
+        raise RecordError("payload length does not match shape and dtype")
+    if plen > MAX_PAYLOAD_LEN:
+        raise RecordError("payload is too long")
+    known_flags = FLAG_PARTS | (FLAG_SEALED if version >= 2 else 0)
+    if flags & ~known_flags:
+        raise RecordError(f"unknown flags {flags:#x}")
+    if flags & FLAG_PARTS:
+        if nparts < 2 or psize <= 0 or -(-plen // psize) != nparts:
+            raise RecordError("bad part layout")
+    elif nparts != 1:
+        raise RecordError("bad part count")
+
+
+def _checked_key(buf: bytes | bytearray | memoryview, koff: int, klen: int, expect_key: str | None) -> str:
+    """The header's key (``klen`` bytes at ``koff``); ``RecordError`` when it is not UTF-8 or
+    differs from ``expect_key``."""
+    try:
+        key = bytes(buf[koff : koff + klen]).decode("utf-8")
+    except UnicodeDecodeError:
+        raise RecordError("key is not UTF-8") from None
+    if expect_key is not None and key != expect_key:
+        raise RecordError("record holds another key")
+    return key
 
 
 def verify_payload(header: RecordHeader, payload: bytes | bytearray | memoryview) -> None:
