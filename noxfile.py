@@ -170,7 +170,7 @@ def docs(session: nox.Session) -> None:
     """The documentation site, ``mkdocs build --strict`` into ``site/`` (git-ignored).
 
     The configuration reference and the LMCache key table are generated from
-    ``lmcache_async/config.py`` during the build (``docs/hooks/generated.py``).
+    ``lmcache_async/config/`` during the build (``docs/hooks/generated.py``).
     """
     _install(session, "docs")
     session.run("mkdocs", "build", "--strict", "--site-dir", "site", env={"NO_MKDOCS_2_WARNING": "1"})

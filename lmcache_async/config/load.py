@@ -17,15 +17,15 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from lmcache_async.config_convert import convert_value, did_you_mean
-from lmcache_async.config_keys import (
+from lmcache_async.config.convert import convert_value, did_you_mean
+from lmcache_async.config.keys import (
     CONFIG_FILE_ENV,
     EC_ENV_PREFIX,
     ENV_PREFIX,
     LMCACHE_KEYS_WITHOUT_EFFECT,
     strip_file_scheme,
 )
-from lmcache_async.config_model import LMCacheEngineConfig
+from lmcache_async.config.model import LMCacheEngineConfig
 from lmcache_async.errors import ConfigError
 from lmcache_async.tiers.registry import flatten_tiers_section
 

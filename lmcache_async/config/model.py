@@ -1,8 +1,8 @@
 """The configuration model: :class:`LMCacheEngineConfig`, every key with its type, default,
 bounds and description, its validators, and where each value came from.
 
-The model converts (:mod:`lmcache_async.config_convert`) and loads
-(:mod:`lmcache_async.config_load`) through those modules, imported when a method needs them
+The model converts (:mod:`lmcache_async.config.convert`) and loads
+(:mod:`lmcache_async.config.load`) through those modules, imported when a method needs them
 (they read the model's fields). :mod:`lmcache_async.config` is the public face.
 """
 
@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationError, field_validator
 
-from lmcache_async.config_keys import DEFAULT_TIER_ORDER, SIZE_FIELDS, strip_file_scheme
+from lmcache_async.config.keys import DEFAULT_TIER_ORDER, SIZE_FIELDS, strip_file_scheme
 from lmcache_async.errors import ConfigError
 
 __all__ = ["LMCacheEngineConfig"]
@@ -285,7 +285,7 @@ class LMCacheEngineConfig(BaseModel):
 
     def set(self, key: str, value: Any, source: str = "init") -> None:
         """Assign ``key`` (validated) and record ``source``; ``ConfigError`` when invalid."""
-        from lmcache_async.config_convert import convert_value, format_error
+        from lmcache_async.config.convert import convert_value, format_error
 
         if key not in type(self).model_fields:
             raise ConfigError(f"unknown configuration key {key!r} (from {source})")
@@ -316,21 +316,21 @@ class LMCacheEngineConfig(BaseModel):
 
         ``ConfigError`` naming the key for a key that is neither ours nor one of LMCache's keys
         without effect here (those are accepted with one warning each)."""
-        from lmcache_async.config_load import build_config
+        from lmcache_async.config.load import build_config
 
         return build_config([(k, v, "init") for k, v in overrides.items()])
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> LMCacheEngineConfig:
         """Defaults overridden by the YAML file at ``path`` (no env)."""
-        from lmcache_async.config_load import build_config, file_entries
+        from lmcache_async.config.load import build_config, file_entries
 
         return build_config(file_entries(path))
 
     @classmethod
     def from_env(cls) -> LMCacheEngineConfig:
         """Defaults overridden by ``LMCACHE_<KEY>`` environment variables."""
-        from lmcache_async.config_load import build_config, env_entries
+        from lmcache_async.config.load import build_config, env_entries
 
         return build_config(env_entries(os.environ))
 
@@ -338,6 +338,6 @@ class LMCacheEngineConfig(BaseModel):
     def from_dict(cls, data: Mapping[str, Any], source: str = "dict") -> LMCacheEngineConfig:
         """Defaults overridden by ``data`` (unknown keys warned about and dropped; LMCache's keys
         without effect here accepted with one warning each)."""
-        from lmcache_async.config_load import build_config, mapping_entries
+        from lmcache_async.config.load import build_config, mapping_entries
 
         return build_config(mapping_entries(data, source))

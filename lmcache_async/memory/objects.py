@@ -2,7 +2,7 @@
 reference-counted :class:`MemoryObj`, the allocator surface it returns its block to, and the
 unpooled :class:`HeapAllocator`.
 
-Part of :mod:`lmcache_async.memory` (the public face); the pool is :mod:`lmcache_async.memory_pool`.
+Part of :mod:`lmcache_async.memory` (the public face); the pool is :mod:`lmcache_async.memory.pool`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from lmcache_async.errors import DoubleReleaseError
-from lmcache_async.memory_host import address_view, cuda_pinning_available
+from lmcache_async.memory.host import address_view, cuda_pinning_available
 
 __all__ = [
     "AllocatorBase",

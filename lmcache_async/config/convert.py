@@ -16,7 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import ValidationError
 
-from lmcache_async.config_model import LMCacheEngineConfig
+from lmcache_async.config.model import LMCacheEngineConfig
 from lmcache_async.errors import ConfigError
 
 __all__ = ["convert_value", "did_you_mean", "format_error"]

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lmcache_async.memory_host import (
+from lmcache_async.memory.host import (
     GiB,
     address_view,
     check_pool_fits,
@@ -22,7 +22,7 @@ from lmcache_async.memory_host import (
     populate_pages,
     track_pretouch_thread,
 )
-from lmcache_async.memory_objects import AllocatorBase, MemoryFormat, MemoryObj, validate_shape
+from lmcache_async.memory.objects import AllocatorBase, MemoryFormat, MemoryObj, validate_shape
 
 # The logger of memory as a whole: its messages keep the name users filter on.
 logger = logging.getLogger("lmcache_async.memory")

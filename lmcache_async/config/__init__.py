@@ -7,26 +7,26 @@ synchronously: do it before any loop starts, never on a manager's loop.
 
 This module is the public face; the work is split by job:
 
-* :mod:`lmcache_async.config_keys`: environment prefixes, the built-in tier order, LMCache's
+* :mod:`lmcache_async.config.keys`: environment prefixes, the built-in tier order, LMCache's
   keys accepted without effect;
-* :mod:`lmcache_async.config_model`: :class:`LMCacheEngineConfig`, its fields and validators;
-* :mod:`lmcache_async.config_convert`: raw values (environment text, YAML scalars) to each
+* :mod:`lmcache_async.config.model`: :class:`LMCacheEngineConfig`, its fields and validators;
+* :mod:`lmcache_async.config.convert`: raw values (environment text, YAML scalars) to each
   key's type;
-* :mod:`lmcache_async.config_load`: entries from mappings, files and the environment, the base
+* :mod:`lmcache_async.config.load`: entries from mappings, files and the environment, the base
   config and the encoder-cache overlay.
 """
 
 from __future__ import annotations
 
-from lmcache_async.config_convert import convert_value
-from lmcache_async.config_keys import (
+from lmcache_async.config.convert import convert_value
+from lmcache_async.config.keys import (
     CONFIG_FILE_ENV,
     DEFAULT_TIER_ORDER,
     EC_ENV_PREFIX,
     ENV_PREFIX,
     LMCACHE_KEYS_WITHOUT_EFFECT,
 )
-from lmcache_async.config_load import (
+from lmcache_async.config.load import (
     EC_DEFAULT_CPU_SIZE,
     EC_DEFAULT_DISK_SIZE,
     Entry,
@@ -35,7 +35,7 @@ from lmcache_async.config_load import (
     load_engine_config,
     read_yaml,
 )
-from lmcache_async.config_model import LMCacheEngineConfig
+from lmcache_async.config.model import LMCacheEngineConfig
 
 __all__ = [
     "CONFIG_FILE_ENV",

@@ -12,17 +12,17 @@ the caller's business — tiers evict what nobody holds and try again).
 
 This module is the public face; the work is split by job:
 
-* :mod:`lmcache_async.memory_host`: the machine's memory, pinning, raw byte views, page pre-touch;
-* :mod:`lmcache_async.memory_objects`: formats, :class:`MemoryObj`, the heap allocator;
-* :mod:`lmcache_async.memory_pool`: :class:`PoolAllocator` and its view cache.
+* :mod:`lmcache_async.memory.host`: the machine's memory, pinning, raw byte views, page pre-touch;
+* :mod:`lmcache_async.memory.objects`: formats, :class:`MemoryObj`, the heap allocator;
+* :mod:`lmcache_async.memory.pool`: :class:`PoolAllocator` and its view cache.
 """
 
 from __future__ import annotations
 
 # The pre-touch exit hook's state, named here as before (tests check it from a child process).
-from lmcache_async.memory_host import _PRETOUCH_STOP as _PRETOUCH_STOP
-from lmcache_async.memory_host import _PRETOUCH_THREADS as _PRETOUCH_THREADS
-from lmcache_async.memory_host import (
+from lmcache_async.memory.host import _PRETOUCH_STOP as _PRETOUCH_STOP
+from lmcache_async.memory.host import _PRETOUCH_THREADS as _PRETOUCH_THREADS
+from lmcache_async.memory.host import (
     PRETOUCH_EXIT_WAIT_S,
     GiB,
     MiB,
@@ -35,7 +35,7 @@ from lmcache_async.memory_host import (
     populate_pages,
     tensor_byte_view,
 )
-from lmcache_async.memory_objects import (
+from lmcache_async.memory.objects import (
     AllocatorBase,
     HeapAllocator,
     MemoryFormat,
@@ -44,7 +44,7 @@ from lmcache_async.memory_objects import (
     payload_nbytes,
     validate_shape,
 )
-from lmcache_async.memory_pool import DEFAULT_ALIGN, PoolAllocator, view_cache_limit
+from lmcache_async.memory.pool import DEFAULT_ALIGN, PoolAllocator, view_cache_limit
 
 __all__ = [
     "DEFAULT_ALIGN",
