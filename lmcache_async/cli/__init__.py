@@ -25,6 +25,22 @@ from typing import Any, NoReturn
 from lmcache_async.cli.bench import BENCH_SUITES, OPT_IN_SUITES
 from lmcache_async.cli.bench import cmd_bench as _cmd_bench
 
+__all__ = [
+    "BENCH_SUITES",
+    "ERROR_LOGS_KEPT",
+    "OPT_IN_SUITES",
+    "PROG",
+    "UsageError",
+    "build_parser",
+    "check_output_file",
+    "check_work_dir",
+    "config_key",
+    "error_log_dir",
+    "main",
+    "one_line",
+    "write_error_log",
+]
+
 PROG = "lmcache-async"
 ERROR_LOGS_KEPT = 20
 """Traceback files kept in :func:`error_log_dir` (older ones are deleted when a new one is written)."""
@@ -377,6 +393,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 # ---- the parser --------------------------------------------------------------------------------
 def _add_inspect(sub: Any) -> None:
+    """Add ``inspect`` (a disk-tier directory's entries, :mod:`lmcache_async.disk.tools`) to ``sub``."""
     try:
         from lmcache_async.disk.tools import add_inspect_parser
     except ImportError:  # pragma: no cover - disk tools always ship
@@ -391,7 +408,8 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``lmcache-async`` argument parser (usage errors raise :class:`UsageError`)."""
+    """The ``lmcache-async`` argument parser (usage errors raise :class:`UsageError`): one
+    sub-command per builder below, then ``inspect`` and ``keys`` from their own modules."""
     p = _Parser(
         prog=PROG,
         description="An asyncio-native tiered storage framework for LLM-inference caches: run the "
@@ -400,7 +418,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_demo, _add_config, _add_bench, _add_serve, _add_status, _add_keygen, _add_inspect):
+        add(sub)
+    from lmcache_async.cli.keys import add_keys_parser
 
+    add_keys_parser(sub)
+    return p
+
+
+def _add_demo(sub: Any) -> None:
+    """Add ``demo`` to ``sub`` (the parser's sub-commands)."""
     d = sub.add_parser(
         "demo",
         help="store and restore a realistic set of tensors and print a table",
@@ -413,6 +440,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--keep", action="store_true", help="keep the temporary directory (inspect it afterwards)")
     d.set_defaults(func=_cmd_demo)
 
+
+def _add_config(sub: Any) -> None:
+    """Add ``config`` (show the resolved configuration, ``--explain KEY``) to ``sub``."""
     c = sub.add_parser(
         "config",
         help="print the resolved configuration and where each value came from",
@@ -431,6 +461,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.set_defaults(func=_cmd_config)
 
+
+def _add_bench(sub: Any) -> None:
+    """Add ``bench`` (run benchmark suites, :mod:`lmcache_async.cli.bench`) to ``sub``."""
     b = sub.add_parser(
         "bench",
         help="benchmarks with same-run physical baselines",
@@ -453,6 +486,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-progress", action="store_true", help="no progress bar (none is drawn off a terminal)")
     b.set_defaults(func=_cmd_bench)
 
+
+def _add_serve(sub: Any) -> None:
+    """Add ``serve`` (the node cache server, in the foreground) to ``sub``."""
     sv = sub.add_parser(
         "serve",
         help="run the node cache server (foreground)",
@@ -475,6 +511,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sv.set_defaults(func=_cmd_serve)
 
+
+def _add_status(sub: Any) -> None:
+    """Add ``status`` (a running cache server's figures) to ``sub``."""
     st = sub.add_parser(
         "status",
         help="print a running cache server's tiers, clients, namespaces and leases",
@@ -487,6 +526,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print JSON")
     st.set_defaults(func=_cmd_status)
 
+
+def _add_keygen(sub: Any) -> None:
+    """Add ``keygen`` (write a new encryption key file) to ``sub``."""
     kg = sub.add_parser(
         "keygen",
         help="write a new encryption key file (for encryption_key_file)",
@@ -496,12 +538,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     kg.add_argument("file", metavar="FILE", help="the key file to create")
     kg.set_defaults(func=_cmd_keygen)
-
-    _add_inspect(sub)
-    from lmcache_async.cli.keys import add_keys_parser
-
-    add_keys_parser(sub)
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,8 +14,12 @@ import sys
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from lmcache_async.lazy_registry import LazyRegistry
+
+if TYPE_CHECKING:
+    from lmcache_async_bench.common import Result
 
 __all__ = ["BENCH_PACKAGE", "BENCH_SUITES", "OPT_IN_SUITES", "SMOKE_BANNER", "cmd_bench"]
 
@@ -73,15 +77,7 @@ def _require_bench() -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     """``lmcache-async bench``: run the named suites (all default ones without ``--suite``) and print
     each figure beside its baseline; 1 when nothing was measured."""
-    from lmcache_async.cli import (
-        PROG,
-        UsageError,
-        check_output_file,
-        check_work_dir,
-        one_line,
-        write_error_log,
-    )
-    from lmcache_async.cli.progress import Progress
+    from lmcache_async.cli import PROG, UsageError
 
     known = {**BENCH_SUITES, **OPT_IN_SUITES}
     names = args.suite or list(BENCH_SUITES)
@@ -89,6 +85,39 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if unknown:
         raise UsageError(f"unknown suite(s): {', '.join(unknown)}; known: {', '.join(known)}")
     _require_bench()
+    json_path, plot_path, workdir = _checked_outputs(args)
+    start = time.monotonic()
+
+    def progress(msg: str) -> None:  # (the bar is gone by the time this prints)
+        print(f"[{time.monotonic() - start:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    if args.quick:
+        print(SMOKE_BANNER)
+    results, skipped = _run_suites(names, args, workdir, start)
+    _print_summary(results, skipped, several=len(names) > 1, quick=args.quick)
+    if json_path is not None:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump({"results": [r.to_dict() for r in results], "skipped": skipped}, f, indent=2)
+        progress(f"results written to {json_path}")
+    if plot_path is not None:
+        if results:
+            from lmcache_async_bench.plot import plot_results
+
+            plot_results(results, plot_path)
+            progress(f"plot written to {plot_path}")
+        else:
+            progress("no results: no plot written")
+    if not results:
+        print(f"{PROG} bench: nothing was measured", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _checked_outputs(args: argparse.Namespace) -> tuple[str | None, str | None, str | None]:
+    """``--json``, ``--plot`` and ``--workdir`` checked before anything runs (the work directory
+    created): their paths, None for each not given. :class:`UsageError` for a bad one."""
+    from lmcache_async.cli import check_output_file, check_work_dir
+
     json_path = check_output_file(args.json, "--json") if args.json else None
     plot_path = None
     if args.plot:
@@ -97,14 +126,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     workdir = check_work_dir(args.workdir, "--workdir") if args.workdir else None
     if workdir is not None:
         os.makedirs(workdir, exist_ok=True)
+    return json_path, plot_path, workdir
 
-    from lmcache_async_bench.common import BenchOptions, Result, format_series_summary, format_table
 
-    start = time.monotonic()
+def _run_suites(
+    names: list[str], args: argparse.Namespace, workdir: str | None, start: float
+) -> tuple[list[Result], list[str]]:
+    """Run each suite of ``names`` in order under one progress bar, printing each one's table as
+    it ends: every result, and one ``"name: why"`` line per suite that could not be imported or
+    raised (its traceback written to an error log; the other suites still run)."""
+    from lmcache_async.cli import one_line, write_error_log
+    from lmcache_async.cli.progress import Progress
+    from lmcache_async_bench.common import BenchOptions, format_table
+
     results: list[Result] = []
     skipped: list[str] = []
-    if args.quick:
-        print(SMOKE_BANNER)
     with Progress(len(names), "bench", "suite", enabled=not args.no_progress) as bar:
 
         def progress(msg: str) -> None:
@@ -139,8 +175,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
             out(format_table(got, smoke=args.quick))
             out()
             bar.advance()
+    return results, skipped
+
+
+def _print_summary(results: list[Result], skipped: list[str], *, several: bool, quick: bool) -> None:
+    """After every suite ran: the targets not met (when ``several`` suites ran, and not in a
+    ``quick`` smoke run: each table was printed once already), the curves, the skipped suites,
+    and the smoke banner again."""
+    from lmcache_async_bench.common import format_series_summary, format_table
+
     missed = [r for r in results if r.met is False]
-    if len(names) > 1 and missed and not args.quick:  # each table was printed once, above
+    if several and missed and not quick:
         print("== targets not met ==")
         print(format_table(missed))
     summary = format_series_summary(results)
@@ -149,24 +194,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(summary)
     for s in skipped:
         print(f"skipped: {s}")
-    if args.quick:
+    if quick:
         print(SMOKE_BANNER)
-    if json_path is not None:
-        with open(json_path, "w", encoding="utf-8") as f:
-            json.dump({"results": [r.to_dict() for r in results], "skipped": skipped}, f, indent=2)
-        progress(f"results written to {json_path}")
-    if plot_path is not None:
-        if results:
-            from lmcache_async_bench.plot import plot_results
-
-            plot_results(results, plot_path)
-            progress(f"plot written to {plot_path}")
-        else:
-            progress("no results: no plot written")
-    if not results:
-        print(f"{PROG} bench: nothing was measured", file=sys.stderr)
-        return 1
-    return 0
 
 
 def _check_plot_format(given: str, path: str) -> None:

@@ -23,6 +23,8 @@ import torch
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.metadata import LMCacheEngineMetadata
 
+__all__ = ["CHUNK", "KV_WIDTH", "LAYERS", "PROMPTS", "PROMPT_TOKENS", "MiB", "run_demo", "run_kv_demo", "tier_rows"]
+
 # A small model's KV layout: 16 layers, 8 KV heads x 64 = 512 wide, bf16, 256-token chunks.
 LAYERS = 16
 KV_WIDTH = 512

@@ -28,6 +28,8 @@ from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.engines.encoder_cache import ECCacheEngine
 from lmcache_async.metadata import LMCacheEngineMetadata
 
+__all__ = ["ITEMS", "MODEL", "demo_hashes", "demo_tensor", "main", "run_ec_demo"]
+
 MODEL = "demo/vision-encoder"
 ITEMS = 4
 TOKENS, HIDDEN = 576, 1024  # one image through a ViT: 576 patch tokens x 1024 features

@@ -18,6 +18,8 @@ from lmcache_async.engines.kv import LMCacheEngine
 from lmcache_async.memory import GiB
 from lmcache_async.metadata import LMCacheEngineMetadata
 
+__all__ = ["CHUNK", "HIDDEN", "KV_DIM", "LAYERS", "N_CHUNKS", "run_hs_demo"]
+
 CHUNK = 16
 N_CHUNKS = 8
 LAYERS = 2

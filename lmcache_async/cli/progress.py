@@ -13,6 +13,8 @@ import sys
 from types import TracebackType
 from typing import Any, TextIO
 
+__all__ = ["Progress", "bars_wanted"]
+
 
 def bars_wanted(stream: TextIO, enabled: bool = True) -> bool:
     """True when a progress bar may be drawn on ``stream``: ``enabled``, a terminal, ``TERM`` not

@@ -200,7 +200,7 @@ class S3Connector(Connector):
         if modified is None:
             return False
         age = datetime.datetime.now(datetime.UTC) - modified
-        return age.total_seconds() > self._ttl
+        return bool(age.total_seconds() > self._ttl)
 
     def _segment_size(self) -> int:
         """Plaintext bytes per sealed segment: a stored segment with its tag is one part."""

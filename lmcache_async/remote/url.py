@@ -182,78 +182,95 @@ def parse_remote_url(url: str) -> RemoteURL:
     scheme = scheme.lower()
     rest, _, _frag = rest.partition("#")
     body, _, query = rest.partition("?")
-
     if scheme == "fs":
-        opts = _query(query, _FS_OPTS, url)
-        path = unquote(body)
-        if not path:
-            raise ValueError("remote_url fs:// needs a directory, e.g. fs:///shared/lmcache")
-        fsync = opts.get("fsync", "none")
-        if fsync not in ("none", "data", "full"):
-            raise ValueError(f"remote_url option fsync={fsync!r} must be none, data or full")
-        return RemoteURL(scheme=scheme, kind="fs", path=path, options=opts)
-
+        return _parse_fs(body, query, url)
     if scheme == "unix":
-        opts = _query(query, _COMMON_OPTS, url)
-        netloc, slash, path = body.partition("/")
-        username, password, host = _split_userinfo(netloc)
-        if host:
-            raise ValueError(f"remote_url {redact(url)!r}: unix:// takes a path (unix:///run/redis.sock)")
-        sock = unquote(slash + path)
-        if sock in ("", "/"):
-            raise ValueError(f"remote_url {redact(url)!r} names no socket path")
-        return RemoteURL(
-            scheme=scheme,
-            kind="unix",
-            path=sock,
-            username=opts.pop("username", None) or username,
-            password=opts.pop("password", None) or password,
-            db=_db(opts.pop("db", "0"), url),
-            options=opts,
-        )
-
+        return _parse_unix(body, query, url)
     if scheme in _REDIS_SCHEMES or scheme in _CLUSTER_SCHEMES:
-        tls = _REDIS_SCHEMES.get(scheme, _CLUSTER_SCHEMES.get(scheme, False))
-        allowed = _COMMON_OPTS | _TLS_OPTS if tls else _COMMON_OPTS
-        opts = _query(query, allowed, url)
-        netloc, _, path = body.partition("/")
-        username, password, hostpart = _split_userinfo(netloc)
-        cluster = scheme in _CLUSTER_SCHEMES
-        host_texts = hostpart.split(",") if cluster else [hostpart]
-        if not cluster and "," in hostpart:
-            raise ValueError(f"remote_url {redact(url)!r} lists several hosts; use redis+cluster:// for a cluster")
-        hosts = tuple(_parse_host(h, url) for h in host_texts)
-        db = _db(opts.pop("db", path), url) if not cluster else 0
-        if cluster and path.strip("/") not in ("", "0"):
-            raise ValueError(f"remote_url {redact(url)!r}: a Redis Cluster has only database 0")
-        reqs = opts.get("ssl_cert_reqs")
-        if reqs is not None and reqs not in _CERT_REQS:
-            raise ValueError(f"remote_url option ssl_cert_reqs={reqs!r} must be one of {_CERT_REQS}")
-        return RemoteURL(
-            scheme=scheme,
-            kind="cluster" if cluster else "redis",
-            hosts=hosts,
-            username=opts.pop("username", None) or username,
-            password=opts.pop("password", None) or password,
-            db=db,
-            tls=tls,
-            options=opts,
-        )
-
+        return _parse_redis(scheme, body, query, url)
     if scheme == "mooncake":
-        _query(query, frozenset(), url)
-        netloc, _, path = body.partition("/")
-        if path.strip("/") or "@" in netloc or "," in netloc:
-            raise ValueError(f"remote_url {redact(url)!r}: mooncake:// takes one host:port (the master)")
-        tail = netloc.rsplit("]", 1)[-1]
-        master = _parse_host(netloc if ":" in tail else f"{netloc}:{MOONCAKE_PORT}", url)
-        return RemoteURL(scheme=scheme, kind="mooncake", hosts=(master,))
-
+        return _parse_mooncake(body, query, url)
     if scheme == "s3":
         return _parse_s3(body, query, url)
-
     known = sorted([*_REDIS_SCHEMES, *_CLUSTER_SCHEMES, "unix", "fs", "mooncake", "s3"])
     raise ValueError(f"remote_url scheme {scheme!r} is not supported (known: {', '.join(known)})")
+
+
+def _parse_fs(body: str, query: str, url: str) -> RemoteURL:
+    """``fs://DIR[?fsync=none|data|full]``: a shared filesystem directory (absolute or relative)."""
+    opts = _query(query, _FS_OPTS, url)
+    path = unquote(body)
+    if not path:
+        raise ValueError("remote_url fs:// needs a directory, e.g. fs:///shared/lmcache")
+    fsync = opts.get("fsync", "none")
+    if fsync not in ("none", "data", "full"):
+        raise ValueError(f"remote_url option fsync={fsync!r} must be none, data or full")
+    return RemoteURL(scheme="fs", kind="fs", path=path, options=opts)
+
+
+def _parse_unix(body: str, query: str, url: str) -> RemoteURL:
+    """``unix://[[user]:password@]/path.sock[?db=N&...]``: a Redis server's Unix socket (no host)."""
+    opts = _query(query, _COMMON_OPTS, url)
+    netloc, slash, path = body.partition("/")
+    username, password, host = _split_userinfo(netloc)
+    if host:
+        raise ValueError(f"remote_url {redact(url)!r}: unix:// takes a path (unix:///run/redis.sock)")
+    sock = unquote(slash + path)
+    if sock in ("", "/"):
+        raise ValueError(f"remote_url {redact(url)!r} names no socket path")
+    return RemoteURL(
+        scheme="unix",
+        kind="unix",
+        path=sock,
+        username=opts.pop("username", None) or username,
+        password=opts.pop("password", None) or password,
+        db=_db(opts.pop("db", "0"), url),
+        options=opts,
+    )
+
+
+def _parse_redis(scheme: str, body: str, query: str, url: str) -> RemoteURL:
+    """A Redis-family URL (``scheme`` in :data:`_REDIS_SCHEMES` or :data:`_CLUSTER_SCHEMES`): one
+    ``host[:port][/db]``, or for a cluster a comma-separated seed list and database 0 only; TLS
+    options only on a TLS scheme."""
+    tls = _REDIS_SCHEMES.get(scheme, _CLUSTER_SCHEMES.get(scheme, False))
+    allowed = _COMMON_OPTS | _TLS_OPTS if tls else _COMMON_OPTS
+    opts = _query(query, allowed, url)
+    netloc, _, path = body.partition("/")
+    username, password, hostpart = _split_userinfo(netloc)
+    cluster = scheme in _CLUSTER_SCHEMES
+    host_texts = hostpart.split(",") if cluster else [hostpart]
+    if not cluster and "," in hostpart:
+        raise ValueError(f"remote_url {redact(url)!r} lists several hosts; use redis+cluster:// for a cluster")
+    hosts = tuple(_parse_host(h, url) for h in host_texts)
+    db = _db(opts.pop("db", path), url) if not cluster else 0
+    if cluster and path.strip("/") not in ("", "0"):
+        raise ValueError(f"remote_url {redact(url)!r}: a Redis Cluster has only database 0")
+    reqs = opts.get("ssl_cert_reqs")
+    if reqs is not None and reqs not in _CERT_REQS:
+        raise ValueError(f"remote_url option ssl_cert_reqs={reqs!r} must be one of {_CERT_REQS}")
+    return RemoteURL(
+        scheme=scheme,
+        kind="cluster" if cluster else "redis",
+        hosts=hosts,
+        username=opts.pop("username", None) or username,
+        password=opts.pop("password", None) or password,
+        db=db,
+        tls=tls,
+        options=opts,
+    )
+
+
+def _parse_mooncake(body: str, query: str, url: str) -> RemoteURL:
+    """``mooncake://HOST[:PORT]``: one master address (default port :data:`MOONCAKE_PORT`), no
+    credentials, path or options."""
+    _query(query, frozenset(), url)
+    netloc, _, path = body.partition("/")
+    if path.strip("/") or "@" in netloc or "," in netloc:
+        raise ValueError(f"remote_url {redact(url)!r}: mooncake:// takes one host:port (the master)")
+    tail = netloc.rsplit("]", 1)[-1]
+    master = _parse_host(netloc if ":" in tail else f"{netloc}:{MOONCAKE_PORT}", url)
+    return RemoteURL(scheme="mooncake", kind="mooncake", hosts=(master,))
 
 
 _BUCKET_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-.")

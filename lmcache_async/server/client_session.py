@@ -27,6 +27,8 @@ from lmcache_async.server.connection import connect as _connect
 from lmcache_async.server.connection import exchange as _exchange
 from lmcache_async.server.protocol import MAX_KEY_BYTES, Mode, Op, ProtocolError, Reader
 
+__all__ = ["ClientSession"]
+
 T = TypeVar("T")
 
 #: The client's log (one name for all of the client's modules).

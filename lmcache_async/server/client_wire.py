@@ -36,6 +36,35 @@ from lmcache_async.server.protocol import (
 from lmcache_async.server.shm import PoolMapping, version_sum
 from lmcache_async.server.views import EntryView
 
+__all__ = [
+    "COMMIT_HEAD",
+    "HIT",
+    "RELEASE_HEAD",
+    "TOUCH_BODY",
+    "U16",
+    "Alloc",
+    "Hit",
+    "ListedEntry",
+    "copy_checked",
+    "copy_hits",
+    "copy_into",
+    "decode_flags",
+    "decode_grants",
+    "decode_hits",
+    "drop_all",
+    "flags_of",
+    "json_answer",
+    "lease_entry",
+    "leases_held",
+    "list_of",
+    "release",
+    "splice",
+    "spread",
+    "tokens_of",
+    "touch_frames",
+    "ungrant_frame",
+]
+
 T = TypeVar("T")
 
 U16 = struct.Struct("<H")

@@ -18,6 +18,8 @@ from lmcache_async.server.client_wire import COMMIT_HEAD, U16, decode_grants
 from lmcache_async.server.connection import Connection, copy_bytes, exchange
 from lmcache_async.server.protocol import COMMIT_FAILED, EntryMeta, Op, ProtocolError, Reader, Writer, encode_meta
 
+__all__ = ["PREGRANT_PER_SIZE", "PREGRANT_TOTAL", "refill_sizes", "store"]
+
 #: Pre-granted blocks kept per block size, and in all (a put into one of them is one round trip).
 PREGRANT_PER_SIZE = 2
 PREGRANT_TOTAL = 16

@@ -35,105 +35,29 @@ makes the pool safe to share with the thread that grows it); nothing here blocks
 from __future__ import annotations
 
 import itertools
-import logging
-import os
 import secrets
-import select
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from lmcache_async.lru import LruIndex
 from lmcache_async.memory import MemoryObj
+from lmcache_async.server.namespace_records import (
+    ClientState,
+    Entry,
+    EntryListener,
+    Grant,
+    Hold,
+    Lease,
+    pinned_elsewhere,
+)
 from lmcache_async.server.protocol import COMMIT_FAILED, COMMIT_PRESENT, COMMIT_STORED, EntryMeta
+from lmcache_async.server.quarantine import Quarantine, discard, quarantine, sweep
 from lmcache_async.server.shm import SharedPool, new_generation
 
 __all__ = ["ClientState", "EntryListener", "Lease", "Namespace"]
-
-logger = logging.getLogger(__name__)
-
-
-class EntryListener(Protocol):
-    """Who hears which described entries a namespace holds (the server's KV events). Called on
-    the loop thread, synchronously; must not call back into the namespace."""
-
-    def entry_described(self, chunk: Any) -> None:
-        """A committed entry now says what it holds (``chunk``, as given to :meth:`Namespace.describe`)."""
-
-    def entry_gone(self, chunk: Any) -> None:
-        """A described entry left the index (removed, evicted, cleared, the namespace closed)."""
-
-
-@dataclass(slots=True)
-class Entry:
-    """A committed entry: the block (the index's reference), its metadata and, once described,
-    what it holds in vLLM's terms (``chunk``; None until then)."""
-
-    obj: MemoryObj
-    meta: EntryMeta
-    chunk: Any = None
-
-
-def _held(_key: bytes, entry: Entry) -> bool:
-    """Eviction's rule: an entry whose block has a reference beside the index's (a lease, a
-    hold, a write-through to a lower tier) is not a victim."""
-    return entry.obj.get_ref_count() != 1
-
-
-@dataclass(slots=True)
-class Lease:
-    """A reader's pin on one block."""
-
-    obj: MemoryObj
-    expires: float
-
-
-@dataclass(slots=True)
-class Grant:
-    """A block granted for writing, not yet committed (``overdue``: its TTL passed; counted once)."""
-
-    obj: MemoryObj
-    expires: float
-    overdue: bool = False
-
-
-@dataclass(slots=True)
-class Hold:
-    """A namespace-wide pin on one committed entry's block (one reference on the block)."""
-
-    obj: MemoryObj
-    meta: EntryMeta
-    expires: float
-    owner: int
-
-
-@dataclass
-class ClientState:
-    """What one connection holds in its namespace; reclaimed by :meth:`Namespace.drop_client`.
-
-    ``pinned``: block bytes of its leases; ``holds``/``held``: holds it took that still live, and
-    their block bytes (a block held twice counted twice)."""
-
-    ident: int
-    pid: int = 0
-    leases: dict[int, Lease] = field(default_factory=dict)
-    grants: dict[int, Grant] = field(default_factory=dict)
-    requests: int = 0
-    pinned: int = 0
-    holds: int = 0
-    held: int = 0
-
-
-@dataclass(slots=True)
-class Quarantine:
-    """Blocks of grants whose writer may still be copying into them: the server closed its
-    connection while its process (``pidfd``; -1 when it cannot be watched) lives on."""
-
-    pidfd: int
-    blocks: list[MemoryObj]
 
 
 class Namespace:
@@ -251,30 +175,11 @@ class Namespace:
             self.idle_since = self._clock()
 
     def _quarantine_blocks(self, pid: int, blocks: list[MemoryObj]) -> None:
-        pidfd = -1
-        if pid > 0:
-            try:
-                pidfd = os.pidfd_open(pid)
-            except ProcessLookupError:  # already gone: nobody can write there any more
-                for obj in blocks:
-                    obj.ref_count_down()
-                return
-            except OSError as exc:
-                logger.warning("cache server: cannot watch process %d (%s); its grants stay reserved", pid, exc)
-        self.quarantined_grants += len(blocks)
-        self._quarantine.append(Quarantine(pidfd, blocks))
-
-    def _sweep_quarantine(self) -> None:
-        """Free the quarantined blocks of processes that have exited."""
-        keep: list[Quarantine] = []
-        for q in self._quarantine:
-            if q.pidfd >= 0 and select.select([q.pidfd], [], [], 0)[0]:
-                os.close(q.pidfd)
-                for obj in q.blocks:
-                    obj.ref_count_down()
-            else:
-                keep.append(q)
-        self._quarantine = keep
+        """Park ``blocks`` until process ``pid`` exits (see :mod:`.quarantine`)."""
+        q = quarantine(pid, blocks)
+        if q is not None:
+            self.quarantined_grants += len(blocks)
+            self._quarantine.append(q)
 
     def reclaimable(self, idle_s: float) -> bool:
         """True when nobody has used this namespace for ``idle_s`` seconds: no client (since
@@ -442,7 +347,7 @@ class Namespace:
         pool = self.pool
         obj = pool.allocate((max(nbytes, 1),), torch.uint8)
         if obj is None and not pool.can_grow and self._could_fit(nbytes):
-            while (victim := self._index.pop_oldest(_held)) is not None:
+            while (victim := self._index.pop_oldest(pinned_elsewhere)) is not None:
                 self.evictions += 1
                 self._retire(victim[1])
                 obj = pool.allocate((max(nbytes, 1),), torch.uint8)
@@ -611,7 +516,7 @@ class Namespace:
             self._end_hold(self._holds.pop(token))
             self.expired_holds += 1
         if self._quarantine:
-            self._sweep_quarantine()
+            self._quarantine = sweep(self._quarantine)
 
     def close(self) -> None:
         """Reclaim every client's holdings, drop the index and close the pool's descriptor (the
@@ -622,10 +527,7 @@ class Namespace:
             self._end_hold(h)
         self._holds.clear()
         for q in self._quarantine:
-            if q.pidfd >= 0:
-                os.close(q.pidfd)
-            for obj in q.blocks:
-                obj.ref_count_down()
+            discard(q)
         self._quarantine.clear()
         self.clear()
         self.pool.close()

@@ -187,6 +187,77 @@ def _summary(problems: list[str], most: int = 12) -> list[str]:
     return [*unique[:most], f"... and {len(unique) - most} more problems of the same kinds"]
 
 
+class _Entries:
+    """The check's entries: distinct keys from :data:`KEY_BASE` on, each with its own seed, so an
+    entry put again holds the same bytes as the first time. Blocks come from ``src_pool``."""
+
+    def __init__(self, src_pool: PoolAllocator, entry_bytes: int) -> None:
+        self._pool = src_pool
+        self._shape = (entry_bytes // 4,)  # float32
+        self._seeds: dict[CacheEngineKey, int] = {}
+
+    def again(self, key: CacheEngineKey) -> tuple[CacheEngineKey, Any]:
+        """A new block for ``key`` (made by :meth:`fresh` before) with its bytes."""
+        return key, make_obj(self._pool, self._shape, torch.float32, MemoryFormat.UNDEFINED, seed=self._seeds[key])
+
+    def fresh(self, count: int) -> list[tuple[CacheEngineKey, Any]]:
+        """``count`` entries under keys never used before."""
+        new = [make_key(KEY_BASE + len(self._seeds) + i) for i in range(count)]
+        for k in new:
+            self._seeds[k] = len(self._seeds)
+        return [self.again(k) for k in new]
+
+
+async def _put_released(run: _Run, items: list[tuple[CacheEngineKey, Any]], *, batched: bool) -> None:
+    """Put ``items`` through ``run``, then release their blocks (whatever the put did)."""
+    try:
+        await run.put(items, batched=batched)
+    finally:
+        for _, o in items:
+            o.ref_count_down()
+
+
+async def _await_first_reports(run: _Run, capacity_bytes: int, wait_s: float) -> None:
+    """After the first fill: wait up to ``wait_s`` seconds while nothing was reported though more
+    than ``capacity_bytes`` were accepted (a tier that evicts in the background), stopping early
+    once the state shows a problem."""
+    deadline = time.monotonic() + wait_s
+    while not run.log.snapshot() and run.accepted_bytes > capacity_bytes and time.monotonic() < deadline:
+        if await run.state_problems():
+            break
+        await asyncio.sleep(0.02)
+
+
+def _evicted_nothing(run: _Run, capacity_bytes: int) -> list[str]:
+    """The problem of a tier that reported no removal after the first fill (a skip when it
+    refused what did not fit instead of evicting)."""
+    name = run.backend.name
+    if run.accepted_bytes <= capacity_bytes:
+        pytest.skip(f"tier {name!r} refuses puts that do not fit instead of evicting: nothing to check")
+    return [
+        f"tier {name!r} accepted {len(run.puts)} puts ({run.accepted_bytes} bytes) into a budget of "
+        f"{capacity_bytes} bytes and still holds every one: it evicted nothing, so the check checked "
+        "nothing (make_bounded_backend must bound the tier by capacity_bytes)"
+    ]
+
+
+async def _still_readable(run: _Run) -> list[str]:
+    """Keys reported removed (and not put again since) that ``get`` still returns."""
+    problems: list[str] = []
+    final = run.removals(run.log.snapshot())
+    for k in run.puts:
+        since = run.reported_since_last_put(k, final)
+        if not since:
+            continue
+        got = await run.backend.get(k)
+        if got is not None:
+            got.ref_count_down()
+            problems.append(
+                f"tier {run.backend.name!r} reported key {k} as {since[0][1].name} but get still returns it"
+            )
+    return problems
+
+
 async def eviction_problems(
     backend: StorageBackend,
     src_pool: PoolAllocator,
@@ -204,86 +275,35 @@ async def eviction_problems(
     Binds a listener to ``backend`` for the duration (and unbinds it). Flushes the tier's
     buffered writes before each comparison and waits up to ``wait_s`` seconds for reports that
     arrive late. The entries come from ``src_pool`` (released before returning)."""
-    entry_bytes = max(capacity_bytes // entries_per_capacity, 4)
-    shape = (entry_bytes // 4,)  # float32
+    entries = _Entries(src_pool, max(capacity_bytes // entries_per_capacity, 4))
     log = RemovalLog()
     backend.bind_removals(log)
     run = _Run(backend, log)
-    seeds: dict[CacheEngineKey, int] = {}
-
-    def entry(key: CacheEngineKey) -> tuple[CacheEngineKey, Any]:
-        return key, make_obj(src_pool, shape, torch.float32, MemoryFormat.UNDEFINED, seed=seeds[key])
-
-    def entries(count: int) -> list[tuple[CacheEngineKey, Any]]:
-        new = [make_key(KEY_BASE + len(seeds) + i) for i in range(count)]
-        for k in new:
-            seeds[k] = len(seeds)
-        return [entry(k) for k in new]
-
-    def release(items: list[tuple[CacheEngineKey, Any]]) -> None:
-        for _, o in items:
-            o.ref_count_down()
-
     try:
         # 1. Fill it fill_factor times over, one put after the other.
         for _ in range(fill_factor * entries_per_capacity):
-            items = entries(1)
-            try:
-                await run.put(items, batched=False)
-            finally:
-                release(items)
+            await _put_released(run, entries.fresh(1), batched=False)
         await flush_backend(backend)
         await run.settle(wait_s)
-        deadline = time.monotonic() + wait_s
-        while not log.snapshot() and run.accepted_bytes > capacity_bytes and time.monotonic() < deadline:
-            if await run.state_problems():
-                break
-            await asyncio.sleep(0.02)  # nothing reported yet: a tier that evicts in the background
+        await _await_first_reports(run, capacity_bytes, wait_s)
         problems = await run.state_problems()
         if problems:
             return _summary(_report_problems(run) + problems)
         removed = run.removals(log.snapshot())
-        evicted = [k for k in run.puts if any(r is RemovalReason.EVICTED for _, r in removed.get(k, []))]
         if not removed:
-            held = len(run.puts)
-            if run.accepted_bytes <= capacity_bytes:
-                pytest.skip(f"tier {backend.name!r} refuses puts that do not fit instead of evicting: nothing to check")
-            return [
-                f"tier {backend.name!r} accepted {held} puts ({run.accepted_bytes} bytes) into a budget of "
-                f"{capacity_bytes} bytes and still holds every one: it evicted nothing, so the check checked "
-                "nothing (make_bounded_backend must bound the tier by capacity_bytes)"
-            ]
+            return _evicted_nothing(run, capacity_bytes)
+        evicted = [k for k in run.puts if any(r is RemovalReason.EVICTED for _, r in removed.get(k, []))]
         # 2. Put again a few keys it evicted (each a real store now), then fill it once more in
         # batches, so those keys may be evicted a second time.
-        again = evicted[: max(1, entries_per_capacity // 4)]
-        for k in again:
-            items = [entry(k)]
-            try:
-                await run.put(items, batched=False)
-            finally:
-                release(items)
+        for k in evicted[: max(1, entries_per_capacity // 4)]:
+            await _put_released(run, [entries.again(k)], batched=False)
         for _ in range(entries_per_capacity // 4 + 1):
-            items = entries(4)
-            try:
-                await run.put(items, batched=True)
-            finally:
-                release(items)
+            await _put_released(run, entries.fresh(4), batched=True)
         await flush_backend(backend)
         await run.settle(wait_s)
         problems = _report_problems(run) + await run.state_problems()
         # 3. Every key reported removed (and not put again) reads as absent.
-        final = run.removals(log.snapshot())
-        for k in run.puts:
-            since = run.reported_since_last_put(k, final)
-            if not since:
-                continue
-            got = await backend.get(k)
-            if got is not None:
-                got.ref_count_down()
-                problems.append(
-                    f"tier {backend.name!r} reported key {k} as {since[0][1].name} but get still returns it"
-                )
-        return _summary(problems)
+        return _summary(problems + await _still_readable(run))
     finally:
         backend.bind_removals(None)
 

@@ -19,6 +19,8 @@ from lmcache_async.memory import HeapAllocator, MemoryFormat, MemoryObj, PoolAll
 from lmcache_async.metadata import LMCacheEngineMetadata
 from lmcache_async.tiers import BackendContext
 
+__all__ = ["backend_context"]
+
 
 @pytest.fixture
 async def backend_context(request: pytest.FixtureRequest) -> AsyncIterator[Callable[[], BackendContext]]:

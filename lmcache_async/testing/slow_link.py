@@ -18,6 +18,8 @@ import socket
 import threading
 import time
 
+__all__ = ["SLICE", "SlowProxy", "free_port"]
+
 
 def free_port() -> int:
     with socket.socket() as s:

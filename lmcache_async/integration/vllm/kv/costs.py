@@ -30,7 +30,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -211,6 +211,7 @@ def decide_load(
     if policy == "never":
         return LoadDecision(0, 0.0, 0.0, "never")
     rate = prefill_tokens_per_s if prefill_tokens_per_s and prefill_tokens_per_s > 0 else None
+    auto = policy == "auto"
     total = 0.0
     known = True
     lower = False  # some chunk comes from a tier that is not memory
@@ -218,55 +219,69 @@ def decide_load(
     stop: str | None = None
     declined: tuple[str, float, float] | None = None
     per_piece = max(1, piece_bytes // max(chunk_bytes, 1))
-    while n < held and stop is None:
-        tier = tiers[n]
-        assert tier is not None
-        end = n
-        while end < held and tiers[end] == tier:
-            end += 1
-        count = end - n
+    for tier, start, end in _tier_runs(tiers[:held]):
+        count = end - start
         if tier in memory_tiers:
             n = end
             continue
         cost = price(tier, count * chunk_bytes, -(-count // per_piece))
-        if cost is None:
-            known = False
-        elif math.isinf(cost):
-            if policy == "auto":
+        if cost is not None and math.isinf(cost):
+            if auto:
                 stop = "unavailable"
                 break
+            cost = None  # "always": loaded whatever it costs, at an unknown price
+        if cost is None:
             known = False
-            cost = None
-        if (
-            policy == "auto"
-            and cost is not None
-            and rate is not None
-            and cost * (1.0 + margin) > sum(tokens[n:end]) / rate
-        ):
+        elif auto and rate is not None and cost * (1.0 + margin) > sum(tokens[start:end]) / rate:
             stop = "slower"
-            declined = (tier, cost, sum(tokens[n:end]) / rate)
+            declined = (tier, cost, sum(tokens[start:end]) / rate)
             break
-        if policy == "auto" and max_load_s is not None and cost is not None and total + cost > max_load_s:
-            per_chunk = cost / count
-            fit = max(int((max_load_s - total) // per_chunk), 0) if per_chunk > 0 else count
-            total += per_chunk * fit
-            n += fit
+        elif auto and max_load_s is not None and total + cost > max_load_s:
+            fit = _chunks_within(max_load_s - total, cost, count)
+            total += cost / count * fit
+            n = start + fit
             stop = "max_load_s"
             break
         lower = True
         total += cost or 0.0
         n = end
-    if stop is not None:
-        reason = stop
-    elif not lower:
-        reason = "memory"
-    elif policy == "always":
-        reason = "always"
-    else:
-        reason = "cheaper" if known and rate is not None else "unknown"
+    reason = stop or _load_reason(lower=lower, policy=policy, known=known and rate is not None)
     recompute = sum(tokens[:n]) / rate if rate is not None else None
     kept = tuple(t for t in tiers[:n] if t is not None)
     return LoadDecision(n, total if known else None, recompute, reason, kept, declined)
+
+
+def _tier_runs(tiers: Sequence[str | None]) -> Iterator[tuple[str, int, int]]:
+    """Each maximal run of consecutive chunks on one tier: ``(tier, first, end)`` with ``end``
+    exclusive, in order. Every entry of ``tiers`` must be a tier (the caller cuts at the first
+    chunk held nowhere)."""
+    n = 0
+    while n < len(tiers):
+        tier = tiers[n]
+        assert tier is not None
+        end = n
+        while end < len(tiers) and tiers[end] == tier:
+            end += 1
+        yield tier, n, end
+        n = end
+
+
+def _chunks_within(budget_s: float, cost: float, count: int) -> int:
+    """How many of a run's ``count`` chunks, costing ``cost`` seconds together (spread evenly),
+    fit in ``budget_s`` seconds (all of them when the run is free; never negative)."""
+    per_chunk = cost / count
+    return max(int(budget_s // per_chunk), 0) if per_chunk > 0 else count
+
+
+def _load_reason(*, lower: bool, policy: str, known: bool) -> str:
+    """The :class:`LoadDecision` reason of a prefix no run ended: ``"memory"`` when every chunk
+    came from memory, else ``"always"`` for that policy, else ``"cheaper"`` when every run's cost
+    and the prefill rate were ``known``, ``"unknown"`` otherwise."""
+    if not lower:
+        return "memory"
+    if policy == "always":
+        return "always"
+    return "cheaper" if known else "unknown"
 
 
 def load_deadline(
