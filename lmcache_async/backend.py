@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from lmcache_async.deprecation import moved_names
 
+# Nothing is star-exported: every old name is reached through __getattr__ below, and warns.
+__all__: list[str] = []
+
 _MOVED = {
     "Allocate": "abc",
     "BackendContext": "abc",

@@ -7,6 +7,8 @@ import threading
 import time
 from collections.abc import Callable
 
+__all__ = ["CircuitBreaker"]
+
 
 class CircuitBreaker:
     """Opens after ``threshold`` consecutive failures; retries after an exponential back-off.

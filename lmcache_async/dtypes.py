@@ -5,6 +5,17 @@ from __future__ import annotations
 
 import torch
 
+__all__ = [
+    "CODE_TO_DTYPE",
+    "DTYPE_TO_CODE",
+    "DTYPE_TO_NAME",
+    "NAME_TO_DTYPE",
+    "dtype_code",
+    "dtype_name",
+    "is_storable_dtype",
+    "parse_dtype",
+]
+
 # Name used in CacheEngineKey strings; identical to LMCache's names.
 _NAMES: list[tuple[torch.dtype, str]] = [
     (torch.float16, "half"),

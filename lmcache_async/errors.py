@@ -7,6 +7,18 @@ never raises out of the public API: it is a miss/False plus a counter.
 
 from __future__ import annotations
 
+__all__ = [
+    "BackendUnavailableError",
+    "ConfigError",
+    "DoubleReleaseError",
+    "ForkedProcessError",
+    "LMCacheAsyncError",
+    "LoopThreadCallError",
+    "ManagerClosedError",
+    "MisuseError",
+    "PoolSizeError",
+]
+
 
 class LMCacheAsyncError(Exception):
     """Base class of every exception this package defines."""

@@ -17,6 +17,8 @@ import torch
 
 from lmcache_async.dtypes import NAME_TO_DTYPE, dtype_name
 
+__all__ = ["TAG_PREFIX", "CacheEngineKey", "stable_u64_from_str"]
+
 TAG_PREFIX = "lmcache.tag."
 _U64_MAX = (1 << 64) - 1
 

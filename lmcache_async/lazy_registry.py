@@ -19,6 +19,8 @@ from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from typing import Generic, TypeVar, cast
 
+__all__ = ["ImportFailure", "LazyRegistry", "UnknownError"]
+
 T = TypeVar("T")
 
 UnknownError = Callable[[str, list[str]], Exception]

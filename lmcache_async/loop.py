@@ -24,6 +24,8 @@ from typing import Any, TypeVar
 
 from lmcache_async.errors import ForkedProcessError, LoopThreadCallError, ManagerClosedError
 
+__all__ = ["LoopThread", "wait_future"]
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")

@@ -8,6 +8,8 @@ import torch
 
 from lmcache_async.dtypes import dtype_name
 
+__all__ = ["NEUTRAL_METADATA", "LMCacheEngineMetadata"]
+
 
 @dataclass(frozen=True)
 class LMCacheEngineMetadata:

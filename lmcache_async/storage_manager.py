@@ -47,6 +47,8 @@ from lmcache_async.tiers import (
     StorageBackend,
 )
 
+__all__ = ["StorageManager"]
+
 logger = logging.getLogger(__name__)
 
 

@@ -14,6 +14,8 @@ import torch
 from lmcache_async.dtypes import DTYPE_TO_CODE
 from lmcache_async.records import MAX_RANK
 
+__all__ = ["check_storable_layout", "check_storable_tensor"]
+
 _CODES = DTYPE_TO_CODE
 _STRIDED = torch.strided
 

@@ -24,6 +24,14 @@ from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import address_view
 from lmcache_async.metadata import NEUTRAL_METADATA, LMCacheEngineMetadata
 
+__all__ = [
+    "HASH_SCHEME_ID",
+    "ChunkedTokenDatabase",
+    "chain_hashes",
+    "num_masked_prefix",
+    "tokens_to_int64_bytes",
+]
+
 HASH_SCHEME_ID = 1
 """Id of the chunk-hash scheme above; records carry it so a future scheme never misreads them."""
 
@@ -72,9 +80,7 @@ def tokens_to_int64_bytes(token_ids: Any) -> bytes:
     return a.tobytes()
 
 
-def chain_hashes(
-    data: bytes, chunk_size: int, include_partial: bool, extras: KeyExtras | None = None
-) -> list[int]:
+def chain_hashes(data: bytes, chunk_size: int, include_partial: bool, extras: KeyExtras | None = None) -> list[int]:
     """Chained chunk hashes of int64-LE token bytes (see module docstring), with ``extras``
     mixed into the chunks they belong to (None or empty: the plain token hashes)."""
     step = chunk_size * 8

@@ -46,9 +46,9 @@ def _request(req_id: str, tokens: list[int], **extras: Any) -> SimpleNamespace:
 
 
 def _cases(tokens: list[int]) -> dict[str, dict[str, Any]]:
-    image = lambda ident, off: SimpleNamespace(  # noqa: E731
-        identifier=ident, mm_position=SimpleNamespace(offset=off, length=576)
-    )
+    def image(ident: str, off: int) -> SimpleNamespace:
+        return SimpleNamespace(identifier=ident, mm_position=SimpleNamespace(offset=off, length=576))
+
     return {
         "plain": {},
         "extras": {

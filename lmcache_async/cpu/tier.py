@@ -25,6 +25,8 @@ from lmcache_async.lru import LruIndex
 from lmcache_async.memory import MemoryFormat, MemoryObj, PoolAllocator
 from lmcache_async.tiers import Allocate, BackendContext, RemovalReason, StorageBackend
 
+__all__ = ["CPUBackend", "create"]
+
 
 class CPUBackend(StorageBackend):
     """LRU/FIFO over a :class:`PoolAllocator`; see the module docstring for the contract."""

@@ -82,10 +82,10 @@ def drop_connection(conn: AbstractConnection) -> None:
         except Exception:  # pragma: no cover - already closed
             pass
     try:
-        conn._parser.on_disconnect()
+        conn._parser.on_disconnect()  # type: ignore[no-untyped-call]
     except Exception:  # pragma: no cover
         pass
-    conn._close()
+    conn._close()  # type: ignore[no-untyped-call]
 
 
 def check_internals(conn: AbstractConnection) -> list[str]:

@@ -98,7 +98,7 @@ class ConnectionPool:
                 self.dropped += 1
             fresh = not conn.is_connected
             if fresh:
-                await conn.connect()
+                await conn.connect()  # type: ignore[no-untyped-call]
                 self.connects += 1
                 tune(conn)
             return conn, fresh

@@ -7,6 +7,7 @@ The main behaviours run the installed command in a subprocess; their variations 
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import os
@@ -117,7 +118,7 @@ def test_version_names_the_package_version(capsys: pytest.CaptureFixture[str]) -
 def test_every_subcommand_has_a_description_and_a_help_line() -> None:
     parser = build_parser()
     assert parser.description
-    (sub,) = [a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction"]
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     helps = {a.dest: a.help for a in sub._choices_actions}
     assert set(sub.choices) == {"demo", "config", "bench", "inspect", "serve", "status", "keygen", "keys"}
     for name, p in sub.choices.items():

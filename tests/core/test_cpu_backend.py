@@ -36,6 +36,7 @@ def test_lru_evicts_least_recently_used_first():
     for k in keys:
         _fill(cpu, k)
     got = cpu.lookup(keys[0])  # touch key 0
+    assert got is not None
     got.ref_count_down()
     _fill(cpu, make_key(99))
     assert cpu.contains_nowait(keys[0])
@@ -49,7 +50,9 @@ def test_fifo_ignores_touches():
     keys = [make_key(i) for i in range(4)]
     for k in keys:
         _fill(cpu, k)
-    cpu.lookup(keys[0]).ref_count_down()
+    got = cpu.lookup(keys[0])
+    assert got is not None
+    got.ref_count_down()
     _fill(cpu, make_key(99))
     assert not cpu.contains_nowait(keys[0])
 
@@ -62,6 +65,7 @@ def test_entry_held_by_reader_is_never_evicted():
     _fill(cpu, b)
     held = cpu.lookup(a)
     held2 = cpu.lookup(b)
+    assert held is not None and held2 is not None
     assert cpu.allocate((1024,), torch.float32) is None  # both held: nothing evictable
     held2.ref_count_down()
     obj = cpu.allocate((1024,), torch.float32)

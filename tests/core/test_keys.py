@@ -54,7 +54,7 @@ def test_round_trip_with_odd_model_names(model):
 def test_keys_are_immutable_and_hashable():
     k = CacheEngineKey("m", 1, 0, 1, torch.half)
     with pytest.raises(AttributeError):
-        k.model_name = "x"  # type: ignore[misc]
+        k.model_name = "x"
     assert {k: 1}[CacheEngineKey("m", 1, 0, 1, torch.half)] == 1
     assert k != CacheEngineKey("m", 1, 0, 1, torch.bfloat16)
     assert k != CacheEngineKey("m", 2, 0, 1, torch.half)

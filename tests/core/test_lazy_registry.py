@@ -189,7 +189,7 @@ def test_a_replacement_during_the_import_is_kept(plugin_dir: Path) -> None:
         "lazyreg_replacer",
         "import lazyreg_hook\nlazyreg_hook.REPLACE()\ndef make():\n    return 'original'\n",
     )
-    import lazyreg_hook
+    import lazyreg_hook  # type: ignore[import-not-found]  # found on sys.path at run time
 
     lazyreg_hook.REPLACE = lambda: reg.register("w", replacement, replace=True)
     assert reg.get("w")() == "original"

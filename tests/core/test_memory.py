@@ -11,11 +11,25 @@ import pytest
 import torch
 
 from lmcache_async import DoubleReleaseError, MemoryFormat, PoolSizeError
-from lmcache_async.memory import GiB, HeapAllocator, PoolAllocator, memory_available_bytes, view_cache_limit
+from lmcache_async.memory import (
+    GiB,
+    HeapAllocator,
+    MemoryObj,
+    PoolAllocator,
+    memory_available_bytes,
+    view_cache_limit,
+)
 
 
 def pool(size=1 << 20, **kw) -> PoolAllocator:
     return PoolAllocator(size, name="test", pretouch=False, **kw)
+
+
+def alloc(p: PoolAllocator, shape: tuple[int, ...], dtype: torch.dtype) -> MemoryObj:
+    """An allocation that the test's pool has room for."""
+    obj = p.allocate(shape, dtype)
+    assert obj is not None
+    return obj
 
 
 def test_allocation_is_a_typed_view_with_shape():
@@ -56,7 +70,7 @@ def test_a_pool_block_gets_its_view_on_first_use_and_keeps_it_until_released():
 
 def test_blocks_do_not_overlap():
     p = pool(64 * 1024)
-    objs = [p.allocate((100,), torch.float32) for _ in range(20)]
+    objs = [alloc(p, (100,), torch.float32) for _ in range(20)]
     for i, o in enumerate(objs):
         o.tensor.fill_(i)
     for i, o in enumerate(objs):
@@ -85,7 +99,7 @@ def test_fragmentation_churn_keeps_pool_allocatable():
     size = 8 << 20
     p = pool(size)
     rng = random.Random(0)
-    live = []
+    live: list[MemoryObj] = []
     for _ in range(20_000):
         if live and (rng.random() < 0.5 or p.free_bytes < 512 << 10):
             live.pop(rng.randrange(len(live))).ref_count_down()
@@ -104,7 +118,7 @@ def test_fragmentation_churn_keeps_pool_allocatable():
 
 def test_ref_counting_and_double_release():
     p = pool()
-    o = p.allocate((10,), torch.float32)
+    o = alloc(p, (10,), torch.float32)
     o.ref_count_up()
     assert o.get_ref_count() == 2
     o.ref_count_down()
@@ -121,14 +135,14 @@ def test_ref_counting_and_double_release():
 
 def test_context_manager_releases():
     p = pool()
-    with p.allocate((10,), torch.float32) as o:
+    with alloc(p, (10,), torch.float32) as o:
         assert o.get_ref_count() == 1
     assert p.used_bytes == 0
 
 
 def test_ref_counts_are_thread_safe():
     p = pool()
-    o = p.allocate((10,), torch.float32)
+    o = alloc(p, (10,), torch.float32)
 
     def churn():
         for _ in range(20_000):
@@ -155,7 +169,7 @@ def test_pool_larger_than_available_memory_is_refused():
 
 def test_pretouch_never_changes_contents():
     p = PoolAllocator(64 << 20, name="touch", pretouch=True)
-    o = p.allocate((1 << 20,), torch.float32)
+    o = alloc(p, (1 << 20,), torch.float32)
     o.tensor.fill_(3.0)
     assert p.wait_ready(30)
     assert torch.all(o.tensor == 3.0)
@@ -203,10 +217,10 @@ def test_heap_objects_report_their_real_address():
 
 def test_reused_block_gets_a_correct_view_even_after_in_place_metadata_changes():
     p = pool()
-    o = p.allocate((4, 4), torch.float32)
+    o = alloc(p, (4, 4), torch.float32)
     o.tensor.t_()  # a holder reshapes its view in place
     o.ref_count_down()
-    again = p.allocate((4, 4), torch.float32)
+    again = alloc(p, (4, 4), torch.float32)
     assert again.tensor.shape == (4, 4) and again.tensor.is_contiguous()
     again.ref_count_down()
 
@@ -266,7 +280,7 @@ def test_views_of_reused_blocks_stay_correct_when_the_view_cache_is_full():
     p = pool(1 << 20)
     _churn_distinct_views(p, 3_000, seed=5)  # fills the cache past its limit, evicting and refreshing
     for _ in range(200):
-        o = p.allocate((16, 16), torch.float32)
+        o = alloc(p, (16, 16), torch.float32)
         o.tensor.fill_(2.0)
         assert o.tensor.shape == (16, 16) and o.tensor.data_ptr() == o.data_ptr
         assert torch.all(o.tensor == 2.0)
@@ -274,7 +288,7 @@ def test_views_of_reused_blocks_stay_correct_when_the_view_cache_is_full():
     assert len(p._view_cache) <= p.view_cache_limit
 
 
-def test_a_process_exiting_while_its_pool_is_still_pretouched_exits_cleanly(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_process_exiting_while_its_pool_is_still_pretouched_exits_cleanly(tmp_path) -> None:
     """The exit hook stops the pre-touch thread between steps and waits for it (a daemon
     thread still in ``madvise`` when the interpreter finalizes aborts the process)."""
     import subprocess

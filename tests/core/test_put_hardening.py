@@ -15,6 +15,7 @@ from support.membackend import MemBackend
 from lmcache_async import StorageManager
 from lmcache_async._manager import staging as staging_module
 from lmcache_async.cpu.tier import CPUBackend
+from lmcache_async.dtypes import parse_dtype
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryObj
 from lmcache_async.testing import make_key
@@ -272,7 +273,7 @@ UNSTORABLE: dict[str, tuple[Callable[[], torch.Tensor], type[Exception]]] = {
         TypeError,
     ),
     "meta": (lambda: torch.empty(8, device="meta"), TypeError),
-    "sub_byte_dtype": (lambda: torch.zeros(8, dtype=torch.uint8).view(torch.uint4), TypeError),
+    "sub_byte_dtype": (lambda: torch.zeros(8, dtype=torch.uint8).view(parse_dtype("uint4")), TypeError),
     "rank_33": (lambda: torch.zeros([1] * 33), ValueError),
 }
 
@@ -316,7 +317,7 @@ async def test_async_batched_put_refuses_before_storing_any_pair(make_manager):
 def test_batched_put_names_a_bad_key_before_storing_any_pair(make_manager):
     sm = make_manager()
     with pytest.raises(TypeError, match=r"keys\[1\]"):
-        sm.batched_put_sync([make_key(26), "not-a-key"], [torch.ones(8), torch.ones(8)])  # type: ignore[list-item]
+        sm.batched_put_sync([make_key(26), "not-a-key"], [torch.ones(8), torch.ones(8)])
     assert sm.pool.used_bytes == 0
 
 

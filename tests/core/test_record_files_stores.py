@@ -42,11 +42,12 @@ STORES = [
 
 
 def _config(store: str, root: Path) -> LMCacheEngineConfig:
-    tier: dict[str, Any] = {
+    tiers: dict[str, dict[str, Any]] = {
         "disk": {"local_disk": str(root), "max_local_disk_size": 0.25},
         "fs": {"remote_url": f"fs://{root}"},
         "nixl": {"nixl_path": str(root), "nixl_backend": "POSIX", "nixl_max_size": 0.25},
-    }[store]
+    }
+    tier = tiers[store]
     return LMCacheEngineConfig.from_defaults(max_local_cpu_size=1 / 64, staging_size=1 / 64, **tier)
 
 

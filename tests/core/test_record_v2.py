@@ -163,20 +163,20 @@ def test_provenance_refuses_mixed_hash_widths_and_missing_tokens():
 def test_sealed_payload_round_trips_and_fails_on_any_flipped_byte(segment_size):
     cipher = RecordCipher(os.urandom(32))
     x = torch.arange(100, dtype=torch.float32)
-    plain = memoryview(x.numpy()).cast("B")
+    plain = x.numpy().data.cast("B")
     seal, stored = cipher.seal("k@1", (100,), torch.float32, MemoryFormat.BINARY, plain, segment_size)
     assert (seal.segments, stored.nbytes) == sealed_length(400, segment_size)
     assert bytes(plain[:64]) not in bytes(stored)
     h = encode_header("k@1", (100,), torch.float32, MemoryFormat.BINARY, payload_checksum(stored), seal=seal)
     hdr = decode_header(h, "k@1", key_id=cipher.key_id)
     out = torch.empty(100)
-    cipher.open_into(hdr, stored, memoryview(out.numpy()).cast("B"))
+    cipher.open_into(hdr, stored, out.numpy().data.cast("B"))
     assert torch.equal(out, x)
     for pos in (0, stored.nbytes // 2, stored.nbytes - 1):
         bad = bytearray(stored)
         bad[pos] ^= 1
         with pytest.raises(RecordError, match="tag"):
-            cipher.open_into(hdr, memoryview(bad), memoryview(out.numpy()).cast("B"))
+            cipher.open_into(hdr, memoryview(bad), out.numpy().data.cast("B"))
 
 
 def test_a_sealed_payload_cannot_be_moved_to_another_key():

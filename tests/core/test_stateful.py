@@ -103,11 +103,13 @@ class _Base(RuleBasedStateMachine):
     def clear(self) -> None:
         self.sm.clear_sync()
         self.model.clear()
+        assert self.sm.pool is not None
         assert self.sm.pool.used_bytes == 0
 
     @invariant()
     def pool_within_bounds(self) -> None:
         p = self.sm.pool
+        assert p is not None
         assert 0 <= p.used_bytes <= p.capacity
         assert p.num_objects >= 0
 
@@ -122,8 +124,8 @@ class CpuOnlyLossy(_Base):
 
 # 100 runs of 40 steps, or fewer under a smaller profile (``--hypothesis-profile=quick``).
 _settings = settings(
-    max_examples=min(100, settings.default.max_examples),
-    stateful_step_count=min(40, settings.default.stateful_step_count),
+    max_examples=min(100, settings().max_examples),
+    stateful_step_count=min(40, settings().stateful_step_count),
     deadline=None,
     suppress_health_check=list(HealthCheck),
 )

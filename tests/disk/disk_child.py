@@ -19,7 +19,7 @@ import os
 import random
 import sys
 
-import disk_testkit as kit
+import disk_testkit as kit  # type: ignore[import-not-found]  # found on sys.path at run time
 import torch
 
 from lmcache_async import LMCacheEngineConfig, LMCacheEngineMetadata, StorageManager

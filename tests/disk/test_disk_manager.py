@@ -36,7 +36,7 @@ def _key_1_only_on_disk(make_manager, tmp_path) -> tuple[StorageManager, torch.T
     sm.flush_sync(timeout=30)
     assert sm.put_sync(key(2), torch.randn(MiB // 4))  # evicts key 1 from the CPU tier
     sm.flush_sync(timeout=30)
-    assert key(1) not in sm.backend("cpu")._index  # type: ignore[union-attr]
+    assert key(1) not in sm.backend("cpu")._index
     return sm, a
 
 

@@ -163,7 +163,7 @@ async def test_sigkill_at_random_moments_never_leaves_wrong_entries(make_disk, t
 def test_entry_size_matches_the_child():
     sys.path.insert(0, str(Path(CHILD).parent))
     try:
-        import disk_child
+        import disk_child  # type: ignore[import-not-found]  # found on sys.path at run time
 
         assert all(disk_child.entry_size(i) == _entry_size(i) for i in range(0, 10**6, 9973))
     finally:

@@ -44,7 +44,7 @@ def test_fields_sit_where_the_format_document_says():
     assert set(h[88 + klen :]) <= {0}
 
 
-@settings(max_examples=min(60, settings.default.max_examples), deadline=None)  # fewer under --hypothesis-profile=quick
+@settings(max_examples=min(60, settings().max_examples), deadline=None)  # fewer under --hypothesis-profile=quick
 @given(
     shape=st.lists(st.integers(0, 7), min_size=0, max_size=6).map(tuple),
     dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int8, torch.float64, torch.bool]),

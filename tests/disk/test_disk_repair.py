@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from lmcache_async import record_files
 from lmcache_async.disk import store as disk_store
 from lmcache_async.disk.layout import ACCT_NAME, key_digest
 from lmcache_async.disk.tier import DiskBackend
@@ -177,7 +178,7 @@ async def test_remove_after_an_abandoned_put_wins_over_its_late_publish(make_dis
     be = await make_disk(tmp_path / "d")
     gate = threading.Event()
     entered = threading.Event()
-    real = disk_store.publish_noreplace
+    real = record_files.publish_noreplace  # the function the store imports
 
     def held_publish(tmp: str, final: str) -> bool:  # a rename stalled on a busy journal
         entered.set()

@@ -122,7 +122,7 @@ def test_publish_never_replaces_a_published_record(tmp_path: Path, link_first: b
 
 def test_write_all_writes_every_buffer_in_order(tmp_path: Path) -> None:
     path = tmp_path / "w"
-    parts = [b"head", memoryview(bytearray(b"x" * 100_000)), b"", memoryview(b"tail")]
+    parts: list[bytes | memoryview] = [b"head", memoryview(bytearray(b"x" * 100_000)), b"", memoryview(b"tail")]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
     try:
         write_all(fd, parts)

@@ -61,7 +61,7 @@ def test_bad_encoder_dtype_is_rejected(make_engine: MakeEngine) -> None:
     with pytest.raises(ValueError, match="encoder_dtype"):
         make_engine(encoder_dtype="no-such-dtype")
     with pytest.raises(TypeError, match="encoder_dtype"):
-        make_engine(encoder_dtype=3)  # type: ignore[arg-type]
+        make_engine(encoder_dtype=3)
 
 
 def test_bad_constructor_arguments_raise(ec_config: Callable[..., object]) -> None:

@@ -119,6 +119,7 @@ def load_prompt(store: KVStore) -> tuple[KVSchedulerSide, KVWorkerSide, dict[str
     dst = caches(seed=None)
     worker.register(dst)
     n, is_async = sched.num_new_matched_tokens(vreq("r2", PROMPT), 0)
+    assert n is not None  # the lookup ran on this thread
     assert is_async  # only the disk tier holds it in this store
     sched.after_alloc(vreq("r2"), (DST_BLOCKS,), n)
     meta = build(sched, new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n))
@@ -198,6 +199,7 @@ def test_an_idle_step_waits_for_a_load_in_flight(stores: tuple[KVStore, KVStore]
     sched, worker = sides(stores[1])
     worker.register(caches(seed=None))
     n, _ = sched.num_new_matched_tokens(vreq("r2", PROMPT), 0)
+    assert n is not None  # the lookup ran on this thread
     sched.after_alloc(vreq("r2"), (DST_BLOCKS,), n)
     meta = build(sched, new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n))
     assert not meta.idle
@@ -219,6 +221,7 @@ def test_closing_with_an_unapplied_load_releases_its_records(stores: tuple[KVSto
     sched, worker = sides(stores[1])
     worker.register(caches(seed=None))
     n, _ = sched.num_new_matched_tokens(vreq("r2", PROMPT), 0)
+    assert n is not None  # the lookup ran on this thread
     sched.after_alloc(vreq("r2"), (DST_BLOCKS,), n)
     worker.load(build(sched, new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n)))
     _, fut, _ = worker._inflight["r2"]
@@ -302,6 +305,7 @@ def test_a_record_deleted_after_the_lookup_fails_only_its_blocks_and_later_ones(
     sched, worker = sides(stores[1])
     worker.register(caches(seed=None))
     n, _ = sched.num_new_matched_tokens(vreq("r2", PROMPT), 0)
+    assert n is not None  # the lookup ran on this thread
     sched.after_alloc(vreq("r2"), (DST_BLOCKS,), n)
     meta = build(sched, new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n))
     key = stores[1].token_database.keys(PROMPT)[1]
@@ -320,6 +324,7 @@ def test_a_record_of_another_shape_is_a_load_failure_not_an_exception(stores: tu
     # this worker's caches have more heads: the stored records do not fit
     worker.register({f"l{i}": torch.zeros(NB, HEADS + 1, BS, 2 * HEAD) for i in range(LAYERS)})
     n, _ = sched.num_new_matched_tokens(vreq("r2", PROMPT), 0)
+    assert n is not None  # the lookup ran on this thread
     sched.after_alloc(vreq("r2"), (DST_BLOCKS,), n)
     worker.load(build(sched, new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n)))
     wait_loads(worker, {"r2"})
@@ -453,6 +458,7 @@ def test_a_hit_in_this_process_cpu_tier_is_loaded_before_the_forward(tmp_path: P
         dst = caches(seed=None)
         worker.register(dst)
         n, is_async = sched.num_new_matched_tokens(vreq("r2", PROMPT), 0)
+        assert n is not None  # the lookup ran on this thread
         assert (n, is_async) == (24, False)
         sched.after_alloc(vreq("r2"), (DST_BLOCKS,), n)
         meta = build(sched, new_req_step("r2", DST_BLOCKS, 0, len(PROMPT) - n))

@@ -178,9 +178,9 @@ def test_retrieve_to_a_device_this_machine_lacks_is_a_value_error_on_hit_and_mis
 
 def test_constructor_checks_its_arguments(small_config):
     with pytest.raises(TypeError, match="config"):
-        LMCacheEngine({"chunk_size": 16})
+        LMCacheEngine({"chunk_size": 16})  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="metadata"):
-        LMCacheEngine(small_config(), "meta")
+        LMCacheEngine(small_config(), "meta")  # type: ignore[arg-type]
 
 
 # ---- pressure and tiers --------------------------------------------------------------------------

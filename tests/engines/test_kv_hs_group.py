@@ -99,6 +99,7 @@ def test_hidden_states_are_saved_with_the_kv_and_restored_by_a_new_store(
     sched2, worker2 = sides(stores[1], dst_hs)
     worker2.register(dst_kv, dst_hs)
     n, is_async = sched2.num_new_matched_tokens(vreq("r2", PROMPT), 0)
+    assert n is not None  # the lookup ran on this thread
     assert (n, is_async) == (3 * CHUNK, True)
     sched2.after_alloc(vreq("r2"), (KV_DST, HS_DST), n)
     load_meta = build(sched2, step("r2", KV_DST, HS_DST, 0, len(PROMPT) - n))
@@ -127,6 +128,7 @@ def test_kv_beyond_a_missing_hidden_state_chunk_is_recomputed(stores: tuple[KVSt
     sched2, worker2 = sides(stores[1], dst_hs)
     worker2.register(caches(seed=None), dst_hs)
     n, _ = sched2.num_new_matched_tokens(vreq("r2", PROMPT), 0)
+    assert n is not None  # the lookup ran on this thread
     sched2.after_alloc(vreq("r2"), (KV_DST, HS_DST), n)
     worker2.load(build(sched2, step("r2", KV_DST, HS_DST, 0, len(PROMPT) - n)))
     assert worker2.finished_loads(wait_s=30.0) == {"r2"}

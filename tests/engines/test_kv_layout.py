@@ -194,12 +194,13 @@ def test_gather_records_at_in_an_arena_equals_a_memmove_per_block(bpc: int, layo
     arena = torch.full((n * 3 * size // 4,), float("nan"))  # float32: 4 bytes per element
     base = arena.data_ptr()
     elsewhere = torch.full((size // 4,), float("nan"))
-    offsets = {
+    layouts: dict[str, list[int | None]] = {
         "consecutive": [i * size for i in range(n)],
         "gaps": [i * (size + 64) for i in range(n)],
         "mixed": [0, size, 2 * size, 5 * size, 7 * size + 128],
         "outside": [0, size, None, 4 * size, 5 * size],
-    }[layout]
+    }
+    offsets = layouts[layout]
     addresses = [elsewhere.data_ptr() if off is None else base + off for off in offsets]
     gather_records_at(caches, chunks, addresses, arena.view(torch.uint8))
     want = [torch.empty(caches.record_shape) for _ in chunks]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -132,7 +132,7 @@ CHUNK_BYTES = 2 << 20
 TOKENS = [256] * 10
 
 
-def decide(tiers: list[str | None], book: CostBook, rate: float | None, **kw: Any) -> LoadDecision:
+def decide(tiers: Sequence[str | None], book: CostBook, rate: float | None, **kw: Any) -> LoadDecision:
     return decide_load(tiers, TOKENS[: len(tiers)], CHUNK_BYTES, book.read_time, rate, memory_tiers={"cpu"}, **kw)
 
 
@@ -260,6 +260,7 @@ def test_a_successful_load_may_be_loaded_again_after_preemption(two_stores: tupl
     sched = sched_for(two_stores[1], book_with(disk=(0.0001, 1e9)))
     req = vreq("r")
     n, _ = sched.num_new_matched_tokens(req, 0)
+    assert n is not None  # the lookup ran on this thread
     sched.after_alloc(req, (DST_BLOCKS,), n)
     build(sched, new_req_step("r", DST_BLOCKS, 0, len(PROMPT) - n))
     sched.after_step(SimpleNamespace(invalid_block_ids=set(), failed_recving=set(), finished_recving={"r"}))
@@ -272,6 +273,7 @@ def test_the_planned_async_load_carries_its_tiers_and_deadline(two_stores: tuple
     book.observe_prefill(1000, 1.0)
     sched = sched_for(two_stores[1], book, settings=LoadSettings(max_load_s=5.0))
     n, _ = sched.num_new_matched_tokens(vreq("r"), 0)
+    assert n is not None  # the lookup ran on this thread
     sched.after_alloc(vreq("r"), (DST_BLOCKS,), n)
     meta = build(sched, new_req_step("r", DST_BLOCKS, 0, len(PROMPT) - n))
     (run,) = meta.async_loads

@@ -21,8 +21,9 @@ import torch
 from lmcache_async import LMCacheEngineConfig
 from lmcache_async.memory import HeapAllocator, MemoryFormat, MemoryObj
 from lmcache_async.metadata import LMCacheEngineMetadata
+from lmcache_async.nixl import transfer as nixl_transfer
 from lmcache_async.nixl import work as nixl_work
-from lmcache_async.nixl.io import EMPTY_MAGIC, RECORD_SUFFIX, TMP_SUFFIX
+from lmcache_async.nixl.io import EMPTY_MAGIC, RECORD_SUFFIX, TMP_SUFFIX, KeyFileLayout, SlotFileLayout
 from lmcache_async.nixl.tier import DirectoryInUseError, NixlBackend, NixlSettings, create
 from lmcache_async.testing import make_key
 from lmcache_async.tiers import BackendContext
@@ -49,6 +50,20 @@ def _record_of(be: NixlBackend, key) -> Path:
     if isinstance(entry.location, int):
         return be.root / f"slot-{entry.location:06d}{RECORD_SUFFIX}"
     return be.root / f"{entry.location}{RECORD_SUFFIX}"
+
+
+def _key_files(be: NixlBackend) -> KeyFileLayout:
+    """The tier's layout of one file a key (the default: no slot pool, a file path)."""
+    layout = be._layout
+    assert isinstance(layout, KeyFileLayout)
+    return layout
+
+
+def _slot_of(be: NixlBackend, key) -> int:
+    """The slot of ``key`` in a tier with a slot pool."""
+    location = be._index[key].location
+    assert isinstance(location, int)
+    return location
 
 
 def _eq(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -211,9 +226,10 @@ async def test_record_files_stay_open_for_the_next_read_within_the_cap(
 ) -> None:
     ctx = big_context()
     be = await _open(ctx, tmp_path)
-    layout = be._layout
+    layout = _key_files(be)
     layout.open_files._cap = 2
     registered: list[int] = []
+    assert be._agent is not None
     real = be._agent.register_target
 
     def counting(*args, **kwargs):
@@ -251,7 +267,7 @@ async def test_a_kept_file_damaged_or_deleted_meanwhile_is_a_miss(big_context, t
     objs = [_obj(ctx, fill, MiB, 810 + i) for i in range(3)]
     for k, o in zip((a, b, c), objs, strict=True):
         assert await be.put(k, o)
-    assert len(be._layout.open_files) == 3
+    assert len(_key_files(be).open_files) == 3
     _record_of(be, a).unlink()  # the kept descriptor still reads the old inode
     with open(_record_of(be, b), "ab") as f:  # garbage appended
         f.write(b"x" * 10)
@@ -263,7 +279,7 @@ async def test_a_kept_file_damaged_or_deleted_meanwhile_is_a_miss(big_context, t
     st = be.stats()
     assert st["read_failures"] == 3 and st["entries"] == 0
     await _settle(be)
-    assert len(be._layout.open_files) == 0 and _fds_under(tmp_path) == 0
+    assert len(_key_files(be).open_files) == 0 and _fds_under(tmp_path) == 0
     await be.close()
     for o in objs:
         o.ref_count_down()
@@ -281,7 +297,7 @@ async def test_a_file_kept_by_a_read_is_reopened_for_writing_when_recycled(big_c
     got = await be.get(a)
     assert got is not None and _eq(got.tensor, oa.tensor)
     got.ref_count_down()
-    kept = next(iter(be._layout.open_files._files.values()))
+    kept = next(iter(_key_files(be).open_files._files.values()))
     assert not kept.writable
     a_location = be._index[a].location
     a_inode = (tmp_path / f"{a_location}{RECORD_SUFFIX}").stat().st_ino
@@ -329,7 +345,7 @@ async def test_an_in_place_write_zeroes_the_evicted_magic_first(big_context, tmp
     assert await be.put(a, oa)
     a_file = _record_of(be, a)
     magic_when_written: list[bytes] = []
-    real_write = nixl_work.write_record
+    real_write = nixl_transfer.write_record  # the function the tier's work module imports
 
     def write(agent, slot, loc, *args, **kwargs) -> None:
         magic_when_written.append(a_file.read_bytes()[:8])
@@ -499,15 +515,16 @@ async def test_slot_pool_exhaustion_evicts_the_oldest(big_context, tmp_path, fil
     await be.close()
 
 
-def _record_zeroing(monkeypatch, be: NixlBackend) -> list[tuple[object, bool]]:
+def _record_zeroing(monkeypatch, be: NixlBackend) -> list[tuple[int, bool]]:
     """From now on, every slot the tier zeroes: ``(slot, whether on the loop's thread)``."""
     layout = be._layout
-    calls: list[tuple[object, bool]] = []
+    assert isinstance(layout, SlotFileLayout)
+    calls: list[tuple[int, bool]] = []
     real_delete = layout.delete
     loop_thread = threading.get_ident()
 
-    def delete(location) -> None:
-        calls.append((location, threading.get_ident() == loop_thread))
+    def delete(location: str | int) -> None:  # a slot number, as the layout reads it
+        calls.append((int(location), threading.get_ident() == loop_thread))
         real_delete(location)
 
     monkeypatch.setattr(layout, "delete", delete)
@@ -530,7 +547,7 @@ async def test_slots_freed_by_a_put_are_invalidated_by_its_job_off_the_loop(
     a, b, c = make_key(520), make_key(521), make_key(522)
     objs = [_obj(ctx, fill, MiB, 520), _obj(ctx, fill, MiB, 521), _obj(ctx, fill, MiB + MiB // 2, 522)]
     assert await be.put(a, objs[0]) and await be.put(b, objs[1])
-    slot_a, slot_b = be._index[a].location, be._index[b].location
+    slot_a, slot_b = _slot_of(be, a), _slot_of(be, b)
     assert be.stats()["free_slots"] == 2
     invalidated = _record_zeroing(monkeypatch, be)
     assert await be.put(c, objs[2])  # needs both victims' bytes
@@ -557,7 +574,7 @@ async def test_removed_slots_are_zeroed_off_the_loop_and_freed_after(big_context
     a, b, c = make_key(540), make_key(541), make_key(542)
     objs = [_obj(ctx, fill, 256 * 1024, 540 + i) for i in range(3)]
     assert await be.put(a, objs[0]) and await be.put(b, objs[1])
-    slot_a = be._index[a].location
+    slot_a = _slot_of(be, a)
     zeroed = _record_zeroing(monkeypatch, be)
     assert await be.remove(a)
     assert be.stats()["free_slots"] == 0  # not reusable before it was zeroed
@@ -720,6 +737,7 @@ async def test_loop_answers_contains_during_a_256_mib_transfer(big_context, tmp_
     probe = make_key(1001)
     small = _obj(ctx, fill, 4096, 2)
     assert await be.put(probe, small)
+    work: asyncio.Future[MemoryObj | bool | None]
     if op == "get":
         assert await be.put(big, src)
         work = asyncio.ensure_future(be.get(big, lambda s, d, f: ctx.pool.allocate(s, d, f)))

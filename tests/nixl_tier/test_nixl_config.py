@@ -180,8 +180,8 @@ async def test_posix_parameters_reach_the_plugin(backend_context, tmp_path: Path
 
 @pytest.mark.parametrize(("cpus", "workers"), [(1, 1), (2, 1), (3, 1), (4, 2), (64, 2)])
 def test_worker_threads_follow_the_usable_cpus(monkeypatch: pytest.MonkeyPatch, cpus: int, workers: int) -> None:
-    import lmcache_async.nixl.agent as nixl_agent
+    import os  # the nixl agent reads the affinity from os
 
-    monkeypatch.setattr(nixl_agent.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
     assert NixlSettings(plugin="POSIX", path="/x").workers == workers
     assert NixlSettings(plugin="POSIX", path="/x", workers=3).workers == 3  # explicit wins

@@ -223,6 +223,7 @@ def test_hits_end_on_chunk_boundaries_and_loads_are_asynchronous_by_request(stor
     sched.finished("s")
     n, is_async = sched.num_new_matched_tokens(vreq("t"), 0)
     assert n == 0  # chunk 0 was never saved (its window was gone): no prefix
+    assert worker.caches is not None  # registered above
     for c in range(5):  # store every chunk so the prefix is whole
         key = store.token_database.keys(PROMPT)[c]
         if not sm.contains_sync(key):

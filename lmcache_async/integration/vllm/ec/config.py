@@ -15,6 +15,8 @@ from lmcache_async.config import (
     load_engine_config,
 )
 
+__all__ = ["CONFIG_FILE_KEY", "CONNECTOR_KEYS", "load_connector_config", "strip_file_url"]
+
 logger = logging.getLogger(__name__)
 
 CONFIG_FILE_KEY = "config_file"

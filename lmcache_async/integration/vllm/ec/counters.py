@@ -12,6 +12,8 @@ from typing import Any
 
 from lmcache_async.ratelog import RateLimitedLog
 
+__all__ = ["COUNTERS", "LOG_EVERY_S", "ECCounters", "describe_error"]
+
 LOG_EVERY_S = 5.0
 """Seconds between two warnings of one category (see :meth:`ECCounters._log`)."""
 

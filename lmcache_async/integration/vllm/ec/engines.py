@@ -25,6 +25,8 @@ from lmcache_async.memory import MemoryObj
 from lmcache_async.metadata import LMCacheEngineMetadata
 from lmcache_async.metrics import serve_configured_metrics
 
+__all__ = ["Handoff", "acquire_engine", "handoff_of", "release_engine", "release_entry"]
+
 logger = logging.getLogger(__name__)
 
 

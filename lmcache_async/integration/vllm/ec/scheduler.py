@@ -33,6 +33,8 @@ from lmcache_async.memory import MemoryObj
 from lmcache_async.storage_manager import StorageManager
 from lmcache_async.tiers import Presence, PromiseLeases
 
+__all__ = ["ECSchedulerSide", "release_fetched"]
+
 
 @dataclass
 class _Ready:

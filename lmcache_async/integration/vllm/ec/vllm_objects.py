@@ -15,6 +15,19 @@ import torch
 
 from lmcache_async.dtypes import dtype_name, parse_dtype
 
+__all__ = [
+    "DEFAULT_ENCODER_DTYPE",
+    "DEFAULT_MODEL_NAME",
+    "ECLoadMetadata",
+    "connector_roles",
+    "item_count",
+    "item_identifier",
+    "model_identity",
+    "role_name",
+    "safe_item_count",
+    "worker_device",
+]
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "default"

@@ -21,6 +21,8 @@ from lmcache_async.integration.vllm.ec.vllm_objects import ECLoadMetadata, worke
 from lmcache_async.records import RecordError
 from lmcache_async.tiers import PromiseLeases
 
+__all__ = ["ECWorkerSide"]
+
 
 class ECWorkerSide(ECCounters):
     """Worker-side half of :class:`~lmcache_async.integration.vllm.ec.impl.LMCacheECConnectorImpl`.

@@ -393,7 +393,8 @@ class LMCacheKVConnector(KVConnectorBase_V1, SupportsHMA):
         side = self.scheduler_side
         if side is None or side.events is None:
             return ()
-        return side.events.take_events()
+        events: list[Any] = side.events.take_events()
+        return events
 
     def get_kv_connector_kv_cache_events(self) -> LMCacheKVReports | None:
         """This worker's reports since the last step (saves durable on a tier, removals) for the

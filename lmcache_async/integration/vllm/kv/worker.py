@@ -191,7 +191,7 @@ class KVWorkerSide:
         )
         self.hs_group = hs_group
         if self.caches.device.type == "cuda":
-            self._stream = torch.cuda.Stream(self.caches.device)
+            self._stream = torch.cuda.Stream(self.caches.device)  # type: ignore[no-untyped-call]
         return self.caches
 
     def _fault(self, what: str, exc: BaseException) -> None:
