@@ -29,7 +29,7 @@ from lmcache_async.integration.vllm.ec.impl import (
     worker_device,
 )
 
-from .helpers import MiB, gib, needs_disk
+from .helpers import MiB, gib
 
 
 class Role(enum.Enum):  # the shape of vLLM's ECConnectorRole
@@ -369,7 +369,6 @@ def test_error_logging_is_rate_limited(
     assert c.stats()["errors_by_op"]["save_caches"] == 50
 
 
-@needs_disk
 def test_connectors_of_separate_configs_share_through_a_disk_dir(
     connectors: list[LMCacheECConnectorImpl], tmp_path: Path
 ) -> None:
@@ -472,7 +471,6 @@ def test_a_hold_nobody_loads_is_released_after_its_ttl(connectors: list[LMCacheE
     assert sched.stats()["held"] == 0
 
 
-@needs_disk
 def test_a_damaged_record_is_reported_not_cached_and_counted(
     connectors: list[LMCacheECConnectorImpl], tmp_path: Path
 ) -> None:
@@ -490,7 +488,6 @@ def test_a_damaged_record_is_reported_not_cached_and_counted(
     assert s["faults"] == 1 and s["misses"] == 1
 
 
-@needs_disk
 def test_workers_in_other_processes_load_a_deleted_record_from_its_lease(
     connectors: list[LMCacheECConnectorImpl], tmp_path: Path
 ) -> None:
@@ -532,8 +529,9 @@ def test_an_unloadable_promise_fails_its_request_not_the_engine(connectors: list
     assert placeholder.shape == (3, 5) and placeholder.dtype == torch.float16
     report = worker.take_worker_report()
     assert report is not None and report[0] == {"h"}
-    sched.update_connector_output(SimpleNamespace(ec_connector_worker_meta=SimpleNamespace(
-        failed=report[0], counters=report[1])))
+    sched.update_connector_output(
+        SimpleNamespace(ec_connector_worker_meta=SimpleNamespace(failed=report[0], counters=report[1]))
+    )
     assert sched.take_unavailable_requests() == {"r7"}  # ...and vLLM fails the request
     assert sched.take_unavailable_requests() == set()
     assert sched.take_stats_delta()["load_failures"] == 1
@@ -541,8 +539,9 @@ def test_an_unloadable_promise_fails_its_request_not_the_engine(connectors: list
 
 # ---- ensure_cache_available ---------------------------------------------------------------------------
 def _mm_request(rid: str, *hashes: str) -> SimpleNamespace:
-    feats = [SimpleNamespace(identifier=h, mm_position=SimpleNamespace(offset=4 * i, length=4))
-             for i, h in enumerate(hashes)]
+    feats = [
+        SimpleNamespace(identifier=h, mm_position=SimpleNamespace(offset=4 * i, length=4)) for i, h in enumerate(hashes)
+    ]
     return SimpleNamespace(request_id=rid, mm_features=feats)
 
 
@@ -555,7 +554,6 @@ def _until(pred: Any, timeout: float = 60.0) -> None:
         time.sleep(0.005)
 
 
-@needs_disk
 def test_ensure_promotes_lower_tier_items_without_blocking(
     connectors: list[LMCacheECConnectorImpl], tmp_path: Path
 ) -> None:
@@ -625,7 +623,6 @@ def test_stats_delta_reports_each_increment_once(connectors: list[LMCacheECConne
     assert c.take_stats_delta() == {}
 
 
-@needs_disk
 def test_ensure_leases_on_the_loop_for_workers_in_other_processes(
     connectors: list[LMCacheECConnectorImpl], tmp_path: Path
 ) -> None:

@@ -8,10 +8,7 @@ import torch
 
 from lmcache_async.cli.demo_ec import demo_tensor, main, run_ec_demo
 
-from .helpers import needs_disk
 
-
-@needs_disk
 def test_processes_share_encoder_outputs_only_through_the_disk_dir(tmp_path: Path) -> None:
     lines: list[str] = []
     result = run_ec_demo(tmp_path, out=lines.append, count=3)

@@ -10,9 +10,7 @@ import torch
 
 from lmcache_async.engines.encoder_cache import ECCacheEngine
 
-from .helpers import KiB, MiB, gib, needs_disk
-
-pytestmark = needs_disk
+from .helpers import KiB, MiB, gib
 
 MakeEngine = Callable[..., ECCacheEngine]
 ENTRY = 256 * KiB  # bytes of one test tensor (float32)

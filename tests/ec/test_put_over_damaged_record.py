@@ -16,7 +16,7 @@ import torch
 
 from lmcache_async.engines.encoder_cache import ECCacheEngine
 
-from .helpers import KiB, MiB, gib, needs_disk
+from .helpers import KiB, MiB, gib
 
 MakeEngine = Callable[..., ECCacheEngine]
 
@@ -52,8 +52,8 @@ def _tier_name(kind: str) -> str:
 @pytest.mark.parametrize(
     ("kind", "local_cpu"),
     [
-        pytest.param("disk", True, marks=needs_disk, id="cpu+disk"),
-        pytest.param("disk", False, marks=needs_disk, id="disk-only"),
+        pytest.param("disk", True, id="cpu+disk"),
+        pytest.param("disk", False, id="disk-only"),
         pytest.param("fs", True, id="cpu+fs"),
     ],
 )
