@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import chaos_support as cs  # noqa: E402
+import chaos_support as cs  # type: ignore[import-not-found]  # noqa: E402
 
 from lmcache_async import LMCacheEngineConfig, LMCacheEngineMetadata, StorageManager  # noqa: E402
 
@@ -124,6 +124,7 @@ def permissions(root: str) -> None:
         return entry_path(cache, key_digest(cs.chaos_key(i).to_string()))
 
     def evict(sm: StorageManager) -> None:
+        assert sm.pool is not None
         block = sm.allocate((sm.pool.capacity,), torch.uint8)
         if block is not None:
             block.ref_count_down()
@@ -144,6 +145,7 @@ def permissions(root: str) -> None:
 
     with StorageManager(cfg, LMCacheEngineMetadata("chaos"), name="perm") as sm:
         disk = sm.backend("disk")
+        assert disk is not None
         for i in range(30):
             sm.put_sync(cs.chaos_key(i), cs.payload(i, 4096))
         sm.flush_sync(timeout=30)
@@ -157,7 +159,7 @@ def permissions(root: str) -> None:
             os.chmod(path(i), 0o600)
         out["restored_hits"], _ = read_all(sm, range(10))
         # 2. A read-only directory: writes stop and are counted, reads go on.
-        mode_of = {}
+        mode_of: dict[str, int] = {}
         for dirpath, dirs, _files in os.walk(cache):
             for d in [dirpath, *(os.path.join(dirpath, x) for x in dirs)]:
                 mode_of.setdefault(d, os.stat(d).st_mode & 0o777)

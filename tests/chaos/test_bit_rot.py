@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from lmcache_async import LMCacheEngineConfig, LMCacheEngineMetadata, StorageManager
+from lmcache_async.disk.tier import DiskBackend
 from lmcache_async.keys import CacheEngineKey
 
 from .chaos_support import chaos_key, damage_bytes, damage_file, entry_size, files_below, payload, same_payload, scaled
@@ -150,6 +151,7 @@ def test_disk_records(tmp_path, figures):
     sm = _manager(local_disk=str(root), max_local_disk_size=0.5)
     try:
         backend = sm.backend("disk")
+        assert isinstance(backend, DiskBackend)
         sm.loop_thread.run_sync(backend.wait_ready(), timeout=60)
         misses = _read_back(sm, damaged2, ids2)
         counted = sm.stats()["tiers"]["disk"]["corrupt"]

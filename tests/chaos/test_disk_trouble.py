@@ -27,11 +27,12 @@ ENTRY = 64 << 10
 
 
 def _manager(tier: str, where: Path) -> StorageManager:
-    extra: dict[str, Any] = {
+    extras: dict[str, dict[str, Any]] = {
         "disk": {"local_disk": str(where), "max_local_disk_size": 1.0},  # far beyond the filesystem
         "fs": {"remote_url": f"fs://{where}"},
         "nixl": {"nixl_path": str(where), "nixl_backend": "POSIX", "nixl_max_size": 1.0},
-    }[tier]
+    }
+    extra = extras[tier]
     cfg = LMCacheEngineConfig.from_defaults(
         max_local_cpu_size=2 / 1024, staging_size=2 / 1024, remote_timeout_s=10, blocking_timeout_secs=30, **extra
     )
@@ -213,15 +214,17 @@ def test_one_burst_of_failed_writes_backs_off_once(small_fs):
                     f.flush()
             except OSError:
                 pass
-        disk = sm.backend("disk")
-        assert disk is not None
         from concurrent.futures import ThreadPoolExecutor
 
         from lmcache_async.disk.layout import key_digest
+        from lmcache_async.disk.tier import DiskBackend
         from lmcache_async.memory import PoolAllocator
 
+        disk = sm.backend("disk")
+        assert isinstance(disk, DiskBackend)
         pool = PoolAllocator(1 << 20, name="burst", pretouch=False)
         block = pool.allocate((64 << 10,), torch.uint8)
+        assert block is not None
         keys = [chaos_key(i).to_string() for i in range(1, 17)]
         with ThreadPoolExecutor(8) as ex:  # one burst: 16 writes in flight on a full disk
             list(ex.map(lambda k: disk.store.write(key_digest(k), k, block), keys))

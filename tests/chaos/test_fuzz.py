@@ -46,8 +46,8 @@ FUZZ_SETTINGS = settings(
     derandomize=False,
 )
 
-_text = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)
-_env_text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=60)
+_text = st.text(st.characters(blacklist_categories=["Cs"]), max_size=40)
+_env_text = st.text(st.characters(blacklist_categories=["Cs"], blacklist_characters="\x00"), max_size=60)
 _scalars = st.one_of(
     st.none(),
     st.booleans(),
@@ -185,7 +185,7 @@ _FIELD_OFFSETS = [(8, "H"), (10, "H"), (12, "I"), (16, "Q"), (24, "Q"), (32, "H"
 
 @st.composite
 def _records(draw: st.DrawFn) -> tuple[bytes, str, tuple[int, ...], torch.dtype, MemoryFormat, bytes]:
-    key = draw(st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=200))
+    key = draw(st.text(st.characters(blacklist_categories=["Cs"]), min_size=1, max_size=200))
     shape = tuple(draw(st.lists(st.integers(0, 6), max_size=5)))
     dtype = draw(st.sampled_from(sorted(CODE_TO_DTYPE.values(), key=str)))
     fmt = draw(st.sampled_from(list(MemoryFormat)))

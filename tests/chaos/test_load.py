@@ -66,8 +66,9 @@ def _ec(k: int) -> torch.Tensor:
 class Traffic:
     def __init__(self, kv: LMCacheEngine, ec: ECCacheEngine, prompts: list[list[int]]) -> None:
         self.kv = kv
-        self.hs = kv.hidden_state_store
-        assert self.hs is not None
+        hs = kv.hidden_state_store
+        assert hs is not None
+        self.hs = hs
         self.ec = ec
         self.prompts = prompts
         self.lat = Latencies()

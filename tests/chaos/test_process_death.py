@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 
 from lmcache_async import LMCacheEngineConfig, LMCacheEngineMetadata, StorageManager
+from lmcache_async.disk.tier import DiskBackend
 
 from . import chaos_worker
 from .chaos_support import chaos_key, files_below, identity, same_payload, scaled
@@ -176,6 +177,7 @@ def _verify(tier: Tier, root: Path, must: set[int], attempted: int) -> dict[str,
         backend = sm.backend(tier.backend_name)
         assert backend is not None, f"the {tier.name} tier did not come up after the kill: {sm.stats()}"
         if tier.name == "disk":
+            assert isinstance(backend, DiskBackend)
             sm.loop_thread.run_sync(backend.wait_ready(), timeout=60)  # reaping and recount done
         for i in range(attempted):
             obj = sm.get_sync(chaos_key(i))

@@ -342,7 +342,9 @@ def test_two_namespaces_on_one_server_never_see_each_other(shared_redis, figures
         _evict(b)
         for i in range(n):
             for sm, version in ((a, 1), (b, 2)):
-                with sm.get_sync(chaos_key(i)) as obj:
+                got = sm.get_sync(chaos_key(i))
+                assert got is not None, (sm.name, i)
+                with got as obj:
                     assert same_payload(obj, i, 4096, version), (sm.name, i)
                 _evict(sm)
         assert not a.contains_sync(chaos_key(10_000)) and a.get_sync(chaos_key(10_000)) is None
@@ -352,7 +354,9 @@ def test_two_namespaces_on_one_server_never_see_each_other(shared_redis, figures
         assert shared_redis.command("KEYS", "tenant-a:*") == []
         assert len(shared_redis.command("KEYS", "tenant-b:*")) >= n + 1
         _evict(b)
-        with b.get_sync(chaos_key(7)) as obj:
+        got = b.get_sync(chaos_key(7))
+        assert got is not None
+        with got as obj:
             assert same_payload(obj, 7, 4096, 2)
         b.clear_sync()
     finally:
@@ -372,7 +376,9 @@ def test_models_sharing_a_prefix_are_separate_namespaces(shared_redis):
         a.flush_sync(timeout=30)
         b.flush_sync(timeout=30)
         _evict(a)
-        with a.get_sync(ka) as obj:
+        got = a.get_sync(ka)
+        assert got is not None
+        with got as obj:
             assert same_payload(obj, 1, 256)
         keys = shared_redis.command("KEYS", "shared:*")
         assert any(k.startswith(b"shared:org%2Fmodel-a:") for k in keys)

@@ -18,7 +18,7 @@ def model_dir() -> Path:
     """The tiny LLaVA (built once, cached under ~/.cache/lmcache-async unless
     ``LMCACHE_E2E_MODEL`` names a directory)."""
     sys.path.insert(0, str(ROOT / "scripts"))
-    import tiny_llava
+    import tiny_llava  # type: ignore[import-not-found]  # found on sys.path at run time
 
     target = os.environ.get("LMCACHE_E2E_MODEL") or str(
         Path.home() / ".cache" / "lmcache-async" / f"model-{tiny_llava.RECIPE}"
@@ -43,7 +43,7 @@ def kv_model_dir() -> Path:
     """The tiny float32 Llama of the KV-connector tests (``scripts/tiny_llama.py``; built once,
     cached under ~/.cache/lmcache-async unless ``LMCACHE_E2E_KV_MODEL`` names a directory)."""
     sys.path.insert(0, str(ROOT / "scripts"))
-    import tiny_llama
+    import tiny_llama  # type: ignore[import-not-found]  # found on sys.path at run time
 
     sizes = "-".join(f"{k}{v}" for k, v in KV_MODEL_SIZES.items())
     target = os.environ.get("LMCACHE_E2E_KV_MODEL") or str(

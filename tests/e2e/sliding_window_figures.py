@@ -19,9 +19,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from tests.e2e.conftest import KV_MODEL_SIZES
-from tests.e2e.kv_engines import make_prompts, run_kv_engine
-from tests.e2e.model_variants import sliding_variant
+from .conftest import KV_MODEL_SIZES
+from .kv_engines import make_prompts, run_kv_engine
+from .model_variants import sliding_variant
 
 PROMPTS = 5
 WINDOW = 512

@@ -124,7 +124,7 @@ def test_the_same_image_is_restored(image_runs: dict[str, Any]) -> None:
 @pytest.fixture(scope="module")
 def text_runs(kv_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     sys.path.insert(0, str(ROOT / "scripts"))
-    import tiny_lora
+    import tiny_lora  # type: ignore[import-not-found]  # found on sys.path at run time
 
     work = tmp_path_factory.mktemp("kv-identity-text")
     cache = Path(os.environ.get("LMCACHE_E2E_LORA_DIR") or kv_model_dir.parent)

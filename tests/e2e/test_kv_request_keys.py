@@ -173,7 +173,7 @@ def test_a_plain_request_keeps_the_token_only_key() -> None:
 
 def test_a_feature_without_an_identifier_is_unreadable() -> None:
     req = request(mm_features=[image("A", 70)])
-    req.mm_features[0].identifier = None  # type: ignore[assignment]
+    req.mm_features[0].identifier = None
     with pytest.raises(UnreadableRequest) as info:
         request_key_inputs(req)
     assert info.value.kind == "mm"

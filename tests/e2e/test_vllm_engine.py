@@ -106,7 +106,7 @@ def _server(workdir: Path, model_dir: Path, disk: Path) -> dict[str, Any]:
                     time.sleep(0.25)
             out["start_s"] = time.monotonic() - t0
             sys.path.insert(0, str(Path(__file__).parent))
-            from e2e_child import chat_messages
+            from e2e_child import chat_messages  # type: ignore[import-not-found]  # found on sys.path at run time
 
             body = {"model": str(model_dir), "messages": chat_messages(*CHAT[0]), "max_tokens": 8,
                     "temperature": 0.0}

@@ -78,8 +78,8 @@ def free_port_pair() -> int:
 class EventServer(CacheServerProcess):
     """``lmcache-async serve --events tcp://127.0.0.1:PORT`` in a child process."""
 
-    def __init__(self, workdir: Path, port: int, **settings: object) -> None:
-        super().__init__(workdir, **settings)
+    def __init__(self, workdir: Path, port: int, *, loop: str | None = None, **settings: object) -> None:
+        super().__init__(workdir, loop=loop, **settings)
         self.endpoint = f"tcp://127.0.0.1:{port}"
         self.replay_endpoint = f"tcp://127.0.0.1:{port + 1}"
 
@@ -108,9 +108,9 @@ def make_event_server(tmp_path: Path) -> Iterator[type[EventServer]]:
     keeps a restarted server's endpoints), killed at the end of the test."""
     made: list[EventServer] = []
 
-    def make(port: int | None = None, **settings: object) -> EventServer:
+    def make(port: int | None = None, *, loop: str | None = None, **settings: object) -> EventServer:
         merged: dict[str, object] = {"max_local_cpu_size": 1 / 1024, **settings}
-        srv = EventServer(private_dir(tmp_path / f"srv{len(made)}"), port or free_port_pair(), **merged)
+        srv = EventServer(private_dir(tmp_path / f"srv{len(made)}"), port or free_port_pair(), loop=loop, **merged)
         made.append(srv)
         return srv
 

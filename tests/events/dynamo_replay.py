@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 from dynamo._core import RadixTree, compute_block_hash_for_seq
 
@@ -55,7 +56,15 @@ def main(path: str) -> dict:
     tree = RadixTree()
     workers: dict[str, int] = {}
     event_id = 0
-    out = {"checks": 0, "comparisons": 0, "phantom": 0, "missed": 0, "applied": 0, "errors": 0, "first_mismatch": None}
+    out: dict[str, Any] = {
+        "checks": 0,
+        "comparisons": 0,
+        "phantom": 0,
+        "missed": 0,
+        "applied": 0,
+        "errors": 0,
+        "first_mismatch": None,
+    }
     prompts: list[list[int]] = []
     with open(path) as f:
         head = json.loads(f.readline())

@@ -13,7 +13,7 @@ from lmcache_async.integration.vllm.kv.events import KVEventSource
 TYPES = (BlockStored, BlockRemoved)
 
 
-def _prompt():  # type: ignore[no-untyped-def]
+def _prompt():
     return prompt_of(tuple(range(1, 1 + 32 * 3)), "adapter-a")
 
 

@@ -116,7 +116,7 @@ def test_a_chunk_is_published_once_every_rank_holds_it_and_a_lookup_miss_withdra
 
 def test_unknown_reports_and_undescribed_chunks_change_nothing() -> None:
     ev = SchedulerEvents(world_size=1, block_size=BLOCK, chunk_size=CHUNK)
-    ev.apply(LMCacheKVReports([("stored", "disk", 1, 0), ("removed", "cpu", 2, 0), ("bad",)]))
+    ev.apply(LMCacheKVReports([("stored", "disk", 1, 0), ("removed", "cpu", 2, 0), ("bad",)]))  # type: ignore[list-item]
     ev.apply(object())
     short = _request(list(range(4)))  # vLLM has hashed one block only
     ev.track("s", short)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from typing import cast
 
 import pytest
 
@@ -51,9 +53,9 @@ def test_mediums_and_ownership() -> None:
 
 
 @pytest.fixture
-def pub() -> ZmqEventPublisher:
+def pub() -> Iterator[ZmqEventPublisher]:
     p = ZmqEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", on_snapshot_request=None)
-    yield p  # type: ignore[misc]
+    yield p
     p.close()
 
 
@@ -67,7 +69,10 @@ def test_a_subscriber_that_lost_messages_recovers_them_by_replay(pub: ZmqEventPu
         deadline = time.monotonic() + 10
         while len(got) < 30 and time.monotonic() < deadline:
             got += sub.receive(0.1)
-        hashes = [e.block_hashes[0] for b in got for e in b.events]
+        stored = [e for b in got for e in b.events]
+        assert all(isinstance(e, BlockStored) for e in stored)
+        hashes = [cast(BlockStored, e).block_hashes[0] for e in stored]
+        assert isinstance(hashes[0], bytes)
         first = int.from_bytes(hashes[0], "big")
         assert hashes == [i.to_bytes(32, "big") for i in range(first, 30)]
         assert sub.lost and sub.replays
@@ -103,8 +108,11 @@ def test_a_snapshot_request_is_answered_with_the_owners_snapshot() -> None:
 
 def test_a_replay_of_numbers_the_buffer_no_longer_holds_falls_back_to_a_snapshot() -> None:
     holder: list[ZmqEventPublisher] = []
-    p = ZmqEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", buffer_steps=2,
-                          on_snapshot_request=lambda: holder[0].publish_snapshot([AllBlocksCleared()]))  # fmt: skip
+
+    def on_request() -> None:
+        holder[0].publish_snapshot([AllBlocksCleared()])
+
+    p = ZmqEventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", buffer_steps=2, on_snapshot_request=on_request)
     holder.append(p)
     try:
         with EventSubscriber(p.endpoint, p.replay_endpoint or "", lose=lambda s: True) as sub:

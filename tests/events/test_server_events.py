@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from typing import cast
 
 import pytest
 from events.kv_workload import CHUNK_BLOCKS, CacheSide, make_prompts, prompt_of
@@ -106,7 +107,8 @@ def test_a_snapshot_clears_then_stores_what_is_held(setup: tuple) -> None:
     _drain(sub, srv)
     snap = _events(sub.snapshot())
     assert isinstance(snap[0], AllBlocksCleared)
-    assert [e.block_hashes for e in snap[1:]] == [list(c.block_hashes) for c in p.chunks]
+    assert all(isinstance(e, BlockStored) for e in snap[1:])
+    assert [cast(BlockStored, e).block_hashes for e in snap[1:]] == [list(c.block_hashes) for c in p.chunks]
 
 
 def test_describe_of_an_absent_key_is_not_recorded(setup: tuple) -> None:

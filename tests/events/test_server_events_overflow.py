@@ -45,7 +45,7 @@ def test_dropped_batches_are_counted_then_a_snapshot_resynchronises_subscribers(
                     elif isinstance(e, BlockStored):
                         view.update(e.block_hashes)  # type: ignore[arg-type]
                     elif isinstance(e, BlockRemoved):
-                        view.difference_update(e.block_hashes)  # type: ignore[arg-type]
+                        view.difference_update(e.block_hashes)
             want = {c.block_hashes[0] for c in ev.advertiser.advertised()}
             assert len(want) == 2000 and view == want
     finally:

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from server.conftest import ServerProcess, private_dir
+from server.conftest import ServerProcess
 
 from lmcache_async.integration.omni import OmniStageStore, load_stage_options
+from lmcache_async.testing.cache_server import private_dir
 from lmcache_async.testing.servers import RedisServer, find_server_binary
 
 REQUIRE_OMNI_ENV = "LMCACHE_ASYNC_REQUIRE_OMNI"

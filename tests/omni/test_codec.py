@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import struct
+from typing import Any
 
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ def roundtrip(data: object, omni: object = None) -> object:
 
 
 def test_tree_of_tensors_scalars_and_containers_round_trips() -> None:
-    data = {
+    data: dict[str, Any] = {
         "hidden": torch.randn(7, 5).to(torch.bfloat16),
         "ids": [1, 2, 3],
         "pair": (1, "a", None, True),

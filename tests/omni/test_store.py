@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ def test_tensor_comes_back_equal_fresh_and_on_the_cpu(make_store: Make) -> None:
 
 def test_dict_payload_round_trips(make_store: Make) -> None:
     s = make_store()
-    payload = {"hidden_states": torch.randn(4, 8), "token_ids": [5, 6], "finished": True}
+    payload: dict[str, Any] = {"hidden_states": torch.randn(4, 8), "token_ids": [5, 6], "finished": True}
     assert s.put("0", "1", "req_0_0", payload)[0]
     got = s.get("0", "1", "req_0_0")
     assert got is not None
@@ -185,7 +186,7 @@ def test_unencodable_payload_is_a_type_error_naming_data(make_store: Make) -> No
         (("a", "b", ""), ValueError, "put_key"),
     ],
 )
-def test_bad_arguments_raise_naming_them(make_store: Make, args: tuple, exc: type, name: str) -> None:
+def test_bad_arguments_raise_naming_them(make_store: Make, args: tuple[Any, Any, Any], exc: type, name: str) -> None:
     s = make_store()
     with pytest.raises(exc, match=name):
         s.put(*args, torch.ones(1))

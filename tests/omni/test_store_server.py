@@ -59,7 +59,7 @@ def test_a_received_dict_holds_its_tensors_in_the_payload_buffers(
 ) -> None:
     producer = make_store(**server_extra(cache_server))
     consumer = make_store(**server_extra(cache_server), payload_buffer_size=1 / 64)
-    tree = {"hidden": torch.randn(MiB // 2), "ids": list(range(8))}
+    tree: dict[str, Any] = {"hidden": torch.randn(MiB // 2), "ids": list(range(8))}
     assert producer.put("thinker", "talker", "r2_0_0", tree)[0]
     got = consumer.get("thinker", "talker", "r2_0_0")
     assert got is not None

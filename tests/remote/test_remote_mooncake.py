@@ -194,7 +194,7 @@ async def test_entry_is_one_object_holding_header_then_payload(
             finally:
                 client.session_end([name.record])
         assert got == [room + src.nbytes]
-        hdr = decode_header(memoryview(buf.numpy()))
+        hdr = decode_header(buf.numpy().data)
         assert hdr.key == name.key and hdr.header_len == room and hdr.payload_len == src.nbytes
         assert bytes(buf[room:].numpy()) == bytes(src.byte_view())
     finally:

@@ -28,12 +28,13 @@ import random
 import signal
 import sys
 import time
+from unittest import mock
 
 import torch
 
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import MemoryFormat, MemoryObj, PoolAllocator
-from lmcache_async.server import client_writes
+from lmcache_async.server import client_writes, connection
 from lmcache_async.server.client import ServerClient
 from lmcache_async.server.protocol import FRAME, Op
 
@@ -86,11 +87,11 @@ def main(argv: list[str]) -> int:
         sys.stdin.readline()
         hits = wrong = 0
         got = client.get([key_of(i) for i in range(n)], pool.allocate) or []
-        for i, obj in enumerate(got):
-            if obj is not None:
+        for i, hit in enumerate(got):
+            if hit is not None:
                 hits += 1
-                wrong += not check(obj, i)
-                obj.ref_count_down()
+                wrong += not check(hit, i)
+                hit.ref_count_down()
         print(f"got {hits} wrong {wrong}", flush=True)
     elif mode == "first-put":
         objs = [fill(pool, BIG + i) for i in range(int(argv[3]))]
@@ -105,14 +106,14 @@ def main(argv: list[str]) -> int:
         got_big = client.get([key_of(BIG + i) for i in range(n)], pool.allocate) or []
         hits = sum(o is not None for o in got_big)
         wrong = sum(not check(o, BIG + i) for i, o in enumerate(got_big) if o is not None)
-        for o in got_big:
-            if o is not None:
-                o.ref_count_down()
+        for hit in got_big:
+            if hit is not None:
+                hit.ref_count_down()
         print(f"got {hits} wrong {wrong}", flush=True)
     elif mode in ("stall-put", "stall-loop"):
         first = int(argv[3])
         count = int(argv[4]) if mode == "stall-loop" else 1
-        copy = client_writes.copy_bytes  # a put copies in client_writes
+        copy = connection.copy_bytes  # a put copies in client_writes, with connection's copy_bytes
 
         def stalled_copy(*args: object, **kw: object) -> None:
             if argv[4:] == ["partial"]:  # the server then closes the connection (frame timeout)
@@ -122,7 +123,7 @@ def main(argv: list[str]) -> int:
             os.kill(os.getpid(), signal.SIGSTOP)  # a writer stalled inside its put
             copy(*args, **kw)  # type: ignore[arg-type]
 
-        client_writes.copy_bytes = stalled_copy  # type: ignore[assignment]
+        mock.patch.object(client_writes, "copy_bytes", stalled_copy).start()  # the name client_writes calls
         stored = 0
         for i in range(first, first + count):
             obj = fill(pool, i)
@@ -146,14 +147,14 @@ def main(argv: list[str]) -> int:
                     o.ref_count_down()
                 errors += res is None
             elif op < 0.75:
-                got = client.get([key_of(i) for i in batch], pool.allocate)
-                if got is None:
+                fetched = client.get([key_of(i) for i in batch], pool.allocate)
+                if fetched is None:
                     errors += 1
                 else:
-                    for i, obj in zip(batch, got, strict=True):
-                        if obj is not None:
-                            wrong += not check(obj, i)
-                            obj.ref_count_down()
+                    for i, hit in zip(batch, fetched, strict=True):
+                        if hit is not None:
+                            wrong += not check(hit, i)
+                            hit.ref_count_down()
             elif op < 0.85:  # freed blocks are granted again, for other keys' bytes
                 errors += client.remove([key_of(i) for i in batch]) is None
             else:

@@ -21,9 +21,9 @@ def make_server(tmp_path: Path) -> Iterator[type[ServerProcess]]:
     made: list[ServerProcess] = []
     n = [0]
 
-    def make(**settings: object) -> ServerProcess:
+    def make(*, loop: str | None = None, **settings: object) -> ServerProcess:
         n[0] += 1
-        srv = ServerProcess(private_dir(tmp_path / f"srv{n[0]}"), **settings)
+        srv = ServerProcess(private_dir(tmp_path / f"srv{n[0]}"), loop=loop, **settings)
         made.append(srv)
         return srv
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from lmcache_async.memory import MemoryFormat, PoolAllocator
-from lmcache_async.server.client import ServerClient, _leases_held
+from lmcache_async.server.client import ServerClient
+from lmcache_async.server.client_wire import leases_held as _leases_held
 from lmcache_async.testing.cache_server import CacheServerProcess
 from lmcache_async.testing.conformance import make_key, make_obj
 

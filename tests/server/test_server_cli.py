@@ -17,6 +17,7 @@ import torch
 from lmcache_async import LMCacheEngineConfig, StorageManager
 from lmcache_async.cli import main
 from lmcache_async.server.server import default_socket_path
+from lmcache_async.server.tier import ServerTier
 from lmcache_async.testing.conformance import make_key
 
 
@@ -31,7 +32,7 @@ def _config(socket: str, namespace: str) -> LMCacheEngineConfig:
     )
 
 
-def test_status_prints_tiers_clients_and_namespaces(shared_server, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+def test_status_prints_tiers_clients_and_namespaces(shared_server, capsys: pytest.CaptureFixture[str]) -> None:
     sm = StorageManager(_config(shared_server.socket, "cli-status"), name="cli")
     try:
         assert sm.put_sync(make_key(1), torch.ones(8, 8))
@@ -44,21 +45,21 @@ def test_status_prints_tiers_clients_and_namespaces(shared_server, capsys: pytes
     assert "namespace 'cli-status': 1 entries" in out
 
 
-def test_status_without_a_server_fails_with_status_1(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+def test_status_without_a_server_fails_with_status_1(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["status", "--socket", str(tmp_path / "none.sock"), "--timeout", "1"]) == 1
     assert "no cache server answers" in capsys.readouterr().err
 
 
-def test_server_tier_is_a_local_tier(shared_server) -> None:  # type: ignore[no-untyped-def]
+def test_server_tier_is_a_local_tier(shared_server) -> None:
     sm = StorageManager(_config(shared_server.socket, "cli-local"), name="local")
     try:
         tier = sm.backend("server")
-        assert tier is not None and tier.as_local() is tier
+        assert isinstance(tier, ServerTier) and tier.as_local() is tier
     finally:
         sm.close_sync()
 
 
-def test_two_managers_on_the_server_tier_alone_share_entries(shared_server) -> None:  # type: ignore[no-untyped-def]
+def test_two_managers_on_the_server_tier_alone_share_entries(shared_server) -> None:
     writer = StorageManager(_config(shared_server.socket, "cli-share"), name="writer")
     reader = StorageManager(_config(shared_server.socket, "cli-share"), name="reader")
     try:

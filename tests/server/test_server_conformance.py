@@ -21,7 +21,7 @@ class TestServerTier(PersistentBackendConformanceTests):
     state_machine_examples = 8
 
     @pytest.fixture(autouse=True)
-    def _server(self, shared_server) -> None:  # type: ignore[no-untyped-def]
+    def _server(self, shared_server) -> None:
         self.socket = shared_server.socket
 
     async def make_backend(self, ctx: BackendContext, location: Path) -> ServerTier:

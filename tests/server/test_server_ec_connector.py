@@ -50,11 +50,11 @@ def connectors() -> Iterator[list[LMCacheECConnectorImpl]]:
 
 
 @pytest.fixture
-def server(make_server):  # type: ignore[no-untyped-def]
+def server(make_server):
     return make_server().start()
 
 
-def _extra(srv, **more: Any) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+def _extra(srv, **more: Any) -> dict[str, Any]:
     return {
         "tier_order": ["server"],
         "cache_server_socket": srv.socket,
@@ -77,7 +77,7 @@ def _promise(sched: LMCacheECConnectorImpl, mm_hash: str) -> Any:
     return sched.build_connector_meta(None)
 
 
-def test_a_promise_to_a_worker_elsewhere_is_a_server_hold_that_survives_deletion(server, connectors) -> None:  # type: ignore[no-untyped-def]
+def test_a_promise_to_a_worker_elsewhere_is_a_server_hold_that_survives_deletion(server, connectors) -> None:
     producer, _ = _make(connectors, "ec_producer", Role.WORKER, _extra(server, chunk_size=16))
     t = torch.randn(8, 8).to(torch.float16)
     producer.save_caches({"h": t}, "h")
@@ -104,7 +104,7 @@ def test_a_promise_to_a_worker_elsewhere_is_a_server_hold_that_survives_deletion
     assert sched.stats()["leases"] == 1
 
 
-def test_an_unused_promise_hold_is_dropped_when_its_hold_is_released(server, connectors) -> None:  # type: ignore[no-untyped-def]
+def test_an_unused_promise_hold_is_dropped_when_its_hold_is_released(server, connectors) -> None:
     producer, _ = _make(connectors, "ec_producer", Role.WORKER, _extra(server, chunk_size=16))
     producer.save_caches({"u": torch.ones(4, 4, dtype=torch.float16)}, "u")
     producer.engine.flush(timeout=30)
@@ -115,7 +115,7 @@ def test_an_unused_promise_hold_is_dropped_when_its_hold_is_released(server, con
     assert server.status()["namespaces"]["ec"]["holds"] == 0
 
 
-def test_a_hold_lost_with_a_server_restart_fails_the_request_not_the_engine(server, connectors) -> None:  # type: ignore[no-untyped-def]
+def test_a_hold_lost_with_a_server_restart_fails_the_request_not_the_engine(server, connectors) -> None:
     producer, _ = _make(connectors, "ec_producer", Role.WORKER, _extra(server, chunk_size=16))
     producer.save_caches({"r": torch.ones(4, 4, dtype=torch.float16)}, "r")
     producer.engine.flush(timeout=30)
@@ -133,7 +133,7 @@ def test_a_hold_lost_with_a_server_restart_fails_the_request_not_the_engine(serv
     assert report is not None and report[0] == {"r"}
 
 
-def test_a_disk_tier_keeps_disk_leases(server, connectors, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_disk_tier_keeps_disk_leases(server, connectors, tmp_path) -> None:
     extra = {**_extra(server), "tier_order": ["disk", "server"], "local_disk": str(tmp_path / "ec")}
     sched, _ = _make(connectors, "ec_consumer", Role.SCHEDULER, extra)
     assert not isinstance(sched._leases, ServerHolds)

@@ -11,7 +11,9 @@ import torch
 from support.server_entries import expected, key_bytes, put_entry, wait_until
 
 from lmcache_async.memory import MemoryFormat, PoolAllocator
-from lmcache_async.server.client import ServerClient, _connect, _exchange
+from lmcache_async.server.client import ServerClient
+from lmcache_async.server.connection import connect as _connect
+from lmcache_async.server.connection import exchange as _exchange
 from lmcache_async.server.protocol import EntryMeta, Mode, Op, Reader, Writer
 
 TIMEOUT_S = 1.0
@@ -19,7 +21,7 @@ TIMEOUT_S = 1.0
 NO_HANG_S = TIMEOUT_S + 10.0
 
 
-def test_server_restart_mid_run_gives_misses_within_the_timeout_then_recovers(make_server) -> None:  # type: ignore[no-untyped-def]
+def test_server_restart_mid_run_gives_misses_within_the_timeout_then_recovers(make_server) -> None:
     srv = make_server().start()
     pool = PoolAllocator(16 << 20, name="t", pretouch=False)
     client = ServerClient(srv.socket, "restart", timeout_s=TIMEOUT_S, max_backoff_s=0.5)
@@ -94,7 +96,7 @@ def _child_holding_leases_and_half_writes(sock: str, ns: str, wfd: int) -> None:
         os._exit(0)
 
 
-def test_kill_9_of_clients_holding_leases_and_half_written_blocks_reclaims_everything(make_server) -> None:  # type: ignore[no-untyped-def]
+def test_kill_9_of_clients_holding_leases_and_half_written_blocks_reclaims_everything(make_server) -> None:
     srv = make_server().start()
     pool = PoolAllocator(16 << 20, name="t", pretouch=False)
     client = ServerClient(srv.socket, "k9", timeout_s=10.0)
@@ -137,7 +139,7 @@ def _cached_grants(client: ServerClient) -> tuple[int, int]:
     return sum(len(v) for v in conn.grants.values()), sum(size * len(v) for size, v in conn.grants.items())
 
 
-def test_a_lease_never_released_expires_after_its_ttl(make_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_lease_never_released_expires_after_its_ttl(make_server) -> None:
     srv = make_server(cache_server_lease_ttl_s=0.5).start()
     pool = PoolAllocator(16 << 20, name="t", pretouch=False)
     client = ServerClient(srv.socket, "ttl", timeout_s=10.0)
@@ -151,7 +153,7 @@ def test_a_lease_never_released_expires_after_its_ttl(make_server) -> None:  # t
     client.close()
 
 
-def test_a_leased_entry_is_not_evicted_and_its_bytes_stay_intact(make_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_leased_entry_is_not_evicted_and_its_bytes_stay_intact(make_server) -> None:
     srv = make_server(max_local_cpu_size=1 / 128).start()  # an 8 MiB pool
     pool = PoolAllocator(32 << 20, name="t", pretouch=False)
     client = ServerClient(srv.socket, "evict", timeout_s=10.0)

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
@@ -26,7 +26,9 @@ import torch
 from support.server_entries import expected, key_bytes, put_entry, wait_until
 
 from lmcache_async.memory import MemoryFormat, PoolAllocator
-from lmcache_async.server.client import ServerClient, ServerUnavailable, _connect, _exchange
+from lmcache_async.server.client import ServerClient, ServerUnavailable
+from lmcache_async.server.connection import connect as _connect
+from lmcache_async.server.connection import exchange as _exchange
 from lmcache_async.server.namespace import Namespace
 from lmcache_async.server.protocol import FRAME, HELLO, MAGIC, VERSION, WELCOME, EntryMeta, Mode, Op, Reader, Status
 from lmcache_async.server.shm import PoolMapping, pool_file_bytes
@@ -36,7 +38,7 @@ from lmcache_async.testing.conformance import make_obj
 HERE = Path(__file__).resolve().parent
 WORKER = str(HERE / "client_worker.py")
 sys.path.insert(0, str(HERE))
-import client_worker as cw  # noqa: E402
+import client_worker as cw  # type: ignore[import-not-found]  # noqa: E402
 
 #: Uids with no account here; root can run processes as them (setuid in a forked child).
 OTHER_UID, THIRD_UID = 54321, 54322
@@ -60,7 +62,7 @@ def _worker(srv: CacheServerProcess, ns: str, *args: str, timeout_s: float = 5.0
     )
 
 
-def _wrong_big(client: ServerClient, pool: PoolAllocator, indices: range) -> tuple[int, int]:
+def _wrong_big(client: ServerClient, pool: PoolAllocator, indices: Iterable[int]) -> tuple[int, int]:
     """(entries present, entries whose bytes are not their own) among ``indices``."""
     present = wrong = 0
     for i in indices:
@@ -75,7 +77,7 @@ def _wrong_big(client: ServerClient, pool: PoolAllocator, indices: range) -> tup
 
 # ---- 1. a writer stalled past its grant's TTL ------------------------------------------------------
 @pytest.mark.parametrize("server_closes", [False, True], ids=["connection-open", "closed-by-server"])
-def test_a_writer_stopped_past_its_grant_ttl_never_lands_in_another_entry(make_server, server_closes: bool) -> None:  # type: ignore[no-untyped-def]
+def test_a_writer_stopped_past_its_grant_ttl_never_lands_in_another_entry(make_server, server_closes: bool) -> None:
     settings: dict[str, object] = {"max_local_cpu_size": 1 / 128, "cache_server_lease_ttl_s": 0.4}  # 8 MiB pool
     if server_closes:  # the server gives up on the client stalled inside a frame; its process lives on
         settings["cache_server_frame_timeout_s"] = 0.5
@@ -159,7 +161,7 @@ def _stall_run(srv: CacheServerProcess, stalls: int, ttl_s: float, seed: int) ->
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_fifty_stalls_past_a_short_grant_ttl_leave_no_wrong_entry(make_server) -> None:  # type: ignore[no-untyped-def]
+def test_fifty_stalls_past_a_short_grant_ttl_leave_no_wrong_entry(make_server) -> None:
     stalls = int(os.environ.get("LMCACHE_ASYNC_STALLS", "50"))
     srv = make_server(max_local_cpu_size=1 / 128, cache_server_lease_ttl_s=0.3).start()
     res = _stall_run(srv, stalls, 0.3, seed=1)
@@ -169,7 +171,7 @@ def test_fifty_stalls_past_a_short_grant_ttl_leave_no_wrong_entry(make_server) -
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # six stalls of 39 s, and the checks after each
-def test_six_stalls_past_the_default_grant_ttl_leave_no_wrong_entry(make_server) -> None:  # type: ignore[no-untyped-def]
+def test_six_stalls_past_the_default_grant_ttl_leave_no_wrong_entry(make_server) -> None:
     stalls = int(os.environ.get("LMCACHE_ASYNC_DEFAULT_TTL_STALLS", "6"))
     srv = make_server(max_local_cpu_size=1 / 128).start()  # cache_server_lease_ttl_s: 30 (default)
     res = _stall_run(srv, stalls, 30.0, seed=2)
@@ -177,7 +179,7 @@ def test_six_stalls_past_the_default_grant_ttl_leave_no_wrong_entry(make_server)
     assert res["checked"] > 0 and res["wrong"] == 0, res
 
 
-def test_a_lease_copy_outliving_its_lease_is_a_miss_not_another_entrys_bytes(make_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_lease_copy_outliving_its_lease_is_a_miss_not_another_entrys_bytes(make_server, monkeypatch) -> None:
     srv = make_server(max_local_cpu_size=1 / 128, cache_server_lease_ttl_s=0.3).start()
     pool = PoolAllocator(16 << 20, name="t-lease-stall", pretouch=False)
     client = ServerClient(srv.socket, "lease-stall", timeout_s=10.0)
@@ -185,19 +187,18 @@ def test_a_lease_copy_outliving_its_lease_is_a_miss_not_another_entrys_bytes(mak
     tokens = client.hold([key_bytes(1)], ttl_s=60)
     assert tokens and tokens[0]
     from lmcache_async.server import client as client_module
+    from lmcache_async.server import client_wire
 
-    copy = client_module._copy_hits
+    copy = client_wire.copy_hits  # defined in client_wire, called by client as _copy_hits
 
-    def slow_copy(*args, **kw):  # type: ignore[no-untyped-def]
+    def slow_copy(*args, **kw):
         time.sleep(1.0)  # a reader stalled inside its copy, past the lease's TTL
         return copy(*args, **kw)
 
-    client_module._copy_hits = slow_copy  # type: ignore[assignment]
-    try:
+    with monkeypatch.context() as m:
+        m.setattr(client_module, "_copy_hits", slow_copy)
         assert client.get_held(tokens, pool.allocate) == [None]
         assert client.stats()["stale_leases"] == 1
-    finally:
-        client_module._copy_hits = copy  # type: ignore[assignment]
     got = client.get_held(tokens, pool.allocate)
     assert got is not None and got[0] is not None and torch.equal(got[0].tensor, expected(1))
     got[0].ref_count_down()
@@ -218,7 +219,7 @@ def _raw_handshake(path: str, ns: str, token: str = "") -> tuple[socket.socket, 
     return sock, fds[0], fields
 
 
-def test_a_client_cannot_shrink_or_grow_the_pool_file(shared_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_client_cannot_shrink_or_grow_the_pool_file(shared_server) -> None:
     pool = PoolAllocator(4 << 20, name="t-seal", pretouch=False)
     bystander = ServerClient(shared_server.socket, "sealed", timeout_s=10.0)
     assert put_entry(bystander, pool, 3)
@@ -259,7 +260,7 @@ def test_a_client_refuses_an_unsealed_or_resized_pool_file() -> None:
 
 
 # ---- 3. namespaces as a boundary ----------------------------------------------------------------------
-def test_a_namespace_with_its_own_token_admits_only_that_token(make_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_namespace_with_its_own_token_admits_only_that_token(make_server) -> None:
     srv = make_server(cache_server_namespaces={"a": {"token": "tok-a"}, "b": {"token": "tok-b"}}).start()
     pool = PoolAllocator(4 << 20, name="t-ns-tok", pretouch=False)
     a = ServerClient(srv.socket, "a", token="tok-a", timeout_s=5.0)
@@ -431,7 +432,7 @@ def test_an_oversized_grant_beside_a_leased_block_evicts_nothing() -> None:
         ns.close()
 
 
-def test_an_oversized_put_beside_a_leased_entry_keeps_the_namespace(make_server) -> None:  # type: ignore[no-untyped-def]
+def test_an_oversized_put_beside_a_leased_entry_keeps_the_namespace(make_server) -> None:
     srv = make_server(max_local_cpu_size=1 / 64).start()  # a 16 MiB pool
     pool = PoolAllocator(64 << 20, name="t-oversized", pretouch=False)
     client = ServerClient(srv.socket, "oversized", timeout_s=10.0)
@@ -448,7 +449,7 @@ def test_an_oversized_put_beside_a_leased_entry_keeps_the_namespace(make_server)
 
 
 # ---- 6. namespaces are released --------------------------------------------------------------------------
-def test_one_shot_clients_of_new_namespaces_never_fill_the_server(make_server) -> None:  # type: ignore[no-untyped-def]
+def test_one_shot_clients_of_new_namespaces_never_fill_the_server(make_server) -> None:
     srv = make_server(cache_server_max_namespaces=8).start()
     for n in range(20):
         c = ServerClient(srv.socket, f"churn-{n}", timeout_s=5.0)
@@ -458,7 +459,7 @@ def test_one_shot_clients_of_new_namespaces_never_fill_the_server(make_server) -
     assert len(st["namespaces"]) <= 8 and st["reclaimed_namespaces"] >= 12
 
 
-def test_a_namespace_with_no_client_is_released_after_its_idle_time(make_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_namespace_with_no_client_is_released_after_its_idle_time(make_server) -> None:
     srv = make_server(cache_server_namespace_idle_s=0.5).start()
     pool = PoolAllocator(4 << 20, name="t-idle-ns", pretouch=False)
     c = ServerClient(srv.socket, "idle", timeout_s=5.0)
@@ -474,7 +475,7 @@ def test_a_namespace_with_no_client_is_released_after_its_idle_time(make_server)
 
 
 # ---- 7. holds and leases are capped per client and per namespace ---------------------------------------
-def test_one_client_cannot_take_every_hold(make_server) -> None:  # type: ignore[no-untyped-def]
+def test_one_client_cannot_take_every_hold(make_server) -> None:
     srv = make_server(cache_server_max_client_holds=100).start()
     pool = PoolAllocator(4 << 20, name="t-holds", pretouch=False)
     greedy = ServerClient(srv.socket, "holds", timeout_s=10.0)
@@ -488,7 +489,7 @@ def test_one_client_cannot_take_every_hold(make_server) -> None:  # type: ignore
     polite.close()
 
 
-def test_a_killed_holder_pins_at_most_its_share_of_the_pool(make_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_killed_holder_pins_at_most_its_share_of_the_pool(make_server) -> None:
     srv = make_server(max_local_cpu_size=1 / 64).start()  # 16 MiB: 16 entries of 1 MiB
     pool = PoolAllocator(64 << 20, name="t-pin", pretouch=False)
     holder = ServerClient(srv.socket, "pin", timeout_s=10.0)
@@ -536,7 +537,7 @@ def _closed_by_server(sock: socket.socket, timeout: float = 10.0) -> bool:
         return False
 
 
-def test_a_connection_stalled_inside_a_frame_is_closed_and_its_buffer_freed(make_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_connection_stalled_inside_a_frame_is_closed_and_its_buffer_freed(make_server) -> None:
     srv = make_server(cache_server_frame_timeout_s=0.5, cache_server_max_buffered_bytes=1 << 20).start()
     socks = [_admitted(srv.socket, "frames") for _ in range(6)]
     frame = memoryview(FRAME.pack(4 << 20, int(Op.CONTAINS), 1) + b"\0" * (900 << 10))
@@ -564,7 +565,7 @@ def test_a_connection_stalled_inside_a_frame_is_closed_and_its_buffer_freed(make
         s.close()
 
 
-def test_an_idle_connection_is_closed_after_the_idle_timeout(make_server) -> None:  # type: ignore[no-untyped-def]
+def test_an_idle_connection_is_closed_after_the_idle_timeout(make_server) -> None:
     srv = make_server(cache_server_idle_timeout_s=0.5).start()
     sock = _admitted(srv.socket, "idle-conn")
     assert _closed_by_server(sock)
@@ -576,7 +577,7 @@ def test_an_idle_connection_is_closed_after_the_idle_timeout(make_server) -> Non
     client.close()
 
 
-def test_connections_past_the_cap_are_answered_full(make_server) -> None:  # type: ignore[no-untyped-def]
+def test_connections_past_the_cap_are_answered_full(make_server) -> None:
     srv = make_server(cache_server_max_connections=4).start()
     held = [_admitted(srv.socket, "cap") for _ in range(4)]
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -594,7 +595,7 @@ def test_connections_past_the_cap_are_answered_full(make_server) -> None:  # typ
 
 
 # ---- 9. CLEAR clears every tier -----------------------------------------------------------------------------
-def test_clear_clears_the_servers_disk_tier_too(make_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_clear_clears_the_servers_disk_tier_too(make_server, tmp_path: Path) -> None:
     disk = private_dir(tmp_path / "disk")
     srv = make_server(local_disk=str(disk), max_local_disk_size=0.05).start()
     # Until its start-up scan ends, the disk tier cannot vouch for being clear (it says so).
@@ -618,7 +619,7 @@ def test_clear_clears_the_servers_disk_tier_too(make_server, tmp_path: Path) -> 
     c2.close()
 
 
-def test_a_status_connection_of_our_user_sees_every_unbound_namespace(shared_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_status_connection_of_our_user_sees_every_unbound_namespace(shared_server) -> None:
     c = ServerClient(shared_server.socket, "visible", timeout_s=5.0)
     assert c.ping()
     assert "visible" in shared_server.status()["namespaces"]

@@ -15,7 +15,7 @@ from lmcache_async.testing.conformance import make_key, make_obj
 BLOCK = 64 << 10  # payload bytes of each entry
 
 
-def _commit(ns: Namespace, st, key: bytes) -> None:  # type: ignore[no-untyped-def]
+def _commit(ns: Namespace, st, key: bytes) -> None:
     grant = ns.grant(st, BLOCK)
     assert grant is not None
     gid, obj = grant
@@ -70,7 +70,7 @@ def pool() -> PoolAllocator:
     return PoolAllocator(4 << 20, name="t-index", pretouch=False)
 
 
-def test_keys_longer_than_the_wire_limit_are_misses_beside_working_keys(shared_server, pool) -> None:  # type: ignore[no-untyped-def]
+def test_keys_longer_than_the_wire_limit_are_misses_beside_working_keys(shared_server, pool) -> None:
     client = ServerClient(shared_server.socket, "long-keys", timeout_s=5.0)
     good = make_key(1).to_string().encode()
     for size in (MAX_KEY_BYTES + 1, 70000):  # past the limit, and past what a u16 length can say
@@ -94,7 +94,7 @@ def test_keys_longer_than_the_wire_limit_are_misses_beside_working_keys(shared_s
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-def test_the_server_serves_on_either_event_loop(make_server, pool, loop: str) -> None:  # type: ignore[no-untyped-def]
+def test_the_server_serves_on_either_event_loop(make_server, pool, loop: str) -> None:
     srv = make_server(loop=loop).start()
     client = ServerClient(srv.socket, f"loop-{loop}", timeout_s=5.0)
     keys = [make_key(i).to_string().encode() for i in range(3)]

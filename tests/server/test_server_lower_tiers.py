@@ -16,7 +16,7 @@ def _kb(i: int) -> bytes:
     return make_key(i).to_string().encode()
 
 
-def test_entries_survive_a_server_restart_through_its_disk_tier(make_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_entries_survive_a_server_restart_through_its_disk_tier(make_server, tmp_path) -> None:
     disk = tmp_path / "disk"
     srv = make_server(local_disk=str(disk), max_local_disk_size=0.25).start()
     pool = PoolAllocator(16 << 20, name="t", pretouch=False)
@@ -49,7 +49,7 @@ def test_entries_survive_a_server_restart_through_its_disk_tier(make_server, tmp
         client.close()
 
 
-def test_an_entry_evicted_from_the_pool_is_read_back_from_disk(make_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_an_entry_evicted_from_the_pool_is_read_back_from_disk(make_server, tmp_path) -> None:
     srv = make_server(max_local_cpu_size=1 / 256, local_disk=str(tmp_path / "disk"), max_local_disk_size=0.25).start()
     pool = PoolAllocator(32 << 20, name="t", pretouch=False)
     client = ServerClient(srv.socket, "evict-disk", timeout_s=10.0)
@@ -70,7 +70,7 @@ def test_an_entry_evicted_from_the_pool_is_read_back_from_disk(make_server, tmp_
         client.close()
 
 
-def test_a_hold_on_an_entry_only_the_disk_tier_has_brings_it_back_and_pins_it(make_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_hold_on_an_entry_only_the_disk_tier_has_brings_it_back_and_pins_it(make_server, tmp_path) -> None:
     srv = make_server(max_local_cpu_size=1 / 256, local_disk=str(tmp_path / "disk"), max_local_disk_size=0.25).start()
     pool = PoolAllocator(32 << 20, name="t", pretouch=False)
     client = ServerClient(srv.socket, "hold-disk", timeout_s=10.0)

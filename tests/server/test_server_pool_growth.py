@@ -27,7 +27,7 @@ WORKER = str(Path(__file__).resolve().parent / "client_worker.py")
 DEFAULT_POOL_GIB = LMCacheEngineConfig.model_fields["max_local_cpu_size"].default
 
 
-def _run(srv, ns: str, *args: str) -> str:  # type: ignore[no-untyped-def]
+def _run(srv, ns: str, *args: str) -> str:
     # The client's default call timeout (2 s), as a user's first client has it.
     env = dict(os.environ, OMP_NUM_THREADS="1", LMCACHE_TEST_WORKER_TIMEOUT_S="2.0")
     out = subprocess.run(
@@ -37,7 +37,7 @@ def _run(srv, ns: str, *args: str) -> str:  # type: ignore[no-untyped-def]
     return out.stdout.strip()
 
 
-def test_a_fresh_server_of_the_default_pool_size_stores_the_first_put_for_another_process(make_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_fresh_server_of_the_default_pool_size_stores_the_first_put_for_another_process(make_server) -> None:
     srv = make_server(max_local_cpu_size=DEFAULT_POOL_GIB, cache_server_pretouch=True).start()
     stored = _run(srv, "first", "first-put", "8")
     assert stored.startswith("stored 8 "), stored

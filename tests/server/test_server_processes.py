@@ -14,7 +14,7 @@ from lmcache_async.server.shm import OPTIMISTIC_READS
 WORKER = str(Path(__file__).resolve().parent / "client_worker.py")
 
 
-def _worker(srv, ns: str, *args: str) -> subprocess.Popen[str]:  # type: ignore[no-untyped-def]
+def _worker(srv, ns: str, *args: str) -> subprocess.Popen[str]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.Popen(
         [sys.executable, WORKER, srv.socket, ns, *args],
@@ -26,7 +26,7 @@ def _worker(srv, ns: str, *args: str) -> subprocess.Popen[str]:  # type: ignore[
     )
 
 
-def test_entries_put_by_one_process_are_read_bit_exact_by_another_started_earlier(shared_server) -> None:  # type: ignore[no-untyped-def]
+def test_entries_put_by_one_process_are_read_bit_exact_by_another_started_earlier(shared_server) -> None:
     srv = shared_server
     reader = _worker(srv, "shared", "wait-get", "40")
     assert reader.stdout is not None and reader.stdin is not None
@@ -40,7 +40,7 @@ def test_entries_put_by_one_process_are_read_bit_exact_by_another_started_earlie
     assert out.strip() == "got 40 wrong 0", err
 
 
-def test_a_namespace_does_not_see_another_namespaces_entries(shared_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_namespace_does_not_see_another_namespaces_entries(shared_server) -> None:
     srv = shared_server
     out, err = _worker(srv, "ns-a", "put", "5").communicate(timeout=120)
     assert out.strip() == "stored 5", err
@@ -49,13 +49,13 @@ def test_a_namespace_does_not_see_another_namespaces_entries(shared_server) -> N
     assert out.strip().endswith("got 0 wrong 0"), err
 
 
-def test_eight_clients_of_mixed_load_see_no_errors_no_wrong_bytes_and_flat_server_rss(make_server) -> None:  # type: ignore[no-untyped-def]
+def test_eight_clients_of_mixed_load_see_no_errors_no_wrong_bytes_and_flat_server_rss(make_server) -> None:
     seconds = 60.0 if os.environ.get("LMCACHE_ASYNC_SOAK") == "1" else 15.0
     srv = make_server(cache_server_pretouch=True).start()
     procs = [_worker(srv, "load", "load", str(seconds), str(seed)) for seed in range(8)]
     # RSS once every client is connected and the load runs (start-up imports take a while here).
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and srv.status()["clients"] < 8:  # type: ignore[operator]
+    while time.monotonic() < deadline and srv.status()["clients"] < 8:
         time.sleep(0.2)
     time.sleep(min(3.0, seconds / 5))
     rss_start = srv.rss_bytes()
@@ -71,6 +71,6 @@ def test_eight_clients_of_mixed_load_see_no_errors_no_wrong_bytes_and_flat_serve
     if OPTIMISTIC_READS:
         assert sum(r["client"]["known_reads"] for r in results) > 0  # reads from remembered locations ran
     assert rss_end - rss_start < 16 << 20, (rss_start, rss_end)
-    ns = srv.status()["namespaces"]["load"]  # type: ignore[index]
+    ns = srv.status()["namespaces"]["load"]
     assert ns["leases"] == 0 and ns["grants"] == 0 and ns["clients"] == 0
     assert ns["pool_used_bytes"] == ns["committed_block_bytes"]

@@ -12,9 +12,11 @@ import torch
 
 import lmcache_async.server.client as client_mod
 import lmcache_async.server.client_wire as client_wire
+import lmcache_async.server.connection as connection
 from lmcache_async.memory import MemoryFormat, PoolAllocator
 from lmcache_async.read_sinks import ReadSink
-from lmcache_async.server.client import ServerClient, _touch_frames
+from lmcache_async.server.client import ServerClient
+from lmcache_async.server.client_wire import touch_frames as _touch_frames
 from lmcache_async.server.protocol import FRAME, MAX_BATCH, Op, Reader
 from lmcache_async.server.shm import OPTIMISTIC_READS, REGION_BYTES, PoolMapping, SharedPool
 from lmcache_async.testing.conformance import make_key, make_obj
@@ -53,7 +55,7 @@ def _get(client: ServerClient, pool: PoolAllocator, i: int) -> torch.Tensor | No
     return t
 
 
-def _ns(srv, name: str) -> dict:  # type: ignore[no-untyped-def,type-arg]
+def _ns(srv, name: str) -> dict:
     return srv.status()["namespaces"][name]
 
 
@@ -62,7 +64,7 @@ def pool() -> PoolAllocator:
     return PoolAllocator(64 << 20, name="t-reads", pretouch=False)
 
 
-def test_an_entry_read_before_is_copied_from_its_known_location_and_reported_later(shared_server, pool) -> None:  # type: ignore[no-untyped-def]
+def test_an_entry_read_before_is_copied_from_its_known_location_and_reported_later(shared_server, pool) -> None:
     client = ServerClient(shared_server.socket, "known", timeout_s=5.0)
     try:
         assert _put(client, pool, 1)
@@ -78,7 +80,7 @@ def test_an_entry_read_before_is_copied_from_its_known_location_and_reported_lat
         client.close()
 
 
-def test_reads_from_known_locations_are_reported_in_batches_without_another_request(shared_server, pool) -> None:  # type: ignore[no-untyped-def]
+def test_reads_from_known_locations_are_reported_in_batches_without_another_request(shared_server, pool) -> None:
     client = ServerClient(shared_server.socket, "touch-batch", timeout_s=5.0)
     try:
         assert _put(client, pool, 2)
@@ -94,7 +96,7 @@ def test_reads_from_known_locations_are_reported_in_batches_without_another_requ
 
 
 @pytest.mark.parametrize("still_leased", [False, True])
-def test_an_entry_removed_elsewhere_is_not_read_from_its_old_location(shared_server, pool, still_leased: bool) -> None:  # type: ignore[no-untyped-def]
+def test_an_entry_removed_elsewhere_is_not_read_from_its_old_location(shared_server, pool, still_leased: bool) -> None:
     ns = f"removed-{still_leased}"
     reader = ServerClient(shared_server.socket, ns, timeout_s=5.0)
     other = ServerClient(shared_server.socket, ns, timeout_s=5.0)
@@ -113,7 +115,7 @@ def test_an_entry_removed_elsewhere_is_not_read_from_its_old_location(shared_ser
         other.close()
 
 
-def test_an_entry_replaced_elsewhere_reads_as_its_new_bytes(shared_server, pool) -> None:  # type: ignore[no-untyped-def]
+def test_an_entry_replaced_elsewhere_reads_as_its_new_bytes(shared_server, pool) -> None:
     reader = ServerClient(shared_server.socket, "replaced", timeout_s=5.0)
     other = ServerClient(shared_server.socket, "replaced", timeout_s=5.0)
     try:
@@ -129,7 +131,7 @@ def test_an_entry_replaced_elsewhere_reads_as_its_new_bytes(shared_server, pool)
         other.close()
 
 
-def test_entries_evicted_and_their_blocks_reused_never_read_as_another_key(make_server, pool) -> None:  # type: ignore[no-untyped-def]
+def test_entries_evicted_and_their_blocks_reused_never_read_as_another_key(make_server, pool) -> None:
     srv = make_server(max_local_cpu_size=4 / 1024).start()  # a 4 MiB pool: 1 MiB entries evict fast
     reader = ServerClient(srv.socket, "evict", timeout_s=5.0)
     writer = ServerClient(srv.socket, "evict", timeout_s=5.0)
@@ -150,14 +152,14 @@ def test_entries_evicted_and_their_blocks_reused_never_read_as_another_key(make_
 
 
 @pytest.mark.parametrize("then", ["removed", "replaced"])
-def test_a_copy_raced_by_a_removal_is_read_again_under_a_lease(shared_server, pool, monkeypatch, then: str) -> None:  # type: ignore[no-untyped-def]
+def test_a_copy_raced_by_a_removal_is_read_again_under_a_lease(shared_server, pool, monkeypatch, then: str) -> None:
     ns = f"race-{then}"
     reader = ServerClient(shared_server.socket, ns, timeout_s=5.0, remember_locations=False)
     other = ServerClient(shared_server.socket, ns, timeout_s=5.0)
-    real_copy: Callable[..., None] = client_wire.copy_bytes  # a lease-free copy runs in client_wire
-    raced = []
+    real_copy: Callable[..., None] = connection.copy_bytes  # a lease-free copy runs in client_wire
+    raced: list[bool] = []
 
-    def copy_during_a_removal(*args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    def copy_during_a_removal(*args, **kwargs) -> None:
         if not raced:
             raced.append(True)
             assert other.remove([_kb(5)]) == [True]
@@ -183,7 +185,7 @@ def test_a_copy_raced_by_a_removal_is_read_again_under_a_lease(shared_server, po
         other.close()
 
 
-def _wait_no_leases(srv, ns: str) -> bool:  # type: ignore[no-untyped-def]
+def _wait_no_leases(srv, ns: str) -> bool:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         if _ns(srv, ns)["leases"] == 0:
@@ -248,7 +250,7 @@ def _sink(dst: torch.Tensor) -> ReadSink:
     return ReadSink(tuple(dst.shape), torch.float32, ((base, 1000 * 4), (base + 1000 * 4, n - 1000 * 4)))
 
 
-def test_read_into_copies_entries_straight_into_caller_memory(shared_server, pool) -> None:  # type: ignore[no-untyped-def]
+def test_read_into_copies_entries_straight_into_caller_memory(shared_server, pool) -> None:
     client = ServerClient(shared_server.socket, "into", timeout_s=5.0)
     try:
         assert _put(client, pool, 11) and _put(client, pool, 12)
@@ -264,7 +266,7 @@ def test_read_into_copies_entries_straight_into_caller_memory(shared_server, poo
         client.close()
 
 
-def test_read_into_with_prefix_copies_nothing_after_the_first_miss(shared_server, pool) -> None:  # type: ignore[no-untyped-def]
+def test_read_into_with_prefix_copies_nothing_after_the_first_miss(shared_server, pool) -> None:
     client = ServerClient(shared_server.socket, "into-prefix", timeout_s=5.0)
     try:
         assert _put(client, pool, 21) and _put(client, pool, 23)
@@ -276,7 +278,7 @@ def test_read_into_with_prefix_copies_nothing_after_the_first_miss(shared_server
         client.close()
 
 
-def test_read_into_a_sink_of_another_shape_is_a_counted_miss(shared_server, pool) -> None:  # type: ignore[no-untyped-def]
+def test_read_into_a_sink_of_another_shape_is_a_counted_miss(shared_server, pool) -> None:
     client = ServerClient(shared_server.socket, "into-shape", timeout_s=5.0)
     try:
         assert _put(client, pool, 31)
@@ -292,14 +294,14 @@ def test_read_into_a_sink_of_another_shape_is_a_counted_miss(shared_server, pool
 
 
 @pytest.mark.parametrize("then", ["removed", "replaced"])
-def test_read_into_raced_by_a_removal_reads_again_under_a_lease(shared_server, pool, monkeypatch, then: str) -> None:  # type: ignore[no-untyped-def]
+def test_read_into_raced_by_a_removal_reads_again_under_a_lease(shared_server, pool, monkeypatch, then: str) -> None:
     ns = f"into-race-{then}"
     reader = ServerClient(shared_server.socket, ns, timeout_s=5.0)
     other = ServerClient(shared_server.socket, ns, timeout_s=5.0)
-    real_copy: Callable[..., None] = client_mod._copy_into
-    raced = []
+    real_copy: Callable[..., None] = client_wire.copy_into
+    raced: list[bool] = []
 
-    def copy_during_a_removal(*args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    def copy_during_a_removal(*args, **kwargs) -> None:
         if not raced:
             raced.append(True)
             assert other.remove([_kb(41)]) == [True]
@@ -325,7 +327,7 @@ def test_read_into_raced_by_a_removal_reads_again_under_a_lease(shared_server, p
         other.close()
 
 
-def test_read_into_from_a_known_location_of_a_replaced_entry_reads_its_new_bytes(shared_server, pool) -> None:  # type: ignore[no-untyped-def]
+def test_read_into_from_a_known_location_of_a_replaced_entry_reads_its_new_bytes(shared_server, pool) -> None:
     reader = ServerClient(shared_server.socket, "into-replaced", timeout_s=5.0)
     other = ServerClient(shared_server.socket, "into-replaced", timeout_s=5.0)
     try:
@@ -343,7 +345,7 @@ def test_read_into_from_a_known_location_of_a_replaced_entry_reads_its_new_bytes
         other.close()
 
 
-def test_read_into_a_server_that_went_away_answers_none(make_server, pool) -> None:  # type: ignore[no-untyped-def]
+def test_read_into_a_server_that_went_away_answers_none(make_server, pool) -> None:
     srv = make_server().start()
     client = ServerClient(srv.socket, "into-gone", timeout_s=2.0)
     try:
@@ -359,14 +361,14 @@ def test_read_into_a_server_that_went_away_answers_none(make_server, pool) -> No
 
 def test_read_into_under_leases_reads_a_batch_in_one_round_trip_and_keeps_the_prefix(
     shared_server, pool, monkeypatch
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     """Where lease-free reads are not safe (not x86-64), the batch is read under leases."""
     monkeypatch.setattr(client_mod, "OPTIMISTIC_READS", False)
     client = ServerClient(shared_server.socket, "into-leased", timeout_s=5.0)
     exchanges = []
-    real_exchange = client_mod._exchange
+    real_exchange = connection.exchange
 
-    def counting_exchange(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def counting_exchange(*args, **kwargs):
         exchanges.append(args[1])
         return real_exchange(*args, **kwargs)
 

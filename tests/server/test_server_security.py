@@ -15,7 +15,9 @@ import torch
 
 from lmcache_async.dtypes import DTYPE_TO_CODE
 from lmcache_async.memory import MemoryFormat, PoolAllocator
-from lmcache_async.server.client import ServerClient, ServerUnavailable, _connect, _exchange
+from lmcache_async.server.client import ServerClient, ServerUnavailable
+from lmcache_async.server.connection import connect as _connect
+from lmcache_async.server.connection import exchange as _exchange
 from lmcache_async.server.protocol import FRAME, HELLO, MAGIC, MAX_BODY, VERSION, EntryMeta, Mode, Op, Reader, Writer
 from lmcache_async.server.server import prepare_socket_dir
 from lmcache_async.testing.conformance import make_key, make_obj
@@ -55,7 +57,7 @@ class _Bystander:
         self.client.close()
 
 
-def test_socket_is_0600_in_a_0700_directory(shared_server) -> None:  # type: ignore[no-untyped-def]
+def test_socket_is_0600_in_a_0700_directory(shared_server) -> None:
     assert stat.S_IMODE(os.stat(shared_server.socket).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(Path(shared_server.socket).parent).st_mode) == 0o700
 
@@ -81,12 +83,12 @@ def test_a_path_that_is_not_a_socket_is_refused(tmp_path: Path) -> None:
         prepare_socket_dir(d / "s.sock")
 
 
-def test_a_running_server_is_not_replaced(shared_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_running_server_is_not_replaced(shared_server) -> None:
     with pytest.raises(ValueError, match="already listening"):
         prepare_socket_dir(shared_server.socket)
 
 
-def test_wrong_token_is_refused_and_right_token_admitted(make_server) -> None:  # type: ignore[no-untyped-def]
+def test_wrong_token_is_refused_and_right_token_admitted(make_server) -> None:
     srv = make_server(cache_server_token="s3cret").start()
     with pytest.raises(ServerUnavailable, match="BAD_TOKEN"):
         _connect(srv.socket, "ns", "wrong", Mode.CLIENT, time.monotonic() + 10)
@@ -96,7 +98,7 @@ def test_wrong_token_is_refused_and_right_token_admitted(make_server) -> None:  
     conn.sock.close()
 
 
-def test_namespace_with_control_characters_is_refused(shared_server) -> None:  # type: ignore[no-untyped-def]
+def test_namespace_with_control_characters_is_refused(shared_server) -> None:
     with pytest.raises(ServerUnavailable, match="BAD_NAMESPACE"):
         _connect(shared_server.socket, "bad\nname", None, Mode.CLIENT, time.monotonic() + 10)
 
@@ -123,7 +125,7 @@ def _hostile_cases() -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("case", sorted(_hostile_cases()))
-def test_hostile_message_closes_only_its_connection(shared_server, case: str) -> None:  # type: ignore[no-untyped-def]
+def test_hostile_message_closes_only_its_connection(shared_server, case: str) -> None:
     ns = f"hostile-{abs(hash(case)) % 10**8}"
     bystander = _Bystander(shared_server.socket, ns)
     try:
@@ -136,7 +138,7 @@ def test_hostile_message_closes_only_its_connection(shared_server, case: str) ->
         bystander.close()
 
 
-def test_a_client_cannot_commit_or_release_what_another_client_holds(shared_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_client_cannot_commit_or_release_what_another_client_holds(shared_server) -> None:
     ns = "hostile-ids"
     bystander = _Bystander(shared_server.socket, ns)
     owner = _connect(shared_server.socket, ns, None, Mode.CLIENT, time.monotonic() + 10)
@@ -162,7 +164,7 @@ def test_a_client_cannot_commit_or_release_what_another_client_holds(shared_serv
         bystander.close()
 
 
-def test_status_connection_cannot_reach_a_pool(shared_server) -> None:  # type: ignore[no-untyped-def]
+def test_status_connection_cannot_reach_a_pool(shared_server) -> None:
     conn = _connect(shared_server.socket, "", None, Mode.STATUS, time.monotonic() + 10)
     assert conn.mapping is None
     conn.sock.sendall(Writer().keys([_kb(1)]).frame(Op.GET, 1))
@@ -210,7 +212,7 @@ def _mutate(rng: random.Random, msg: bytes) -> bytes:
     return bytes(b)
 
 
-def test_bounded_wire_fuzzer_neither_crashes_the_server_nor_disturbs_another_client(shared_server) -> None:  # type: ignore[no-untyped-def]
+def test_bounded_wire_fuzzer_neither_crashes_the_server_nor_disturbs_another_client(shared_server) -> None:
     ns = "fuzz"
     bystander = _Bystander(shared_server.socket, ns)
     rng = random.Random(1234)

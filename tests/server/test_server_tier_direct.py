@@ -10,6 +10,7 @@ from support.server_config import server_tier_config
 
 from lmcache_async import StorageManager
 from lmcache_async.memory import MemoryFormat
+from lmcache_async.server.tier import ServerTier
 from lmcache_async.testing.conformance import make_key
 
 _config = server_tier_config
@@ -20,15 +21,16 @@ def _server_stats(sm: StorageManager) -> dict[str, Any]:
     return figures
 
 
-def test_the_server_tier_is_a_direct_put_tier(shared_server) -> None:  # type: ignore[no-untyped-def]
+def test_the_server_tier_is_a_direct_put_tier(shared_server) -> None:
     sm = StorageManager(_config(shared_server.socket, "direct-proto"), name="direct")
     try:
-        assert sm.backend("server").as_direct_put() is not None
+        tier = sm.backend("server")
+        assert tier is not None and tier.as_direct_put() is not None
     finally:
         sm.close_sync()
 
 
-def test_a_put_is_readable_by_another_manager_without_a_flush(shared_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_put_is_readable_by_another_manager_without_a_flush(shared_server) -> None:
     writer = StorageManager(_config(shared_server.socket, "direct-read"), name="writer")
     reader = StorageManager(_config(shared_server.socket, "direct-read"), name="reader")
     try:
@@ -44,7 +46,7 @@ def test_a_put_is_readable_by_another_manager_without_a_flush(shared_server) -> 
         reader.close_sync()
 
 
-def test_direct_puts_keep_dtype_shape_and_bytes_of_any_layout(shared_server) -> None:  # type: ignore[no-untyped-def]
+def test_direct_puts_keep_dtype_shape_and_bytes_of_any_layout(shared_server) -> None:
     writer = StorageManager(_config(shared_server.socket, "direct-layout"), name="writer")
     reader = StorageManager(_config(shared_server.socket, "direct-layout"), name="reader")
     try:
@@ -69,7 +71,7 @@ def test_direct_puts_keep_dtype_shape_and_bytes_of_any_layout(shared_server) -> 
         reader.close_sync()
 
 
-def test_a_put_of_a_key_the_server_holds_is_true_and_keeps_the_entry(shared_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_put_of_a_key_the_server_holds_is_true_and_keeps_the_entry(shared_server) -> None:
     sm = StorageManager(_config(shared_server.socket, "direct-again"), name="again")
     try:
         first = torch.ones(16)
@@ -82,7 +84,7 @@ def test_a_put_of_a_key_the_server_holds_is_true_and_keeps_the_entry(shared_serv
         sm.close_sync()
 
 
-def test_a_put_the_server_has_no_room_for_is_false_and_counted(shared_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_put_the_server_has_no_room_for_is_false_and_counted(shared_server) -> None:
     sm = StorageManager(_config(shared_server.socket, "direct-full"), name="full")
     try:
         too_big = torch.empty(48 << 20, dtype=torch.uint8)  # the namespace pool holds 32 MiB
@@ -94,7 +96,7 @@ def test_a_put_the_server_has_no_room_for_is_false_and_counted(shared_server) ->
         sm.close_sync()
 
 
-def test_a_put_while_the_server_is_down_is_false_not_an_exception(make_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_put_while_the_server_is_down_is_false_not_an_exception(make_server) -> None:
     srv = make_server().start()
     sm = StorageManager(_config(srv.socket, "direct-down", remote_timeout_s=1.0), name="down")
     try:
@@ -106,7 +108,7 @@ def test_a_put_while_the_server_is_down_is_false_not_an_exception(make_server) -
         sm.close_sync()
 
 
-def test_tiers_after_the_server_get_the_put_through_the_write_through(shared_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_tiers_after_the_server_get_the_put_through_the_write_through(shared_server, tmp_path: Path) -> None:
     cfg = _config(
         shared_server.socket,
         "direct-disk",
@@ -130,7 +132,7 @@ def test_tiers_after_the_server_get_the_put_through_the_write_through(shared_ser
         reader.close_sync()
 
 
-def test_with_a_cpu_tier_puts_go_through_the_cpu_tier_not_direct(shared_server) -> None:  # type: ignore[no-untyped-def]
+def test_with_a_cpu_tier_puts_go_through_the_cpu_tier_not_direct(shared_server) -> None:
     cfg = _config(
         shared_server.socket, "direct-cpu", local_cpu=True, max_local_cpu_size=1 / 64, tier_order=["cpu", "server"]
     )
@@ -149,16 +151,17 @@ def test_with_a_cpu_tier_puts_go_through_the_cpu_tier_not_direct(shared_server) 
         reader.close_sync()
 
 
-def test_a_batch_of_direct_puts_is_one_call_of_the_server_tier(shared_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_batch_of_direct_puts_is_one_call_of_the_server_tier(shared_server, monkeypatch) -> None:
     writer = StorageManager(_config(shared_server.socket, "direct-batch"), name="writer")
     reader = StorageManager(_config(shared_server.socket, "direct-batch"), name="reader")
     try:
         tier = writer.backend("server")
+        assert isinstance(tier, ServerTier)
         assert tier.as_direct_put() is tier
         calls: list[int] = []
         put_direct = tier.put_direct
 
-        def counting(items, fmt):  # type: ignore[no-untyped-def]
+        def counting(items, fmt):
             calls.append(len(items))
             return put_direct(items, fmt)
 

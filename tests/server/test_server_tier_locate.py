@@ -20,16 +20,16 @@ def _client(server: CacheServerProcess) -> StorageManager:
 
 def test_an_entry_only_in_the_servers_lower_tier_is_located_but_not_in_memory(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
-    settings = {"local_disk": str(disk), "max_local_disk_size": 0.05}
     key, absent = make_key(1), make_key(2)
-    server = CacheServerProcess(tmp_path / "a", **settings).start()
+    server = CacheServerProcess(tmp_path / "a", local_disk=str(disk), max_local_disk_size=0.05).start()
     try:
         with _client(server) as sm:
             assert sm.put_sync(key, torch.arange(256.0))
             assert sm.locate_memory_sync([key, absent]) == [("server", True), None]
     finally:
         assert server.stop() == 0  # flushes its write-through to the disk tier
-    server = CacheServerProcess(tmp_path / "b", **settings).start()  # a fresh pool, the same disk
+    # a fresh pool, the same disk
+    server = CacheServerProcess(tmp_path / "b", local_disk=str(disk), max_local_disk_size=0.05).start()
     try:
         with _client(server) as sm:
             assert sm.locate_memory_sync([key, absent]) == [("server", False), None]

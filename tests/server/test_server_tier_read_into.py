@@ -13,6 +13,7 @@ from support.server_config import server_tier_config
 
 from lmcache_async import LMCacheEngineConfig, StorageManager
 from lmcache_async.read_sinks import ReadSink
+from lmcache_async.server.tier import ServerTier
 from lmcache_async.testing.conformance import make_key
 
 SHAPE = (64, 128)
@@ -30,16 +31,18 @@ def _sink(dst: torch.Tensor) -> ReadSink:
     return ReadSink(SHAPE, torch.float32, ((base, n // 2), (base + n // 2, n - n // 2)))
 
 
-def test_the_server_tier_reads_into_caller_memory_and_answers_on_the_callers_thread(shared_server) -> None:  # type: ignore[no-untyped-def]
+def test_the_server_tier_reads_into_caller_memory_and_answers_on_the_callers_thread(shared_server) -> None:
     sm = StorageManager(_config(shared_server.socket, "into-proto"), name="proto")
     try:
         tier = sm.backend("server")
-        assert tier.as_direct_reader() is tier and tier.as_local() is tier
+        assert isinstance(tier, ServerTier)
+        assert tier.as_direct_reader() is tier
+        assert tier.as_local() is tier
     finally:
         sm.close_sync()
 
 
-def test_a_prefix_read_follows_the_keys_across_cpu_server_and_disk(shared_server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_prefix_read_follows_the_keys_across_cpu_server_and_disk(shared_server, tmp_path: Path) -> None:
     ns, disk = "into-stack", str(tmp_path / "disk")
     keys = [make_key(700 + i) for i in range(5)]
     server_only = StorageManager(_config(shared_server.socket, ns), name="server-writer")
@@ -79,7 +82,7 @@ def test_a_prefix_read_follows_the_keys_across_cpu_server_and_disk(shared_server
             sm.close_sync()
 
 
-def test_a_read_from_a_server_that_went_away_is_a_miss_within_the_timeout(make_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_read_from_a_server_that_went_away_is_a_miss_within_the_timeout(make_server) -> None:
     srv = make_server().start()
     writer = StorageManager(_config(srv.socket, "into-gone", remote_timeout_s=1.0), name="writer")
     reader = StorageManager(_config(srv.socket, "into-gone", remote_timeout_s=1.0), name="reader")
@@ -96,7 +99,7 @@ def test_a_read_from_a_server_that_went_away_is_a_miss_within_the_timeout(make_s
         reader.close_sync()
 
 
-def test_the_kv_connector_loads_a_hit_in_the_nodes_pool_synchronously_in_a_new_store(shared_server) -> None:  # type: ignore[no-untyped-def]
+def test_the_kv_connector_loads_a_hit_in_the_nodes_pool_synchronously_in_a_new_store(shared_server) -> None:
     """A prefix another process stored in the node server is loaded in ``start_load_kv`` (no
     asynchronous load, no lower-tier hop): straight from the shared pool into vLLM's blocks."""
     from types import SimpleNamespace

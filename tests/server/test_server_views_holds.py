@@ -32,7 +32,7 @@ def _put(client: ServerClient, pool: PoolAllocator, i: int, shape: tuple[int, ..
         obj.ref_count_down()
 
 
-def _wait(pred, timeout: float = 30.0) -> bool:  # type: ignore[no-untyped-def]
+def _wait(pred, timeout: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if pred():
@@ -41,7 +41,7 @@ def _wait(pred, timeout: float = 30.0) -> bool:  # type: ignore[no-untyped-def]
     return bool(pred())
 
 
-def _ns(srv, name: str) -> dict:  # type: ignore[no-untyped-def,type-arg]
+def _ns(srv, name: str) -> dict:
     return srv.status()["namespaces"][name]
 
 
@@ -52,7 +52,7 @@ def pool() -> PoolAllocator:
 
 # ---- the first call after a restart -------------------------------------------------------------
 @pytest.mark.parametrize("how", ["kill", "stop"])
-def test_the_first_call_after_a_server_restart_reconnects_and_succeeds(make_server, pool, how: str) -> None:  # type: ignore[no-untyped-def]
+def test_the_first_call_after_a_server_restart_reconnects_and_succeeds(make_server, pool, how: str) -> None:
     srv = make_server().start()
     client = ServerClient(srv.socket, "first", timeout_s=5.0, max_backoff_s=0.5)
     assert _put(client, pool, 1)
@@ -72,7 +72,7 @@ def test_the_first_call_after_a_server_restart_reconnects_and_succeeds(make_serv
     client.close()
 
 
-def test_the_first_put_and_get_after_a_restart_succeed(make_server, pool) -> None:  # type: ignore[no-untyped-def]
+def test_the_first_put_and_get_after_a_restart_succeed(make_server, pool) -> None:
     srv = make_server().start()
     client = ServerClient(srv.socket, "first-put", timeout_s=5.0)
     assert _put(client, pool, 1)  # leaves pre-granted blocks of the old server cached
@@ -91,7 +91,7 @@ def test_the_first_put_and_get_after_a_restart_succeed(make_server, pool) -> Non
     other.close()
 
 
-def test_a_call_while_the_server_is_gone_is_a_miss_within_the_timeout(make_server, pool) -> None:  # type: ignore[no-untyped-def]
+def test_a_call_while_the_server_is_gone_is_a_miss_within_the_timeout(make_server, pool) -> None:
     srv = make_server().start()
     client = ServerClient(srv.socket, "gone", timeout_s=1.0, max_backoff_s=0.5)
     assert _put(client, pool, 1)
@@ -106,7 +106,7 @@ def test_a_call_while_the_server_is_gone_is_a_miss_within_the_timeout(make_serve
 
 
 # ---- zero-copy views ----------------------------------------------------------------------------
-def test_a_view_holds_the_entry_bytes_under_a_lease_released_on_exit(shared_server, pool) -> None:  # type: ignore[no-untyped-def]
+def test_a_view_holds_the_entry_bytes_under_a_lease_released_on_exit(shared_server, pool) -> None:
     client = ServerClient(shared_server.socket, "view", timeout_s=5.0)
     assert _put(client, pool, 3)
     with client.get_view(_kb(3)) as view:
@@ -126,7 +126,7 @@ def test_a_view_holds_the_entry_bytes_under_a_lease_released_on_exit(shared_serv
     client.close()
 
 
-def test_a_view_lease_is_released_when_the_block_raises(shared_server, pool) -> None:  # type: ignore[no-untyped-def]
+def test_a_view_lease_is_released_when_the_block_raises(shared_server, pool) -> None:
     client = ServerClient(shared_server.socket, "view-exc", timeout_s=5.0)
     assert _put(client, pool, 4)
     with pytest.raises(RuntimeError, match="caller"), client.get_view(_kb(4)) as view:
@@ -137,7 +137,7 @@ def test_a_view_lease_is_released_when_the_block_raises(shared_server, pool) -> 
     client.close()
 
 
-def test_a_view_of_a_missing_key_is_none(shared_server) -> None:  # type: ignore[no-untyped-def]
+def test_a_view_of_a_missing_key_is_none(shared_server) -> None:
     client = ServerClient(shared_server.socket, "view-miss", timeout_s=5.0)
     with client.get_view(_kb(5)) as view:
         assert view is None
@@ -146,7 +146,7 @@ def test_a_view_of_a_missing_key_is_none(shared_server) -> None:  # type: ignore
     client.close()
 
 
-def test_a_viewed_entry_removed_meanwhile_keeps_its_bytes_until_exit(shared_server, pool) -> None:  # type: ignore[no-untyped-def]
+def test_a_viewed_entry_removed_meanwhile_keeps_its_bytes_until_exit(shared_server, pool) -> None:
     client = ServerClient(shared_server.socket, "view-rm", timeout_s=5.0)
     other = ServerClient(shared_server.socket, "view-rm", timeout_s=5.0)
     assert _put(client, pool, 6)
@@ -161,7 +161,7 @@ def test_a_viewed_entry_removed_meanwhile_keeps_its_bytes_until_exit(shared_serv
     client.close()
 
 
-def test_a_view_is_refused_after_the_server_restarts(make_server, pool) -> None:  # type: ignore[no-untyped-def]
+def test_a_view_is_refused_after_the_server_restarts(make_server, pool) -> None:
     srv = make_server().start()
     client = ServerClient(srv.socket, "view-restart", timeout_s=5.0)
     assert _put(client, pool, 7)
@@ -180,7 +180,7 @@ def test_a_view_is_refused_after_the_server_restarts(make_server, pool) -> None:
     client.close()
 
 
-def test_a_view_past_its_lease_ttl_is_refused(make_server, pool) -> None:  # type: ignore[no-untyped-def]
+def test_a_view_past_its_lease_ttl_is_refused(make_server, pool) -> None:
     srv = make_server(cache_server_lease_ttl_s=0.5).start()
     client = ServerClient(srv.socket, "view-ttl", timeout_s=5.0)
     assert _put(client, pool, 9)
@@ -193,7 +193,7 @@ def test_a_view_past_its_lease_ttl_is_refused(make_server, pool) -> None:  # typ
 
 
 # ---- holds --------------------------------------------------------------------------------------
-def test_a_held_entry_stays_readable_by_another_client_after_its_key_is_removed(shared_server, pool) -> None:  # type: ignore[no-untyped-def]
+def test_a_held_entry_stays_readable_by_another_client_after_its_key_is_removed(shared_server, pool) -> None:
     promiser = ServerClient(shared_server.socket, "hold", timeout_s=5.0)
     reader = ServerClient(shared_server.socket, "hold", timeout_s=5.0)
     assert _put(promiser, pool, 10)
@@ -212,7 +212,7 @@ def test_a_held_entry_stays_readable_by_another_client_after_its_key_is_removed(
     reader.close()
 
 
-def test_a_hold_nobody_drops_expires_after_its_ttl(shared_server, pool) -> None:  # type: ignore[no-untyped-def]
+def test_a_hold_nobody_drops_expires_after_its_ttl(shared_server, pool) -> None:
     client = ServerClient(shared_server.socket, "hold-ttl", timeout_s=5.0)
     assert _put(client, pool, 12)
     tokens = client.hold([_kb(12)], ttl_s=0.3)
@@ -225,7 +225,7 @@ def test_a_hold_nobody_drops_expires_after_its_ttl(shared_server, pool) -> None:
     client.close()
 
 
-def test_a_held_entry_is_not_evicted(make_server, pool) -> None:  # type: ignore[no-untyped-def]
+def test_a_held_entry_is_not_evicted(make_server, pool) -> None:
     srv = make_server(max_local_cpu_size=1 / 128).start()  # an 8 MiB pool
     client = ServerClient(srv.socket, "hold-evict", timeout_s=10.0)
     shape = (512, 512)  # 1 MiB
@@ -241,7 +241,7 @@ def test_a_held_entry_is_not_evicted(make_server, pool) -> None:  # type: ignore
     client.close()
 
 
-def test_holds_of_a_restarted_server_read_nothing(make_server, pool) -> None:  # type: ignore[no-untyped-def]
+def test_holds_of_a_restarted_server_read_nothing(make_server, pool) -> None:
     srv = make_server().start()
     client = ServerClient(srv.socket, "hold-restart", timeout_s=5.0)
     assert _put(client, pool, 13)
