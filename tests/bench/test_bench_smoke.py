@@ -111,8 +111,19 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
 
 # ---- the comparison ----------------------------------------------------------------------------
 def _worker(system: str, *args: str, tmp: Path) -> dict[str, object]:
-    cmd = [sys.executable, "-m", "lmcache_async_bench.compare.worker", "--system", system, *args,
-           "--reps", "1", "--quick", "--workdir", str(tmp)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lmcache_async_bench.compare.worker",
+        "--system",
+        system,
+        *args,
+        "--reps",
+        "1",
+        "--quick",
+        "--workdir",
+        str(tmp),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
@@ -147,16 +158,32 @@ def test_ours_after_cpu_eviction_hits_from_disk(tmp_path: Path) -> None:
     from lmcache_async_bench.compare import _harness
     from lmcache_async_bench.compare.ours_side import OursAdapter
 
-    out = _harness.run_workload(OursAdapter(), "ec_get_after_eviction", 1 << 20, reps=1, warmup=0,
-                                workdir=str(tmp_path), quick=True)
+    out = _harness.run_workload(
+        OursAdapter(), "ec_get_after_eviction", 1 << 20, reps=1, warmup=0, workdir=str(tmp_path), quick=True
+    )
     assert out.ok, out.error + out.note
     assert out.hits == out.ops_per_rep and out.misses == 0
 
 
 def test_compare_driver_without_lmcache_prints_a_table(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "lmcache_async_bench.compare", "--workloads", "ec_contains", "--quick",
-           "--rounds", "1", "--reps", "1", "--skip", "lmcache", "--workdir", str(tmp_path),
-           "--json", str(tmp_path / "c.json")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lmcache_async_bench.compare",
+        "--workloads",
+        "ec_contains",
+        "--quick",
+        "--rounds",
+        "1",
+        "--reps",
+        "1",
+        "--skip",
+        "lmcache",
+        "--workdir",
+        str(tmp_path),
+        "--json",
+        str(tmp_path / "c.json"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "ec_contains" in proc.stdout and "ratio" in proc.stdout

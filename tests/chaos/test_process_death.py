@@ -224,7 +224,11 @@ def test_sigkill_at_random_points(tier_name, zygote, tmp_path, figures):
     maybe_removed: set[int] = set()
     trials = scaled(20, minimum=2)
     totals = {
-        "batches_flushed": 0, "entries_checked": 0, "entries_present": 0, "flushed_present": 0, "early_kills": 0,
+        "batches_flushed": 0,
+        "entries_checked": 0,
+        "entries_present": 0,
+        "flushed_present": 0,
+        "early_kills": 0,
         "torn_found": 0,
     }
     for trial in range(trials):

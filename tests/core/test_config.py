@@ -92,7 +92,7 @@ def test_env_value_conversion(monkeypatch, var, raw, key, expected):
     [
         # A value in matching quotes is a string literal: its escapes are honoured.
         ("LMCACHE_EXTRA_CONFIG", '"{\\"config\\": \\"prod\\"}"', "extra_config", {"config": "prod"}),
-        ("LMCACHE_EXTRA_CONFIG", "'{\"config\": \"prod\"}'", "extra_config", {"config": "prod"}),
+        ("LMCACHE_EXTRA_CONFIG", '\'{"config": "prod"}\'', "extra_config", {"config": "prod"}),
         ("LMCACHE_NIXL_BACKEND_PARAMS", '"{\\"dir\\": \\"/mnt/nixl\\"}"', "nixl_backend_params", {"dir": "/mnt/nixl"}),
         ("LMCACHE_TIER_ORDER", '"[\\"cpu\\", \\"disk\\"]"', "tier_order", ["cpu", "disk"]),
         ("LMCACHE_LOCAL_DISK", '"/data/my \\"cache\\""', "local_disk", '/data/my "cache"'),

@@ -29,9 +29,10 @@ def test_unset_port_serves_nothing() -> None:
 def test_managers_of_one_address_share_one_endpoint() -> None:
     port = _free_port()
     cfg = LMCacheEngineConfig.from_defaults(max_local_cpu_size=0.01, metrics_port=port)
-    with StorageManager(cfg, LMCacheEngineMetadata("a"), name="first") as a, StorageManager(
-        cfg, LMCacheEngineMetadata("b"), name="second"
-    ) as b:
+    with (
+        StorageManager(cfg, LMCacheEngineMetadata("a"), name="first") as a,
+        StorageManager(cfg, LMCacheEngineMetadata("b"), name="second") as b,
+    ):
         one = serve_configured_metrics(a, cfg)
         two = serve_configured_metrics(b, cfg)
         assert one is not None and one is two and one.port == port

@@ -101,11 +101,14 @@ def test_an_orphaned_temp_of_a_dead_writer_is_reaped_on_start(store: str, suffix
     pid, start = _dead_writer()
     # What a writer killed before publishing leaves, in the shared form and in the store's older one.
     orphan = record.parent / f".{record.name}.{HOST_TAG}.{pid}.{start}.0badcafe.tmp"
-    older = record.parent / {
-        "disk": f".{record.stem}.{HOST_TAG}.{pid}.{start}.0badcafe.tmp",
-        "fs": f".{record.name}.{record_files._LEGACY_FS_HOST}.{pid}.deadbeef.tmp",
-        "nixl": f"{record.stem}.{pid}.tmp",
-    }[store]
+    older = (
+        record.parent
+        / {
+            "disk": f".{record.stem}.{HOST_TAG}.{pid}.{start}.0badcafe.tmp",
+            "fs": f".{record.name}.{record_files._LEGACY_FS_HOST}.{pid}.deadbeef.tmp",
+            "nixl": f"{record.stem}.{pid}.tmp",
+        }[store]
+    )
     orphan.write_bytes(data[: len(data) // 2])
     older.write_bytes(data)
     assert parse_temp_name(orphan.name) is not None

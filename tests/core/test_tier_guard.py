@@ -112,6 +112,17 @@ async def test_cancellation_propagates():
 
 def test_stats_carry_the_backend_figures_and_the_guard_counters():
     st = guard().stats()
-    assert {"entries", "bytes", "evictions", "hits", "misses", "errors", "timeouts", "skipped",
-            "writes", "write_failures", "circuit"} <= set(st)
+    assert {
+        "entries",
+        "bytes",
+        "evictions",
+        "hits",
+        "misses",
+        "errors",
+        "timeouts",
+        "skipped",
+        "writes",
+        "write_failures",
+        "circuit",
+    } <= set(st)
     assert st["circuit"] == "closed" and st["entries"] == 3

@@ -52,4 +52,3 @@ async def make_disk(
     for be in made:
         await be.close()
     executor.shutdown(wait=True)
-

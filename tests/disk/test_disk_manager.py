@@ -153,8 +153,14 @@ def backend_context_factory():
 
     def make(cfg: LMCacheEngineConfig) -> BackendContext:
         return BackendContext(
-            config=cfg, metadata=LMCacheEngineMetadata("m"), cache_name="t", loop=loop, executor=ex,
-            staging=lambda *a: None, staging_pool=None, pool=None,
+            config=cfg,
+            metadata=LMCacheEngineMetadata("m"),
+            cache_name="t",
+            loop=loop,
+            executor=ex,
+            staging=lambda *a: None,
+            staging_pool=None,
+            pool=None,
         )
 
     yield make

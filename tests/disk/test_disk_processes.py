@@ -31,8 +31,11 @@ class Child:
 
     def __init__(self, *args: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, CHILD, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True, bufsize=1,
+            [sys.executable, CHILD, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
         )
         self._sel = selectors.DefaultSelector()
         assert self.proc.stdout is not None

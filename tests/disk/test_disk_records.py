@@ -34,7 +34,13 @@ def test_fields_sit_where_the_format_document_says():
     assert csum == xxhash.xxh3_64_intdigest(payload)
     scheme, fmt, dcode, rank, klen, nparts, psize = struct.unpack_from("<HHHHIIQ", h, 32)
     assert (scheme, fmt, dcode, rank, klen, nparts, psize) == (
-        HASH_SCHEME_ID, int(MemoryFormat.KV_T2D), DTYPE_TO_CODE[torch.bfloat16], 3, len(key), 1, 0,
+        HASH_SCHEME_ID,
+        int(MemoryFormat.KV_T2D),
+        DTYPE_TO_CODE[torch.bfloat16],
+        3,
+        len(key),
+        1,
+        0,
     )
     zeroed = h[:56] + b"\0" * 8 + h[64:]
     assert struct.unpack_from("<Q", h, 56)[0] == xxhash.xxh3_64_intdigest(zeroed)

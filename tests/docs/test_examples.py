@@ -88,9 +88,7 @@ def _run(args: list[str], cwd: Path, what: str) -> None:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(cwd), env.get("PYTHONPATH", "")) if p)
     for var in [v for v in env if v.startswith("LMCACHE_")]:
         del env[var]  # the examples show the defaults, not this shell's settings
-    proc = subprocess.run(
-        args, cwd=cwd, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S, check=False
-    )
+    proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S, check=False)
     assert proc.returncode == 0, f"{what} failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
 
 

@@ -93,8 +93,13 @@ class ProbeECConnector(LMCacheECConnector):
         if out and self.role.name == "SCHEDULER":
             stats = self.impl.stats()
             stats.pop("engine", None)
-            data = {"steps_s": self._steps, "slowest": self._slowest, "deleted": self._deleted, "stats": stats,
-                    "pid": os.getpid()}
+            data = {
+                "steps_s": self._steps,
+                "slowest": self._slowest,
+                "deleted": self._deleted,
+                "stats": stats,
+                "pid": os.getpid(),
+            }
             tmp = f"{out}.tmp"
             with open(tmp, "w") as f:
                 json.dump(data, f)

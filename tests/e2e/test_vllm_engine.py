@@ -44,8 +44,13 @@ if importlib.util.find_spec("vllm") is None:
 
 from .engines import Redis, child_env, end_process_group, free_port, run_engine
 
-PROMPTS = [[11, "describe the image"], [12, "what colour is it"], [13, "describe the image"],
-           [14, "what is in the middle"], [15, "describe the image"]]
+PROMPTS = [
+    [11, "describe the image"],
+    [12, "what colour is it"],
+    [13, "describe the image"],
+    [14, "what is in the middle"],
+    [15, "describe the image"],
+]
 CHAT = [[11, "describe the image"]]
 DAMAGED, DELETED = 2, 3  # prompt indices whose records the fault probe damages / deletes
 PROXY_DELAY_S = 0.05
@@ -76,13 +81,32 @@ def _damage(path: str) -> None:
 
 def _server(workdir: Path, model_dir: Path, disk: Path) -> dict[str, Any]:
     port = free_port()
-    ec = {"ec_connector": "LMCacheECConnector", "ec_connector_module_path": "lmcache_async.integration.vllm",
-          "ec_role": "ec_consumer", "ec_connector_extra_config": {**SMALL_CPU, "local_disk": str(disk),
-                                                                   "max_local_disk_size": 0.1}}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "256",
-           "--enforce-eager", "--limit-mm-per-prompt", json.dumps({"image": 1}),
-           "--ec-transfer-config", json.dumps(ec)]
+    ec = {
+        "ec_connector": "LMCacheECConnector",
+        "ec_connector_module_path": "lmcache_async.integration.vllm",
+        "ec_role": "ec_consumer",
+        "ec_connector_extra_config": {**SMALL_CPU, "local_disk": str(disk), "max_local_disk_size": 0.1},
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "256",
+        "--enforce-eager",
+        "--limit-mm-per-prompt",
+        json.dumps({"image": 1}),
+        "--ec-transfer-config",
+        json.dumps(ec),
+    ]
     env = child_env()
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's engine runs in its own process
     out: dict[str, Any] = {"error": None}
@@ -108,10 +132,12 @@ def _server(workdir: Path, model_dir: Path, disk: Path) -> dict[str, Any]:
             sys.path.insert(0, str(Path(__file__).parent))
             from e2e_child import chat_messages  # type: ignore[import-not-found]  # found on sys.path at run time
 
-            body = {"model": str(model_dir), "messages": chat_messages(*CHAT[0]), "max_tokens": 8,
-                    "temperature": 0.0}
-            req = urllib.request.Request(f"{base}/v1/chat/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
+            body = {"model": str(model_dir), "messages": chat_messages(*CHAT[0]), "max_tokens": 8, "temperature": 0.0}
+            req = urllib.request.Request(
+                f"{base}/v1/chat/completions",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
             with urllib.request.urlopen(req, timeout=120) as r:
                 out["completion"] = json.loads(r.read())
             deadline = time.monotonic() + 15
@@ -149,7 +175,8 @@ def runs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, redis_server
     remote = {"remote_url": redis_server.url, "remote_timeout_s": 2.0}
     producer_extra = {**SMALL_CPU, "local_disk": str(disk), "max_local_disk_size": 0.1, **remote}
     res["producer"] = run_engine(
-        work, "producer",
+        work,
+        "producer",
         {**base_spec, "ec": {"role": "ec_producer", "extra": producer_extra}, "flush_each": True, "chat": CHAT},
     )
     files = res["producer"]["passes"][0]["files"] if res["producer"]["passes"] else []
@@ -170,7 +197,9 @@ def runs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, redis_server
         doomed = ""
     faults_extra = {**SMALL_CPU, "local_disk": str(copies["faults"]), "max_local_disk_size": 0.1}
     res["consumer_faults"] = run_engine(
-        work, "consumer_faults", {**base_spec, "ec": _probe_ec("ec_consumer", faults_extra)},
+        work,
+        "consumer_faults",
+        {**base_spec, "ec": _probe_ec("ec_consumer", faults_extra)},
         env=child_env(**_probe_env(work / "faults.probe.json")),
         after_start=lambda: os.unlink(doomed) if doomed else None,
     )
@@ -179,11 +208,16 @@ def runs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, redis_server
     # 4. worker in its own process; records deleted between the promise and the load
     mp_extra = {**SMALL_CPU, "local_disk": str(copies["mp"]), "max_local_disk_size": 0.1}
     res["consumer_mp"] = run_engine(
-        work, "consumer_mp", {**base_spec, "ec": _probe_ec("ec_consumer", mp_extra), "executor": "mp"},
+        work,
+        "consumer_mp",
+        {**base_spec, "ec": _probe_ec("ec_consumer", mp_extra), "executor": "mp"},
         # The vision counter reaches the worker process as a function: vLLM's own RPC between its
         # processes then needs its pickle fallback (loopback only, test-only functions).
-        env=child_env(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
-                      **_probe_env(work / "mp.probe.json", delete_promised=True)),
+        env=child_env(
+            VLLM_ENABLE_V1_MULTIPROCESSING="1",
+            VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+            **_probe_env(work / "mp.probe.json", delete_promised=True),
+        ),
     )
     res["consumer_mp"]["probe"] = _read(work / "mp.probe.json")
 
@@ -194,7 +228,9 @@ def runs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, redis_server
         for name, blocking in (("slow_prefetch", False), ("slow_blocking", True)):
             # 64 tokens: the steps after the loads count too (per-step figures over ~130 steps)
             res[name] = run_engine(
-                work, name, {**base_spec, "max_tokens": SLOW_TOKENS, "ec": _probe_ec("ec_consumer", slow_extra)},
+                work,
+                name,
+                {**base_spec, "max_tokens": SLOW_TOKENS, "ec": _probe_ec("ec_consumer", slow_extra)},
                 env=child_env(**_probe_env(work / f"{name}.probe.json", blocking=blocking)),
             )
             res[name]["probe"] = _read(work / f"{name}.probe.json")
@@ -202,7 +238,9 @@ def runs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, redis_server
     # 6. the remote goes away after start-up
     killed_extra = {**SMALL_CPU, **remote, "remote_timeout_s": 1.0}
     res["remote_killed"] = run_engine(
-        work, "remote_killed", {**base_spec, "ec": _probe_ec("ec_consumer", killed_extra)},
+        work,
+        "remote_killed",
+        {**base_spec, "ec": _probe_ec("ec_consumer", killed_extra)},
         env=child_env(**_probe_env(work / "killed.probe.json")),
         after_start=redis_server.kill,
     )
@@ -243,17 +281,37 @@ def _summary(res: dict[str, Any]) -> dict[str, Any]:
             "wall_s": round(r.get("wall_s", 0), 1),
             "vision_images": [p["vision"]["images"] for p in passes],
             "tokens_equal_baseline": [[t[:8] for t in p["tokens"]] == ref for p in passes],
-            "worker": {k: (p.get("connector") or {}).get(k) for p in passes[-1:] for k in
-                       ("loaded", "loaded_from_hold", "loaded_from_lease", "load_failures", "saved")},
-            "scheduler": {k: pst.get(k) for k in ("hits", "misses", "faults", "prefetches", "deferred",
-                                                   "prefetch_timeouts", "leases", "promised")} if pst else None,
+            "worker": {
+                k: (p.get("connector") or {}).get(k)
+                for p in passes[-1:]
+                for k in ("loaded", "loaded_from_hold", "loaded_from_lease", "load_failures", "saved")
+            },
+            "scheduler": {
+                k: pst.get(k)
+                for k in (
+                    "hits",
+                    "misses",
+                    "faults",
+                    "prefetches",
+                    "deferred",
+                    "prefetch_timeouts",
+                    "leases",
+                    "promised",
+                )
+            }
+            if pst
+            else None,
             "hook_step_p99_ms": round(p99(probe.get("steps_s") or []) * 1e3, 3) if probe else None,
             "hook_steps": len(probe.get("steps_s") or []) if probe else None,
             "hook_step_max_ms": round(max(probe.get("steps_s") or [0]) * 1e3, 3) if probe else None,
         }
     srv = res.get("server", {})
-    out["server"] = {"error": srv.get("error"), "hits": srv.get("hits"), "wall_s": round(srv.get("wall_s", 0), 1),
-                     "metrics": srv.get("metrics_lines")}
+    out["server"] = {
+        "error": srv.get("error"),
+        "hits": srv.get("hits"),
+        "wall_s": round(srv.get("wall_s", 0), 1),
+        "metrics": srv.get("metrics_lines"),
+    }
     return out
 
 

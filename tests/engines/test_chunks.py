@@ -27,8 +27,15 @@ def test_token_bytes_are_int64_little_endian(ids):
     assert tokens_to_int64_bytes(ids) == struct.pack(f"<{len(vals)}q", *vals)
 
 
-@pytest.mark.parametrize("bad,exc", [(torch.zeros(3), TypeError), (torch.zeros(2, 2, dtype=torch.int64), ValueError),
-                                     (torch.ones(3, dtype=torch.bool), TypeError), ("abc", TypeError)])
+@pytest.mark.parametrize(
+    "bad,exc",
+    [
+        (torch.zeros(3), TypeError),
+        (torch.zeros(2, 2, dtype=torch.int64), ValueError),
+        (torch.ones(3, dtype=torch.bool), TypeError),
+        ("abc", TypeError),
+    ],
+)
 def test_token_bytes_reject_what_the_database_rejects(bad, exc):
     with pytest.raises(exc):
         tokens_to_int64_bytes(bad)

@@ -840,8 +840,6 @@ async def test_batched_calls_answer_per_key(big_context, tmp_path, fill) -> None
     await be.close()
 
 
-
-
 @pytest.mark.parametrize("pool_size", LAYOUTS)
 async def test_empty_tensor_round_trips(big_context, tmp_path, pool_size) -> None:
     ctx = big_context()

@@ -169,9 +169,7 @@ async def test_obj_plugin_takes_its_parameters(backend_context) -> None:
 @pytest.mark.nixl
 async def test_posix_parameters_reach_the_plugin(backend_context, tmp_path: Path) -> None:
     """Parameters go to the plugin as they are (here: POSIX's io_uring switch off)."""
-    be = NixlBackend(
-        backend_context(), NixlSettings(plugin="POSIX", path=str(tmp_path), params={"use_uring": "false"})
-    )
+    be = NixlBackend(backend_context(), NixlSettings(plugin="POSIX", path=str(tmp_path), params={"use_uring": "false"}))
     try:
         assert be.stats()["plugin"] == "POSIX"
     finally:

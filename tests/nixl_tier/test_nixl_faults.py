@@ -333,9 +333,7 @@ async def test_write_failing_before_it_reuses_evicted_files_deletes_them(
     assert await _after_restart(ctx, tmp_path, (a, b, c), objs) == [False, True, False]  # no `a`
 
 
-async def test_write_failing_inside_a_reused_evicted_file_deletes_it(
-    big_context, tmp_path, fill, monkeypatch
-) -> None:
+async def test_write_failing_inside_a_reused_evicted_file_deletes_it(big_context, tmp_path, fill, monkeypatch) -> None:
     ctx = big_context(**SMALL_POOLS)
     be, (a, b, c), objs, a_file = await _full_of_two(ctx, tmp_path, fill, 63)
     a_inode = a_file.stat().st_ino

@@ -24,6 +24,4 @@ def server_holds_of(sm: StorageManager, ttl_s: float) -> PromiseLeases | None:
 
 
 # Moved beside the server tier; kept for one release.
-__getattr__ = moved_names(
-    __name__, dict.fromkeys(("LEASE_PREFIX", "ServerHolds"), "lmcache_async.server.leases")
-)
+__getattr__ = moved_names(__name__, dict.fromkeys(("LEASE_PREFIX", "ServerHolds"), "lmcache_async.server.leases"))
