@@ -102,6 +102,9 @@ MOVED: Final[dict[str, str]] = {
     "lmcache_async.tier_stack": "lmcache_async._manager.tier_stack",
     "lmcache_async.where": "lmcache_async._manager.where",
     "lmcache_async.write_through": "lmcache_async._manager.write_through",
+    "lmcache_async.config_check": "lmcache_async.config.check",
+    "lmcache_async.record_files": "lmcache_async.records.files",
+    "lmcache_async.record_sections": "lmcache_async.records.sections",
 }
 """Old module path → the module that took its place."""
 

@@ -32,8 +32,8 @@ import torch
 from lmcache_async.dtypes import dtype_code
 from lmcache_async.errors import BackendUnavailableError
 from lmcache_async.memory import MemoryFormat
-from lmcache_async.record_sections import KEY_ID_LEN, NONCE_LEN, Seal, sealed_length
 from lmcache_async.records import RecordError, RecordHeader
+from lmcache_async.records.sections import KEY_ID_LEN, NONCE_LEN, Seal, sealed_length
 from lmcache_async.token_database import HASH_SCHEME_ID
 
 __all__ = ["KEY_LEN", "RecordCipher", "cipher_for", "key_id_of", "load_cipher", "new_buffer", "write_key_file"]
@@ -122,7 +122,7 @@ class RecordCipher:
     ) -> Seal:
         """As :meth:`seal`, into a buffer the caller gives (e.g. registered memory a transfer
         reads): ``out`` is a writable byte view of exactly the stored length
-        (:func:`~lmcache_async.record_sections.sealed_length`, ``ValueError`` otherwise); the
+        (:func:`~lmcache_async.records.sections.sealed_length`, ``ValueError`` otherwise); the
         seal for the record's header is returned."""
         plain = plain.cast("B") if plain.format != "B" or plain.ndim != 1 else plain
         n = plain.nbytes

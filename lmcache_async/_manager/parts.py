@@ -25,7 +25,7 @@ from lmcache_async._manager.tier_stack import RemovalFanout, TierStack, build_ti
 from lmcache_async._manager.where import TierMap
 from lmcache_async._manager.write_through import WriteThrough
 from lmcache_async.config import LMCacheEngineConfig
-from lmcache_async.config_check import raise_or_warn
+from lmcache_async.config.check import raise_or_warn
 from lmcache_async.loop import LoopThread
 from lmcache_async.memory import PoolAllocator
 from lmcache_async.metadata import NEUTRAL_METADATA, LMCacheEngineMetadata
@@ -70,7 +70,7 @@ def build_parts(
 ) -> ManagerParts:
     """The parts of a manager named ``name`` (arguments as for ``StorageManager``), its tiers
     built but not started. ``TypeError`` for a config or metadata of the wrong type; a
-    configuration error raises (or warns) as :func:`~lmcache_async.config_check.raise_or_warn`
+    configuration error raises (or warns) as :func:`~lmcache_async.config.check.raise_or_warn`
     says. A tier that fails to build stops the loop and the executor before the error goes on."""
     if not isinstance(config, LMCacheEngineConfig):
         raise TypeError(f"config must be an LMCacheEngineConfig, got {type(config).__name__}")

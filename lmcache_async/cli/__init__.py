@@ -177,7 +177,7 @@ def _load_config(args: argparse.Namespace) -> Any:
 def _cmd_config(args: argparse.Namespace) -> int:
     if args.explain is not None:
         return _explain(args)
-    from lmcache_async.config_check import check_config, redacted
+    from lmcache_async.config.check import check_config, redacted
 
     config = _load_config(args)
     rows = [(k, redacted(k, v), s) for k, v, s in config.describe()]

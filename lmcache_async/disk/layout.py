@@ -10,7 +10,7 @@ key string so that no key can ever name a path outside the directory::
 The name is the BLAKE2b-128 digest of the UTF-8 key string; the key string itself lives in the
 record header, so a reader recognises an entry without any index and detects a file that holds
 another key. Temporary names follow the scheme every record-file store shares
-(:func:`lmcache_async.record_files.temp_name`: the final name, the writer's host tag, pid and
+(:func:`lmcache_async.records.files.temp_name`: the final name, the writer's host tag, pid and
 process start time, a random part); the older ``.<32 hex>.<host>.<pid>.<start>.<rand>.tmp`` is
 still recognised and reaped. Everything here is blocking and runs on executor threads, never on
 the event loop.
@@ -21,16 +21,24 @@ from __future__ import annotations
 import hashlib
 import os
 
-# re-exported: the disk tier's record-file naming, reaping and raw I/O live in the shared module
-from lmcache_async.record_files import HOST_TAG as HOST_TAG
-from lmcache_async.record_files import STALE_TEMP_S, TEMP_SUFFIX, parse_temp_name, read_header, temp_name, temp_reapable
-from lmcache_async.record_files import process_start_time as process_start_time
-from lmcache_async.record_files import publish_noreplace as publish_noreplace
-from lmcache_async.record_files import read_exact_into as read_exact_into
-from lmcache_async.record_files import reap_temp as reap_temp
-from lmcache_async.record_files import write_all as write_all
-from lmcache_async.record_files import writer_alive as writer_alive
 from lmcache_async.records import RecordError
+
+# re-exported: the disk tier's record-file naming, reaping and raw I/O live in the shared module
+from lmcache_async.records.files import HOST_TAG as HOST_TAG
+from lmcache_async.records.files import (
+    STALE_TEMP_S,
+    TEMP_SUFFIX,
+    parse_temp_name,
+    read_header,
+    temp_name,
+    temp_reapable,
+)
+from lmcache_async.records.files import process_start_time as process_start_time
+from lmcache_async.records.files import publish_noreplace as publish_noreplace
+from lmcache_async.records.files import read_exact_into as read_exact_into
+from lmcache_async.records.files import reap_temp as reap_temp
+from lmcache_async.records.files import write_all as write_all
+from lmcache_async.records.files import writer_alive as writer_alive
 
 __all__ = [
     "ACCT_NAME",
@@ -124,7 +132,7 @@ def is_shard_name(name: str) -> bool:
     return len(name) == 2 and _HEX.issuperset(name)
 
 
-# ---- temporary names (the shared scheme of lmcache_async.record_files) --------------------------
+# ---- temporary names (the shared scheme of lmcache_async.records.files) --------------------------
 def tmp_name(digest: bytes, hexd: str | None = None) -> str:
     """A fresh temporary file name for the entry of ``digest`` (``hexd``: its hex, when already
     known): ``.<32 hex>.lmc.<host>.<pid>.<start>.<rand>.tmp`` (:func:`temp_name`)."""

@@ -14,7 +14,7 @@ A lease that nobody removes (a reader that died) is reaped by :meth:`LeaseDir.re
 ``max_age_s``. Lease files take disk space beyond the tier's budget while they live.
 
 With ``encryption_key_file`` the disk tier seals its records; a lease reads them with the same
-key. A record is verified exactly as the disk tier verifies its own (:mod:`lmcache_async.record_files`):
+key. A record is verified exactly as the disk tier verifies its own (:mod:`lmcache_async.records.files`):
 a sealed record read without a key, under another key, or a plain one read with a key is refused
 with :class:`~lmcache_async.records.ForeignSeal`. Everything here is blocking file work.
 """
@@ -31,8 +31,8 @@ import torch
 from lmcache_async.disk.layout import entry_path, key_digest
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import tensor_byte_view
-from lmcache_async.record_files import payload_problem, verified_header
 from lmcache_async.records import RecordError
+from lmcache_async.records.files import payload_problem, verified_header
 
 if TYPE_CHECKING:
     from lmcache_async.encryption import RecordCipher

@@ -56,8 +56,6 @@ from lmcache_async.encryption import new_buffer
 from lmcache_async.lru import LruIndex
 from lmcache_async.memory import MemoryObj
 from lmcache_async.read_sinks import ReadSink
-from lmcache_async.record_files import payload_problem, payload_problem_views, read_header, verified_header
-from lmcache_async.record_sections import SEAL_SECTION_LEN
 from lmcache_async.records import (
     ForeignSeal,
     RecordError,
@@ -66,6 +64,8 @@ from lmcache_async.records import (
     header_length,
     payload_checksum,
 )
+from lmcache_async.records.files import payload_problem, payload_problem_views, read_header, verified_header
+from lmcache_async.records.sections import SEAL_SECTION_LEN
 from lmcache_async.tiers import Allocate
 
 __all__ = [

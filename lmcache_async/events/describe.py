@@ -7,7 +7,7 @@ list (``docs/formats.md`` §1.2, type 2, token ids inline: routers hash them), p
 publishes beside the hashes (the LoRA name, the blocks' extra keys).
 
 * :func:`chunk_of` / :func:`provenance_of`: a :class:`~lmcache_async.events.chunks.Chunk` from and
-  to a :class:`~lmcache_async.record_sections.Provenance` (hashes of 8 bytes are vLLM's int
+  to a :class:`~lmcache_async.records.sections.Provenance` (hashes of 8 bytes are vLLM's int
   hashes, big-endian; other widths its ``BlockHash`` bytes);
 * :func:`encode_describe` / :func:`decode_describe`: the request body;
 * :class:`DescribeClient`: one connection of its own to a server's namespace that sends them.
@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 
 from lmcache_async.events.chunks import Chunk
-from lmcache_async.record_sections import Provenance, SectionError, decode_sections, encode_sections
+from lmcache_async.records.sections import Provenance, SectionError, decode_sections, encode_sections
 from lmcache_async.server.connection import Connection, connect, exchange
 from lmcache_async.server.protocol import MAX_BATCH, Mode, Op, ProtocolError, Reader, Writer
 

@@ -7,7 +7,7 @@ bytes move through NIXL (scratch area, piecewise checksummed transfer) is
 Layouts:
 
 * :class:`KeyFileLayout` — one file per entry (``<hash>.<tag>-<n>.lmcr``): a new file is written
-  under a temporary name (:mod:`lmcache_async.record_files`, the scheme every record-file store
+  under a temporary name (:mod:`lmcache_async.records.files`, the scheme every record-file store
   shares) and published without replacing another; the file of an evicted entry is overwritten
   in place under its name (a torn record fails its checksum on read); recently used record
   files stay open and registered (:class:`~lmcache_async.nixl.open_files.OpenFiles`). The tier locks its directory, so a
@@ -43,8 +43,8 @@ from lmcache_async.nixl.transfer import (
     read_record,
     write_record,
 )
-from lmcache_async.record_files import TEMP_SUFFIX, publish_noreplace, read_header, reap_temp, temp_name
 from lmcache_async.records import PROBE_LEN, RecordError, RecordHeader
+from lmcache_async.records.files import TEMP_SUFFIX, publish_noreplace, read_header, reap_temp, temp_name
 from lmcache_async.tiers import BackendContext
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ from lmcache_async.nixl.index import NixlCounters
 from lmcache_async.nixl.io import KeyFileLayout, Layout, ObjectLayout, Scratch, SlotFileLayout, lock_directory
 from lmcache_async.nixl.jobs import JobKind, JobRunner
 from lmcache_async.nixl.work import NixlWork
-from lmcache_async.record_sections import TAG_LEN
+from lmcache_async.records.sections import TAG_LEN
 from lmcache_async.tiers import BackendContext, StorageBackend
 
 __all__ = ["NixlResources"]

@@ -93,8 +93,8 @@ from lmcache_async.nixl.work import (
     slot_bytes,
 )
 from lmcache_async.ratelog import RateLimitedLog
-from lmcache_async.record_sections import SEAL_SECTION_LEN, sealed_length
 from lmcache_async.records import MAX_KEY_LEN, MAX_RANK, ForeignSeal, RecordError, header_length
+from lmcache_async.records.sections import SEAL_SECTION_LEN, sealed_length
 from lmcache_async.tiers import UNKNOWN, Allocate, BackendContext, CannotTell, RemovalReason
 
 logger = logging.getLogger(__name__)

@@ -39,8 +39,8 @@ from lmcache_async.nixl.agent import (
     NixlTransferError,
     park,
 )
-from lmcache_async.record_sections import TAG_LEN
 from lmcache_async.records import RecordError, RecordHeader, decode_header, encode_header
+from lmcache_async.records.sections import TAG_LEN
 
 if TYPE_CHECKING:
     from lmcache_async.encryption import RecordCipher

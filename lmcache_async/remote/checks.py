@@ -1,6 +1,6 @@
 """What the remote tier will make of ``remote_url``, answered before the tier is built.
 
-The manager's configuration check (:mod:`lmcache_async.config_check`) asks each configured tier
+The manager's configuration check (:mod:`lmcache_async.config.check`) asks each configured tier
 through the backend registry; this is the remote tier's answer: the URL's scheme is known (with
 "did you mean" for a typo, and a clear word for LMCache's ``lm://``) and the URL parses as its
 connector will parse it. Pure: nothing is connected or imported beyond the URL parser.

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 import xxhash
 
 from lmcache_async.memory import MemoryObj
-from lmcache_async.record_sections import TAG_LEN
 from lmcache_async.records import RecordError, RecordHeader, decode_header, encode_header
+from lmcache_async.records.sections import TAG_LEN
 from lmcache_async.tiers import Allocate
 
 if TYPE_CHECKING:

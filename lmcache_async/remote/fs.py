@@ -5,9 +5,9 @@ mounts that many machines see.
   a single-part record (header then payload), verified on every read.
 * Publish: the record is written to a hidden temporary name in the same directory
   (``.<digest>.rec.<host>.<pid>.<start>.<random>.tmp``, the scheme every record-file store
-  shares: :func:`lmcache_async.record_files.temp_name`) and then published under its final
+  shares: :func:`lmcache_async.records.files.temp_name`) and then published under its final
   name without replacing one that exists: a hard link, which fails if the entry exists and is
-  atomic on network filesystems too (:func:`lmcache_async.record_files.publish_noreplace`): a
+  atomic on network filesystems too (:func:`lmcache_async.records.files.publish_noreplace`): a
   reader never sees a partial file, and the first valid writer of a key wins. Where hard links are not
   supported the temporary file is renamed instead (over a missing name only). A record
   already at the name is checked like a read (header, key, sizes, payload checksum): a valid one
@@ -21,7 +21,7 @@ mounts that many machines see.
 * Durability: ``?fsync=none`` (default; close-to-open consistency of network filesystems),
   ``data`` (fsync the file) or ``full`` (file and directory).
 * Leftovers: temporary files of writers that are gone (same host) or, from other hosts, older
-  than an hour (:func:`lmcache_async.record_files.temp_reapable`) are reaped in the background
+  than an hour (:func:`lmcache_async.records.files.temp_reapable`) are reaped in the background
   at start and by ``clear``; a live writer's are never touched.
 * No eviction of ours: the filesystem's quota governs. ``remote_ttl_s`` is honoured by file age.
 * Every whole-file operation is one job on the manager's executor. A filesystem that hangs
@@ -50,7 +50,8 @@ from lmcache_async.disk.layout import make_private_dirs
 from lmcache_async.encryption import RecordCipher, new_buffer
 from lmcache_async.memory import MemoryObj
 from lmcache_async.ratelog import RateLimitedLog
-from lmcache_async.record_files import (
+from lmcache_async.records import PROBE_LEN, ForeignSeal, RecordError, RecordHeader
+from lmcache_async.records.files import (
     payload_problem,
     publish_noreplace,
     read_header,
@@ -59,7 +60,6 @@ from lmcache_async.record_files import (
     temp_name,
     write_all,
 )
-from lmcache_async.records import PROBE_LEN, ForeignSeal, RecordError, RecordHeader
 from lmcache_async.tiers import Allocate
 
 from .codec import AllocationFailed, ForeignRecord, allocate, prepare

@@ -52,7 +52,7 @@ from lmcache_async.encryption import RecordCipher, cipher_for
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import HeapAllocator, MemoryObj, PoolAllocator
 from lmcache_async.ratelog import RateLimitedLog
-from lmcache_async.record_sections import sealed_length
+from lmcache_async.records.sections import sealed_length
 from lmcache_async.tiers import Allocate, BackendContext, StorageBackend
 
 from .mooncake_calls import MooncakeCalls, MooncakeTimeout

@@ -17,8 +17,8 @@ import struct
 import xxhash
 
 from lmcache_async.memory import MemoryObj
-from lmcache_async.record_sections import SEAL_SECTION_LEN, Seal
 from lmcache_async.records import MAX_RANK, encode_header, header_length
+from lmcache_async.records.sections import SEAL_SECTION_LEN, Seal
 
 __all__ = ["header_room", "padded_header", "read_room", "write_header"]
 

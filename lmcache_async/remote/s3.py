@@ -38,7 +38,6 @@ from typing import Any, TypeVar
 from lmcache_async.encryption import RecordCipher, new_buffer
 from lmcache_async.memory import MemoryObj
 from lmcache_async.ratelog import RateLimitedLog
-from lmcache_async.record_sections import SEAL_SECTION_LEN, TAG_LEN
 from lmcache_async.records import (
     ForeignSeal,
     RecordError,
@@ -49,6 +48,7 @@ from lmcache_async.records import (
     payload_checksum,
     payload_checksum_parts,
 )
+from lmcache_async.records.sections import SEAL_SECTION_LEN, TAG_LEN
 from lmcache_async.tiers import Allocate
 
 from .codec import ForeignRecord

@@ -12,7 +12,7 @@ import pytest
 from lmcache_async import LMCacheEngineConfig, StorageManager
 from lmcache_async.cli import main
 from lmcache_async.config import DEFAULT_TIER_ORDER, load_engine_config
-from lmcache_async.config_check import check_config, redacted
+from lmcache_async.config.check import check_config, redacted
 from lmcache_async.errors import ConfigError
 
 

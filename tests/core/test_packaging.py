@@ -25,7 +25,8 @@ def test_the_tree_is_the_import_tree():
     assert not (ROOT / "backends").exists()
     assert not (ROOT / "bench" / "__init__.py").exists()
     assert (ROOT / "bench" / "pyproject.toml").is_file() and (ROOT / "bench" / BENCH / "__init__.py").is_file()
-    for package in ("cpu", "disk", "nixl", "remote", "_manager", "cli", "integration/vllm/ec", "integration/vllm/kv"):
+    packages = ("cpu", "disk", "nixl", "remote", "_manager", "cli", "config", "memory", "records")
+    for package in (*packages, "integration/vllm/ec", "integration/vllm/kv"):
         assert (ROOT / "lmcache_async" / package / "__init__.py").is_file(), package
 
 

@@ -1,5 +1,5 @@
 """Every record-file store (disk tier, ``fs://``, NIXL POSIX) names, ignores and reaps its
-temporary files the same way (:mod:`lmcache_async.record_files`), through a real manager."""
+temporary files the same way (:mod:`lmcache_async.records.files`), through a real manager."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-from lmcache_async import LMCacheEngineConfig, LMCacheEngineMetadata, StorageManager, record_files
+from lmcache_async import LMCacheEngineConfig, LMCacheEngineMetadata, StorageManager
 from lmcache_async.errors import BackendUnavailableError
 from lmcache_async.nixl.agent import load_nixl
-from lmcache_async.record_files import HOST_TAG, parse_temp_name, process_start_time, temp_name
+from lmcache_async.records import files as record_files
+from lmcache_async.records.files import HOST_TAG, parse_temp_name, process_start_time, temp_name
 from lmcache_async.testing import make_key
 
 

@@ -1,4 +1,4 @@
-"""The shared temporary-name scheme and reaper of :mod:`lmcache_async.record_files`."""
+"""The shared temporary-name scheme and reaper of :mod:`lmcache_async.records.files`."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_async import record_files
-from lmcache_async.record_files import (
+from lmcache_async.records import files as record_files
+from lmcache_async.records.files import (
     HOST_TAG,
     STALE_TEMP_S,
     TempWriter,

@@ -13,7 +13,6 @@ import xxhash
 
 from lmcache_async.encryption import RecordCipher
 from lmcache_async.memory import MemoryFormat
-from lmcache_async.record_sections import Provenance, Seal, sealed_length
 from lmcache_async.records import (
     FLAG_SEALED,
     ForeignSeal,
@@ -23,6 +22,7 @@ from lmcache_async.records import (
     header_length,
     payload_checksum,
 )
+from lmcache_async.records.sections import Provenance, Seal, sealed_length
 
 KEY = "m%2Fx@2@1@ff@bfloat16"
 SHAPE = (2, 3, 4)

@@ -166,8 +166,8 @@ async def test_a_crash_between_file_change_and_accounting_is_repaired(make_disk,
 
 @pytest.mark.parametrize("when", ["before_rename", "after_rename"])
 async def test_a_recount_racing_a_publish_is_never_counted_twice(make_disk, pool, tmp_path, monkeypatch, when):
-    from lmcache_async import record_files
     from lmcache_async.disk import store as disk_store
+    from lmcache_async.records import files as record_files
 
     be = await make_disk(tmp_path / "d")
     await put_entry(be, pool, 1)  # maps the accounting file
@@ -307,8 +307,8 @@ async def test_leftover_temp_files_are_reaped_only_when_their_writer_is_gone(mak
 
 
 def test_temp_names_always_carry_the_writer_identity_even_on_first_use_from_many_threads(monkeypatch):
-    from lmcache_async import record_files
     from lmcache_async.disk import layout as disk_layout
+    from lmcache_async.records import files as record_files
 
     for _ in range(20):
         monkeypatch.setattr(record_files, "_my_pid", -1)  # as in a freshly forked writer

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_async import record_files
 from lmcache_async.disk import store as disk_store
+from lmcache_async.records import files as record_files
 
 from .disk_testkit import dir_bytes, entry_files, key, make_entry, path_of, put_entry, same_bytes
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from lmcache_async import record_files
 from lmcache_async.disk import store as disk_store
 from lmcache_async.disk.layout import ACCT_NAME, key_digest
 from lmcache_async.disk.tier import DiskBackend
 from lmcache_async.memory import PoolAllocator
+from lmcache_async.records import files as record_files
 from lmcache_async.tiers import UNKNOWN, Presence
 
 from .disk_testkit import dir_bytes, entry_files, key, make_entry, path_of, put_entry, same_bytes, tmp_files

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from lmcache_async.memory import MemoryFormat
-from lmcache_async.record_files import payload_problem, publish_noreplace, read_header, verified_header, write_all
 from lmcache_async.records import RecordError, encode_header, payload_checksum
+from lmcache_async.records.files import payload_problem, publish_noreplace, read_header, verified_header, write_all
 
 KEY = "model@1@0@abc@half"
 PAYLOAD = bytes(range(256)) * 64

@@ -1,5 +1,5 @@
 """The NIXL POSIX key-file layout publishes through the shared record-file helpers
-(:mod:`lmcache_async.record_files`): a new record never replaces a file at its name."""
+(:mod:`lmcache_async.records.files`): a new record never replaces a file at its name."""
 
 from __future__ import annotations
 

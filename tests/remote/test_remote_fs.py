@@ -199,7 +199,7 @@ async def test_a_record_published_between_the_read_and_the_removal_is_kept(
 ) -> None:
     """A reader finds a damaged record; before it deletes it, another process deletes it too and
     a writer publishes a fresh, valid record at the same name: that record must stay."""
-    from lmcache_async import record_files
+    from lmcache_async.records import files as record_files
 
     be = await open_fs()
     src = make_obj(src_pool, seed=25)

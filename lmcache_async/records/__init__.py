@@ -19,7 +19,7 @@ Layout (little-endian; see ``docs/formats.md``)::
     56     8     xxh3-64 of the header with this field zeroed
     64     8*r   shape, one u64 per dimension
     ...    k     key string (UTF-8)
-    ...          version 2: sections, 8-byte aligned (:mod:`lmcache_async.record_sections`)
+    ...          version 2: sections, 8-byte aligned (:mod:`lmcache_async.records.sections`)
     ...          zero padding up to the header length
 
 A version-2 header without sections is a version-1 header with another version number. A sealed
@@ -42,7 +42,7 @@ import xxhash
 
 from lmcache_async.dtypes import CODE_TO_DTYPE, dtype_code
 from lmcache_async.memory import MemoryFormat
-from lmcache_async.record_sections import (
+from lmcache_async.records.sections import (
     Provenance,
     Seal,
     SectionError,
