@@ -120,141 +120,170 @@ def kv_cache_summary(llm: Any) -> dict[str, Any] | None:
     }
 
 
-def main(spec_path: str, result_path: str) -> int:
-    spec = json.loads(Path(spec_path).read_text())
-    if spec.get("debug_log"):  # the connector's decisions and warnings, timestamped, in the log
-        import logging
+def _debug_log() -> None:
+    """The connector's decisions and warnings, timestamped, in the child's log."""
+    import logging
 
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s.%(msecs)03d %(threadName)s %(message)s", "%H:%M:%S"))
-        kv_log = logging.getLogger("lmcache_async")
-        kv_log.addHandler(handler)
-        kv_log.setLevel(logging.DEBUG)
-    workdir = Path(spec["workdir"])
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s.%(msecs)03d %(threadName)s %(message)s", "%H:%M:%S"))
+    kv_log = logging.getLogger("lmcache_async")
+    kv_log.addHandler(handler)
+    kv_log.setLevel(logging.DEBUG)
+
+
+def _llm_kwargs(spec: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's ``LLM`` arguments for ``spec``: the tiny model in float32, the connector when
+    ``spec["kv"]`` is given, KV events and speculative decoding when asked."""
+    kwargs: dict[str, Any] = dict(
+        model=spec["model"],
+        dtype="float32",
+        max_model_len=4096,
+        max_num_batched_tokens=4096,
+        max_num_seqs=4,
+        enforce_eager=True,
+        disable_log_stats=False,
+        seed=0,
+    )
+    if spec.get("executor"):
+        kwargs["distributed_executor_backend"] = spec["executor"]
+    if spec.get("speculative"):
+        kwargs["speculative_config"] = spec["speculative"]
+    kwargs.update(spec.get("llm") or {})
+    if spec.get("kv_events"):
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(**spec["kv_events"])
+    kv = spec.get("kv")
+    if kv is not None:
+        from vllm.config import KVTransferConfig
+
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector=spec.get("connector") or "LMCacheKVConnector",
+            kv_connector_module_path=spec.get("module") or "lmcache_async.integration.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=kv,
+        )
+    return kwargs
+
+
+def _wait_barrier(workdir: Path, barrier: str) -> None:
+    """Say ``barrier`` is reached and wait (at most 120 s) for the test's go-ahead."""
+    (workdir / f"{barrier}.ready").write_text("ready")
+    go = workdir / f"{barrier}.go"
+    deadline = time.monotonic() + 120
+    while not go.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _ttft(out: Any) -> float | None:
+    metrics = getattr(out, "metrics", None)
+    latency = getattr(metrics, "first_token_latency", None) if metrics is not None else None
+    return latency if isinstance(latency, float) and latency > 0 else None
+
+
+def _hidden_states(
+    llm: Any, kv_rpc: Any, spec: dict[str, Any], phase: dict[str, Any], idx: int, run: dict[str, Any]
+) -> None:
+    """The hidden-state rows the phase asks for (``hs_group``; ``hs``: save or load), into ``run``."""
+    workdir, prompt = Path(spec["workdir"]), spec["prompts"][idx]
+    if phase.get("hs_group"):
+        path = str(workdir / f"hsg-{idx}-{spec['name']}.safetensors")
+        run["hs_group"] = llm.collective_rpc(kv_rpc.hs_group_rows, args=(path,))[0]
+        run["hs_group_path"] = path
+    hs_mode = phase.get("hs")
+    if hs_mode == "save":
+        path = str(workdir / f"hs-{idx}.safetensors")
+        run["hs"] = llm.collective_rpc(kv_rpc.save_hs, args=(prompt, path))[0]
+        run["hs_path"] = path
+    elif hs_mode == "load":
+        path = str(workdir / f"hs-{idx}-{spec['name']}.safetensors")
+        run["hs"] = llm.collective_rpc(kv_rpc.load_hs, args=(prompt, run["num_cached_tokens"], path))[0]
+        run["hs_path"] = path
+
+
+def _generate(
+    llm: Any, kv_rpc: Any, spec: dict[str, Any], phase: dict[str, Any], idx: int, params: Any, loras: dict[str, Any]
+) -> dict[str, Any]:
+    """One prompt of a phase, after vLLM's own prefix cache is reset (unless ``keep_prefix``):
+    its tokens, cached tokens, timings and the connector's counters by source."""
+    if not phase.get("keep_prefix"):  # else a repeated prompt hits vLLM's own prefix cache
+        llm.reset_prefix_cache()
+    if spec.get("hs_layers"):
+        llm.collective_rpc(kv_rpc.reset_hs)
+    before = by_source(llm)
+    g0 = time.monotonic()
+    if spec.get("debug_log"):
+        print(f"{time.strftime('%H:%M:%S')}.{int(time.time() * 1000) % 1000:03d} generate {idx}", flush=True)
+    lora = loras[phase["lora"]] if phase.get("lora") else None
+    phase_params = params
+    if phase.get("params"):
+        phase_params = params.clone()
+        phase_params.extra_args = {"kv_transfer_params": dict(phase["params"])}
+    prompt = make_prompt(spec["prompts"][idx], phase.get("cache_salt"))
+    out = llm.generate([prompt], phase_params, use_tqdm=False, lora_request=lora)[0]
+    gen_s = time.monotonic() - g0
+    after = by_source(llm)
+    run: dict[str, Any] = {
+        "prompt": idx,
+        "phase": phase.get("barrier"),
+        "tokens": list(out.outputs[0].token_ids) if out.outputs else [],
+        "finished": bool(out.finished),
+        "num_cached_tokens": int(out.num_cached_tokens or 0),
+        "prompt_len": len(out.prompt_token_ids or ()),
+        "image_offset": image_offset(llm, out.prompt_token_ids),
+        "cache_salt": phase.get("cache_salt"),
+        "lora": phase.get("lora"),
+        "logprobs": sampled_logprobs(out),
+        "by_source": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after},
+        "generate_s": gen_s,
+        "ttft_s": _ttft(out),
+    }
+    _hidden_states(llm, kv_rpc, spec, phase, idx, run)
+    return run
+
+
+def _run_engine(spec: dict[str, Any], result: dict[str, Any], t0: float) -> None:
+    """Start the engine of ``spec`` and run its phases, filling ``result``."""
+    import kv_rpc  # type: ignore[import-not-found]  # found on sys.path at run time
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    kv = spec.get("kv")
+    llm = LLM(**_llm_kwargs(spec))
+    result["start_s"] = time.monotonic() - t0
+    result["kv_config"] = kv_cache_summary(llm)
+    hs_layers = spec.get("hs_layers") or []
+    if hs_layers:
+        llm.collective_rpc(kv_rpc.install_hs_hooks, args=(hs_layers,))
+    prompts = spec["prompts"]
+    loras = {name: LoRARequest(name, int(i), path) for name, (i, path) in (spec.get("lora_modules") or {}).items()}
+    logprobs = 1 if spec.get("logprobs") else None
+    params = SamplingParams(max_tokens=spec.get("max_tokens", 16), temperature=0.0, logprobs=logprobs)
+    disk = (kv or {}).get("local_disk")
+    if kv is not None and disk and all(isinstance(p, list) for p in prompts):
+        result["files"] = [llm.collective_rpc(kv_rpc.chunk_files, args=(p, disk))[0] for p in prompts]
+    for phase in spec["phases"]:
+        if phase.get("barrier"):
+            _wait_barrier(Path(spec["workdir"]), phase["barrier"])
+        for idx in phase["prompts"]:
+            result["runs"].append(_generate(llm, kv_rpc, spec, phase, idx, params, loras))
+        if kv is not None:
+            llm.collective_rpc(kv_rpc.flush)
+    result["connector"] = llm.collective_rpc(kv_rpc.connector_stats)[0] if kv is not None else None
+    result["scheduler"] = scheduler_stats(llm) if kv is not None else None
+    result["alive"] = True
+
+
+def main(spec_path: str, result_path: str) -> int:
+    """Run the engine the spec file describes; write what happened to ``result_path`` (JSON)."""
+    spec = json.loads(Path(spec_path).read_text())
+    if spec.get("debug_log"):
+        _debug_log()
     result: dict[str, Any] = {"runs": [], "error": None, "alive": False}
     t0 = time.monotonic()
     try:
-        import kv_rpc  # type: ignore[import-not-found]  # found on sys.path at run time
-        from vllm import LLM, SamplingParams
-        from vllm.lora.request import LoRARequest
-
-        kwargs: dict[str, Any] = dict(
-            model=spec["model"],
-            dtype="float32",
-            max_model_len=4096,
-            max_num_batched_tokens=4096,
-            max_num_seqs=4,
-            enforce_eager=True,
-            disable_log_stats=False,
-            seed=0,
-        )
-        if spec.get("executor"):
-            kwargs["distributed_executor_backend"] = spec["executor"]
-        if spec.get("speculative"):
-            kwargs["speculative_config"] = spec["speculative"]
-        kwargs.update(spec.get("llm") or {})
-        if spec.get("kv_events"):
-            from vllm.config import KVEventsConfig
-
-            kwargs["kv_events_config"] = KVEventsConfig(**spec["kv_events"])
-        kv = spec.get("kv")
-        if kv is not None:
-            from vllm.config import KVTransferConfig
-
-            kwargs["kv_transfer_config"] = KVTransferConfig(
-                kv_connector=spec.get("connector") or "LMCacheKVConnector",
-                kv_connector_module_path=spec.get("module") or "lmcache_async.integration.vllm",
-                kv_role="kv_both",
-                kv_load_failure_policy="recompute",
-                kv_connector_extra_config=kv,
-            )
-        llm = LLM(**kwargs)
-        result["start_s"] = time.monotonic() - t0
-        result["kv_config"] = kv_cache_summary(llm)
-        hs_layers = spec.get("hs_layers") or []
-        if hs_layers:
-            llm.collective_rpc(kv_rpc.install_hs_hooks, args=(hs_layers,))
-        prompts = spec["prompts"]
-        loras = {name: LoRARequest(name, int(i), path) for name, (i, path) in (spec.get("lora_modules") or {}).items()}
-        logprobs = 1 if spec.get("logprobs") else None
-        params = SamplingParams(max_tokens=spec.get("max_tokens", 16), temperature=0.0, logprobs=logprobs)
-        disk = (kv or {}).get("local_disk")
-        if kv is not None and disk and all(isinstance(p, list) for p in prompts):
-            result["files"] = [llm.collective_rpc(kv_rpc.chunk_files, args=(p, disk))[0] for p in prompts]
-        for phase in spec["phases"]:
-            barrier = phase.get("barrier")
-            if barrier:
-                (workdir / f"{barrier}.ready").write_text("ready")
-                go = workdir / f"{barrier}.go"
-                deadline = time.monotonic() + 120
-                while not go.exists() and time.monotonic() < deadline:
-                    time.sleep(0.05)
-            for idx in phase["prompts"]:
-                if not phase.get("keep_prefix"):  # else a repeated prompt hits vLLM's own prefix cache
-                    llm.reset_prefix_cache()
-                if hs_layers:
-                    llm.collective_rpc(kv_rpc.reset_hs)
-                before = by_source(llm)
-                g0 = time.monotonic()
-                if spec.get("debug_log"):
-                    print(
-                        f"{time.strftime('%H:%M:%S')}.{int(time.time() * 1000) % 1000:03d} generate {idx}", flush=True
-                    )
-                lora = loras[phase["lora"]] if phase.get("lora") else None
-                phase_params = params
-                if phase.get("params"):
-                    phase_params = params.clone()
-                    phase_params.extra_args = {"kv_transfer_params": dict(phase["params"])}
-                out = llm.generate(
-                    [make_prompt(prompts[idx], phase.get("cache_salt"))],
-                    phase_params,
-                    use_tqdm=False,
-                    lora_request=lora,
-                )[0]
-                gen_s = time.monotonic() - g0
-                after = by_source(llm)
-                metrics = getattr(out, "metrics", None)
-                ttft = None
-                if metrics is not None:
-                    latency = getattr(metrics, "first_token_latency", None)
-                    if isinstance(latency, float) and latency > 0:
-                        ttft = latency
-                run: dict[str, Any] = {
-                    "prompt": idx,
-                    "phase": barrier,
-                    "tokens": list(out.outputs[0].token_ids) if out.outputs else [],
-                    "finished": bool(out.finished),
-                    "num_cached_tokens": int(out.num_cached_tokens or 0),
-                    "prompt_len": len(out.prompt_token_ids or ()),
-                    "image_offset": image_offset(llm, out.prompt_token_ids),
-                    "cache_salt": phase.get("cache_salt"),
-                    "lora": phase.get("lora"),
-                    "logprobs": sampled_logprobs(out),
-                    "by_source": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after},
-                    "generate_s": gen_s,
-                    "ttft_s": ttft,
-                }
-                hs_mode = phase.get("hs")
-                if phase.get("hs_group"):
-                    path = str(workdir / f"hsg-{idx}-{spec['name']}.safetensors")
-                    run["hs_group"] = llm.collective_rpc(kv_rpc.hs_group_rows, args=(path,))[0]
-                    run["hs_group_path"] = path
-                if hs_mode == "save":
-                    path = str(workdir / f"hs-{idx}.safetensors")
-                    run["hs"] = llm.collective_rpc(kv_rpc.save_hs, args=(prompts[idx], path))[0]
-                    run["hs_path"] = path
-                elif hs_mode == "load":
-                    path = str(workdir / f"hs-{idx}-{spec['name']}.safetensors")
-                    run["hs"] = llm.collective_rpc(kv_rpc.load_hs, args=(prompts[idx], run["num_cached_tokens"], path))[
-                        0
-                    ]
-                    run["hs_path"] = path
-                result["runs"].append(run)
-            if kv is not None:
-                llm.collective_rpc(kv_rpc.flush)
-        result["connector"] = llm.collective_rpc(kv_rpc.connector_stats)[0] if kv is not None else None
-        result["scheduler"] = scheduler_stats(llm) if kv is not None else None
-        result["alive"] = True
+        _run_engine(spec, result, t0)
     except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()

@@ -161,53 +161,52 @@ def _server(workdir: Path, model_dir: Path, disk: Path) -> dict[str, Any]:
     return out
 
 
-@pytest.fixture(scope="module")
-def runs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, redis_server: Redis) -> dict[str, Any]:
-    from chaos.chaos_support import FaultProxy
-
-    work = tmp_path_factory.mktemp("e2e")
-    t0 = time.monotonic()
-    res: dict[str, Any] = {}
-    base_spec = {"model": str(model_dir), "prompts": PROMPTS, "max_tokens": 8}
-    res["baseline"] = run_engine(work, "baseline", {**base_spec, "ec": None})
-
+def _producer(
+    work: Path, base_spec: dict[str, Any], remote: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Path], list[Any]]:
+    """2. The producer fills a disk directory (and the remote); three copies of the directory
+    for the consumers below. Returns its result, the copies, and the files of each prompt."""
     disk = work / "disk"
-    remote = {"remote_url": redis_server.url, "remote_timeout_s": 2.0}
     producer_extra = {**SMALL_CPU, "local_disk": str(disk), "max_local_disk_size": 0.1, **remote}
-    res["producer"] = run_engine(
+    result = run_engine(
         work,
         "producer",
         {**base_spec, "ec": {"role": "ec_producer", "extra": producer_extra}, "flush_each": True, "chat": CHAT},
     )
-    files = res["producer"]["passes"][0]["files"] if res["producer"]["passes"] else []
+    files = result["passes"][0]["files"] if result["passes"] else []
     copies = {}
     for name in ("faults", "mp", "srv"):
         copies[name] = work / f"disk-{name}"
         if disk.exists():
             shutil.copytree(disk, copies[name])
+    # the producer's file paths, as they are in a copy
+    copied = [[str(copies["faults"] / os.path.relpath(f, disk)) for f in per] for per in files]
+    return result, copies, copied
 
-    def in_copy(name: str, path: str) -> str:
-        return str(copies[name] / os.path.relpath(path, disk))
 
-    # 3. damaged before start-up, deleted after start-up
+def _consumer_faults(work: Path, base_spec: dict[str, Any], copy: Path, files: list[Any]) -> dict[str, Any]:
+    """3. One record damaged before start-up, another deleted after start-up."""
     if len(files) == len(PROMPTS) and all(len(f) == 1 for f in files):
-        _damage(in_copy("faults", files[DAMAGED][0]))
-        doomed = in_copy("faults", files[DELETED][0])
+        _damage(files[DAMAGED][0])
+        doomed = files[DELETED][0]
     else:
         doomed = ""
-    faults_extra = {**SMALL_CPU, "local_disk": str(copies["faults"]), "max_local_disk_size": 0.1}
-    res["consumer_faults"] = run_engine(
+    faults_extra = {**SMALL_CPU, "local_disk": str(copy), "max_local_disk_size": 0.1}
+    result = run_engine(
         work,
         "consumer_faults",
         {**base_spec, "ec": _probe_ec("ec_consumer", faults_extra)},
         env=child_env(**_probe_env(work / "faults.probe.json")),
         after_start=lambda: os.unlink(doomed) if doomed else None,
     )
-    res["consumer_faults"]["probe"] = _read(work / "faults.probe.json")
+    result["probe"] = _read(work / "faults.probe.json")
+    return result
 
-    # 4. worker in its own process; records deleted between the promise and the load
-    mp_extra = {**SMALL_CPU, "local_disk": str(copies["mp"]), "max_local_disk_size": 0.1}
-    res["consumer_mp"] = run_engine(
+
+def _consumer_mp(work: Path, base_spec: dict[str, Any], copy: Path) -> dict[str, Any]:
+    """4. The worker in its own process; records deleted between the promise and the load."""
+    mp_extra = {**SMALL_CPU, "local_disk": str(copy), "max_local_disk_size": 0.1}
+    result = run_engine(
         work,
         "consumer_mp",
         {**base_spec, "ec": _probe_ec("ec_consumer", mp_extra), "executor": "mp"},
@@ -219,9 +218,14 @@ def runs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, redis_server
             **_probe_env(work / "mp.probe.json", delete_promised=True),
         ),
     )
-    res["consumer_mp"]["probe"] = _read(work / "mp.probe.json")
+    result["probe"] = _read(work / "mp.probe.json")
+    return result
 
-    # 5. a slow remote: prefetch vs a blocking lookup
+
+def _slow_remote(work: Path, base_spec: dict[str, Any], redis_server: Redis, res: dict[str, Any]) -> None:
+    """5. A slow remote: prefetch vs a blocking lookup (``slow_prefetch``, ``slow_blocking``)."""
+    from chaos.chaos_support import FaultProxy
+
     with FaultProxy("127.0.0.1", redis_server.port) as proxy:
         proxy.set("delay", PROXY_DELAY_S)
         slow_extra = {**SMALL_CPU, "remote_url": proxy.url, "remote_timeout_s": 5.0}
@@ -235,20 +239,38 @@ def runs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, redis_server
             )
             res[name]["probe"] = _read(work / f"{name}.probe.json")
 
-    # 6. the remote goes away after start-up
+
+def _remote_killed(
+    work: Path, base_spec: dict[str, Any], redis_server: Redis, remote: dict[str, Any]
+) -> dict[str, Any]:
+    """6. The remote goes away after start-up."""
     killed_extra = {**SMALL_CPU, **remote, "remote_timeout_s": 1.0}
-    res["remote_killed"] = run_engine(
+    result = run_engine(
         work,
         "remote_killed",
         {**base_spec, "ec": _probe_ec("ec_consumer", killed_extra)},
         env=child_env(**_probe_env(work / "killed.probe.json")),
         after_start=redis_server.kill,
     )
-    res["remote_killed"]["probe"] = _read(work / "killed.probe.json")
+    result["probe"] = _read(work / "killed.probe.json")
+    return result
 
+
+@pytest.fixture(scope="module")
+def runs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory, redis_server: Redis) -> dict[str, Any]:
+    work = tmp_path_factory.mktemp("e2e")
+    t0 = time.monotonic()
+    res: dict[str, Any] = {}
+    base_spec = {"model": str(model_dir), "prompts": PROMPTS, "max_tokens": 8}
+    res["baseline"] = run_engine(work, "baseline", {**base_spec, "ec": None})
+    remote = {"remote_url": redis_server.url, "remote_timeout_s": 2.0}
+    res["producer"], copies, files = _producer(work, base_spec, remote)
+    res["consumer_faults"] = _consumer_faults(work, base_spec, copies["faults"], files)
+    res["consumer_mp"] = _consumer_mp(work, base_spec, copies["mp"])
+    _slow_remote(work, base_spec, redis_server, res)
+    res["remote_killed"] = _remote_killed(work, base_spec, redis_server, remote)
     # 7. ec_both, CPU only, twice
     res["both"] = run_engine(work, "both", {**base_spec, "ec": {"role": "ec_both", "extra": SMALL_CPU}, "passes": 2})
-
     # 8. the OpenAI-compatible server
     res["server"] = _server(work, model_dir, copies["srv"])
     res["total_s"] = time.monotonic() - t0
