@@ -1,6 +1,6 @@
 """``lmcache-async bench``: the benchmark suites by name and the command that runs them.
 
-The suites live in the ``lmcache_async_bench`` package (``bench/`` in a source checkout), imported
+The suites live in the ``lmcache_async_bench`` package (its own distribution, ``bench/`` in the repository), imported
 only when a suite runs. The command's helpers for errors and paths are :mod:`lmcache_async.cli`'s
 (imported when the command runs, so the parser can import this module).
 """
@@ -69,8 +69,8 @@ def _require_bench() -> None:
 
     if importlib.util.find_spec(BENCH_PACKAGE) is None:
         raise UsageError(
-            f"the benchmark suite ({BENCH_PACKAGE}) is not installed: "
-            "pip install 'lmcache-async[cli]', or pip install -e '.[cli]' in a source checkout"
+            f"the benchmark suite ({BENCH_PACKAGE}) is not installed: it is its own distribution in "
+            "the repository's bench/ directory; from a source checkout: pip install '.[cli]' ./bench"
         )
 
 

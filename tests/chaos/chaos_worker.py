@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import chaos_support as cs  # type: ignore[import-not-found]  # noqa: E402
 
-from lmcache_async import LMCacheEngineConfig, LMCacheEngineMetadata, StorageManager  # noqa: E402
+from lmcache_async import LMCacheEngineConfig, LMCacheEngineMetadata, StorageBackend, StorageManager  # noqa: E402
 
 
 def writer(req: dict) -> None:
@@ -91,16 +91,9 @@ def zygote() -> None:
         print(f"exit {pid} {status}", flush=True)
 
 
-def permissions(root: str) -> None:
-    """The permission scenario of the disk-trouble test, in a process whose permission checks
-    apply (a normal user, or root without CAP_DAC_OVERRIDE): unreadable record files, a
-    read-only directory, then everything restored. Prints one JSON object of figures."""
-    import time
-
-    import torch
-
-    from lmcache_async.disk.layout import entry_path, key_digest
-
+def _dac_override_applies(root: str) -> bool:
+    """Whether this process reads a mode-0 file anyway (root with CAP_DAC_OVERRIDE), probed
+    with a file under ``root``."""
     if os.access("/", os.W_OK) and os.geteuid() == 0:
         probe = os.path.join(root, "probe")
         with open(probe, "w") as f:
@@ -108,88 +101,121 @@ def permissions(root: str) -> None:
         os.chmod(probe, 0)
         try:
             open(probe).close()
-            print(json.dumps({"skip": "permission checks do not apply to this process (CAP_DAC_OVERRIDE)"}))
-            return
+            return True
         except PermissionError:
             pass
         finally:
             os.unlink(probe)
+    return False
+
+
+def _record_path(cache: str, i: int) -> str:
+    """The record file of chaos entry ``i`` in the disk tier rooted at ``cache``."""
+    from lmcache_async.disk.layout import entry_path, key_digest
+
+    return entry_path(cache, key_digest(cs.chaos_key(i).to_string()))
+
+
+def _evict(sm: StorageManager) -> None:
+    """Push every entry out of the CPU tier by allocating the whole pool once."""
+    import torch
+
+    assert sm.pool is not None
+    block = sm.allocate((sm.pool.capacity,), torch.uint8)
+    if block is not None:
+        block.ref_count_down()
+
+
+def _read_all(sm: StorageManager, ids: range, out: dict) -> tuple[int, int]:
+    """Read entries ``ids`` (each from below the CPU tier); wrong bytes go to ``out["errors"]``.
+    Returns (hits, misses)."""
+    hits = misses = 0
+    for i in ids:
+        _evict(sm)
+        obj = sm.get_sync(cs.chaos_key(i))
+        if obj is None:
+            misses += 1
+            continue
+        with obj:
+            if not cs.same_payload(obj, i, 4096):
+                out["errors"].append(f"entry {i} returned wrong bytes")
+        hits += 1
+    return hits, misses
+
+
+def _unreadable_files(sm: StorageManager, disk: StorageBackend, cache: str, out: dict) -> None:
+    """1. Ten record files nobody may read, then readable again."""
+    for i in range(10):
+        os.chmod(_record_path(cache, i), 0)
+    out["unreadable_hits"], out["unreadable_misses"] = _read_all(sm, range(10), out)
+    out["readable_hits"], _ = _read_all(sm, range(10, 30), out)
+    out["read_errors"] = disk.stats()["read_errors"]
+    for i in range(10):
+        os.chmod(_record_path(cache, i), 0o600)
+    out["restored_hits"], _ = _read_all(sm, range(10), out)
+
+
+def _read_only_directory(sm: StorageManager, disk: StorageBackend, cache: str, out: dict) -> None:
+    """2. A read-only directory: writes stop and are counted, reads go on."""
+    mode_of: dict[str, int] = {}
+    for dirpath, dirs, _files in os.walk(cache):
+        for d in [dirpath, *(os.path.join(dirpath, x) for x in dirs)]:
+            mode_of.setdefault(d, os.stat(d).st_mode & 0o777)
+    for d in mode_of:
+        os.chmod(d, 0o500)
+    for i in range(100, 130):
+        if not sm.put_sync(cs.chaos_key(i), cs.payload(i, 4096)):
+            out["errors"].append("put refused while the disk was read-only")
+    sm.flush_sync(timeout=30)
+    st = disk.stats()
+    out["ro_write_errors"] = st["write_errors"]
+    out["ro_writes_stopped"] = st["writes_stopped"]
+    out["ro_files_written"] = sum(os.path.exists(_record_path(cache, i)) for i in range(100, 130))
+    out["ro_readable_hits"], _ = _read_all(sm, range(10, 30), out)
+    for d, m in mode_of.items():
+        os.chmod(d, m)
+
+
+def _writes_resume(sm: StorageManager, disk: StorageBackend, cache: str, out: dict) -> None:
+    """3. Writes resume once the directory is writable again."""
+    import time
+
+    t0 = time.monotonic()
+    resumed = None
+    i = 200
+    while time.monotonic() - t0 < 60:
+        sm.put_sync(cs.chaos_key(i), cs.payload(i, 4096))
+        sm.flush_sync(timeout=30)
+        if os.path.exists(_record_path(cache, i)):
+            resumed = time.monotonic() - t0
+            break
+        i += 1
+        time.sleep(0.2)
+    out["resumed_after_s"] = resumed
+    out["writes_stopped_at_end"] = disk.stats()["writes_stopped"]
+
+
+def permissions(root: str) -> None:
+    """The permission scenario of the disk-trouble test, in a process whose permission checks
+    apply (a normal user, or root without CAP_DAC_OVERRIDE): unreadable record files, a
+    read-only directory, then everything restored. Prints one JSON object of figures."""
+    if _dac_override_applies(root):
+        print(json.dumps({"skip": "permission checks do not apply to this process (CAP_DAC_OVERRIDE)"}))
+        return
     cache = os.path.join(root, "cache")
     cfg = LMCacheEngineConfig.from_defaults(
         max_local_cpu_size=1 / 1024, staging_size=1 / 1024, local_disk=cache, max_local_disk_size=0.1
     )
     out: dict = {"errors": []}
-
-    def path(i: int) -> str:
-        return entry_path(cache, key_digest(cs.chaos_key(i).to_string()))
-
-    def evict(sm: StorageManager) -> None:
-        assert sm.pool is not None
-        block = sm.allocate((sm.pool.capacity,), torch.uint8)
-        if block is not None:
-            block.ref_count_down()
-
-    def read_all(sm: StorageManager, ids: range) -> tuple[int, int]:
-        hits = misses = 0
-        for i in ids:
-            evict(sm)
-            obj = sm.get_sync(cs.chaos_key(i))
-            if obj is None:
-                misses += 1
-                continue
-            with obj:
-                if not cs.same_payload(obj, i, 4096):
-                    out["errors"].append(f"entry {i} returned wrong bytes")
-            hits += 1
-        return hits, misses
-
     with StorageManager(cfg, LMCacheEngineMetadata("chaos"), name="perm") as sm:
         disk = sm.backend("disk")
         assert disk is not None
         for i in range(30):
             sm.put_sync(cs.chaos_key(i), cs.payload(i, 4096))
         sm.flush_sync(timeout=30)
-        # 1. Ten record files nobody may read.
-        for i in range(10):
-            os.chmod(path(i), 0)
-        out["unreadable_hits"], out["unreadable_misses"] = read_all(sm, range(10))
-        out["readable_hits"], _ = read_all(sm, range(10, 30))
-        out["read_errors"] = disk.stats()["read_errors"]
-        for i in range(10):
-            os.chmod(path(i), 0o600)
-        out["restored_hits"], _ = read_all(sm, range(10))
-        # 2. A read-only directory: writes stop and are counted, reads go on.
-        mode_of: dict[str, int] = {}
-        for dirpath, dirs, _files in os.walk(cache):
-            for d in [dirpath, *(os.path.join(dirpath, x) for x in dirs)]:
-                mode_of.setdefault(d, os.stat(d).st_mode & 0o777)
-        for d in mode_of:
-            os.chmod(d, 0o500)
-        for i in range(100, 130):
-            if not sm.put_sync(cs.chaos_key(i), cs.payload(i, 4096)):
-                out["errors"].append("put refused while the disk was read-only")
-        sm.flush_sync(timeout=30)
-        st = disk.stats()
-        out["ro_write_errors"] = st["write_errors"]
-        out["ro_writes_stopped"] = st["writes_stopped"]
-        out["ro_files_written"] = sum(os.path.exists(path(i)) for i in range(100, 130))
-        out["ro_readable_hits"], _ = read_all(sm, range(10, 30))
-        for d, m in mode_of.items():
-            os.chmod(d, m)
-        # 3. Writes resume once the directory is writable again.
-        t0 = time.monotonic()
-        resumed = None
-        i = 200
-        while time.monotonic() - t0 < 60:
-            sm.put_sync(cs.chaos_key(i), cs.payload(i, 4096))
-            sm.flush_sync(timeout=30)
-            if os.path.exists(path(i)):
-                resumed = time.monotonic() - t0
-                break
-            i += 1
-            time.sleep(0.2)
-        out["resumed_after_s"] = resumed
-        out["writes_stopped_at_end"] = disk.stats()["writes_stopped"]
+        _unreadable_files(sm, disk, cache, out)
+        _read_only_directory(sm, disk, cache, out)
+        _writes_resume(sm, disk, cache, out)
     print(json.dumps(out))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -13,6 +13,9 @@ from lmcache_async import LMCacheEngineConfig, LMCacheEngineMetadata
 from lmcache_async.engines.encoder_cache import ECCacheEngine
 
 from .helpers import MiB, gib
+
+if TYPE_CHECKING:
+    from lmcache_async.integration.vllm import LMCacheECConnectorImpl
 
 
 @pytest.fixture
@@ -63,3 +66,12 @@ def make_engine(
         if not e.closed:
             e.close()
     gc.collect()
+
+
+@pytest.fixture
+def connectors() -> Iterator[list[LMCacheECConnectorImpl]]:
+    """The vLLM connector tests' connectors (test_connector_impl*.py), closed at the end of the test."""
+    made: list[LMCacheECConnectorImpl] = []
+    yield made
+    for c in made:
+        c.close()
