@@ -114,7 +114,14 @@ submodules are the entries of :data:`MOVED`."""
 
 
 class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Answers for the old paths only; every other import goes on to the usual finders."""
+    """Answers for the old paths only; every other import goes on to the usual finders.
+
+    The import system stamps the old path's spec on the module it loads (``__spec__``, always
+    overwritten), which here is the new module itself: :meth:`exec_module` puts the module's own
+    spec back, so its relative imports and ``__spec__.parent`` stay those of its new path."""
+
+    def __init__(self) -> None:
+        self._own_specs: dict[str, importlib.machinery.ModuleSpec | None] = {}
 
     def find_spec(
         self, fullname: str, path: object = None, target: types.ModuleType | None = None
@@ -130,10 +137,16 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             return package
         new = MOVED[spec.name]
         warnings.warn(f"{spec.name} moved to {new}; the old path goes away in 0.3.0", DeprecationWarning, stacklevel=2)
-        return importlib.import_module(new)
+        module = importlib.import_module(new)
+        self._own_specs[spec.name] = module.__spec__
+        return module
 
     def exec_module(self, module: types.ModuleType) -> None:
-        """Nothing to run: the module is the new one, already imported."""
+        """Nothing to run (the module is the new one, already imported) but to give it back its
+        own ``__spec__``, which loading it under the old path replaced."""
+        stamped = module.__spec__
+        if stamped is not None and stamped.name in self._own_specs:
+            module.__spec__ = self._own_specs.pop(stamped.name)
 
 
 def install() -> None:

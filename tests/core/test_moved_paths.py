@@ -35,6 +35,9 @@ def test_an_old_path_warns_and_is_the_new_module(old: str, new: str) -> None:
     with pytest.warns(DeprecationWarning, match=rf"{old} moved to {new}; the old path goes away in 0\.3\.0"):
         module = importlib.import_module(old)
     assert module is importlib.import_module(new)
+    # the module keeps its own spec: its relative imports still resolve against its new package
+    assert module.__spec__ is not None and module.__spec__.name == new
+    assert module.__package__ == module.__spec__.parent
 
 
 def test_every_old_path_names_a_module_that_imports() -> None:
