@@ -11,7 +11,7 @@ import concurrent.futures
 import os
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 import pytest
@@ -20,7 +20,9 @@ import torch
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.memory import HeapAllocator, MemoryFormat, MemoryObj, PoolAllocator
 from lmcache_async.metadata import LMCacheEngineMetadata
+from lmcache_async.remote import RemoteBackend
 from lmcache_async.testing.servers import (
+    MooncakeServers,
     RedisClusterServers,
     RedisServer,
     SeaweedServer,
@@ -32,6 +34,8 @@ from lmcache_async.testing.servers import (
     weed_binary,
 )
 from lmcache_async.tiers import BackendContext
+
+from .mooncake_support import _start
 
 REQUIRE_ENV = "LMCACHE_ASYNC_REQUIRE_SERVERS"
 # Read once at import: the suite-wide fixture that isolates tests from LMCACHE_* variables
@@ -197,3 +201,48 @@ async def make_ctx() -> Any:
 def fs_root() -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix="lmcache-async-fs-") as d:
         yield d
+
+
+@pytest.fixture
+def src_pool() -> PoolAllocator:
+    """A pool for the source buffers of a test (a test module may define its own)."""
+    return PoolAllocator(96 << 20, name="remote-src", pretouch=False)
+
+
+@pytest.fixture
+async def open_backend(make_ctx: Any, prefix: str) -> AsyncIterator[Callable[..., Any]]:
+    """``await open_backend(url, **kw)``: a started RemoteBackend closed after the test (a test
+    module may define its own, for another backend)."""
+    made: list[RemoteBackend] = []
+
+    async def make(url: str, **kw: Any) -> RemoteBackend:
+        kw.setdefault("prefix", prefix)
+        kw.setdefault("timeout_s", 30.0)  # generous: these tests are not about timeouts
+        be = RemoteBackend(make_ctx(), url, **kw)
+        made.append(be)
+        await be.start()
+        return be
+
+    yield make
+    for be in made:
+        await be.close()
+
+
+@pytest.fixture(scope="session")
+def mooncake_store() -> Iterator[MooncakeServers]:
+    """One store shared by the tests that do not kill it (each test has its own prefix)."""
+    srv = _start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+def own_store() -> Iterator[MooncakeServers]:
+    """A store of this test alone (to kill, pause or restart its master)."""
+    srv = _start()
+    try:
+        yield srv
+    finally:
+        srv.stop()

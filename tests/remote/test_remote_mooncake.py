@@ -1,5 +1,6 @@
 """The Mooncake Store tier against a real store: master, metadata server and a segment holder
-started on free loopback ports (:class:`~lmcache_async.testing.servers.MooncakeServers`).
+started on free loopback ports (:class:`~lmcache_async.testing.servers.MooncakeServers`). The
+manager over a failing store and the configuration are in test_remote_mooncake_manager.py.
 
 Without the Mooncake wheel or its binaries the tests skip with the reason, unless
 ``LMCACHE_ASYNC_REQUIRE_MOONCAKE=1`` (set by ``nox -s tests``) turns the skip into a failure.
@@ -8,73 +9,26 @@ Without the Mooncake wheel or its binaries the tests skip with the reason, unles
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import pytest
 import torch
 
-from lmcache_async import StorageManager
 from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.memory import HeapAllocator, MemoryObj, PoolAllocator
 from lmcache_async.records import decode_header
 from lmcache_async.testing import PersistentBackendConformanceTests, make_key, make_obj
-from lmcache_async.testing.servers import MooncakeServers, ServerError, is_loopback_listener, mooncake_binaries
+from lmcache_async.testing.servers import MooncakeServers, is_loopback_listener
 from lmcache_async.tiers import BackendContext
 
-REQUIRE_ENV = "LMCACHE_ASYNC_REQUIRE_MOONCAKE"
-REQUIRE_MOONCAKE = os.environ.get(REQUIRE_ENV) == "1"
+from .mooncake_support import _start
 
 pytestmark = pytest.mark.mooncake
-
-
-def missing(reason: str) -> NoReturn:
-    """Skip for ``reason``, or fail when the run requires Mooncake."""
-    if REQUIRE_MOONCAKE:
-        pytest.fail(f"{reason} ({REQUIRE_ENV}=1 requires it)")
-    pytest.skip(reason)
-
-
-def _available() -> None:
-    try:
-        import mooncake.store  # noqa: F401
-    except ImportError as exc:
-        missing(f"the Mooncake Store client cannot be imported ({exc}); pip install lmcache-async[mooncake]")
-    if mooncake_binaries() is None:
-        missing("no mooncake_master/mooncake_client binaries")
-
-
-def _start(**kw: Any) -> MooncakeServers:
-    _available()
-    try:
-        return MooncakeServers(**kw).start()
-    except ServerError as exc:
-        missing(f"the Mooncake store did not start: {exc}")
-
-
-@pytest.fixture(scope="session")
-def mooncake_store() -> Iterator[MooncakeServers]:
-    """One store shared by the tests that do not kill it (each test has its own prefix)."""
-    srv = _start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-@pytest.fixture
-def own_store() -> Iterator[MooncakeServers]:
-    """A store of this test alone (to kill, pause or restart its master)."""
-    srv = _start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 def same(a: MemoryObj, b: MemoryObj) -> bool:
@@ -499,153 +453,7 @@ async def test_calls_on_a_hung_master_are_abandoned_bounded_and_leak_no_buffer(
             s.ref_count_down()
 
 
-def _tensor(seed: int) -> torch.Tensor:
-    return torch.randn(128, 256, generator=torch.Generator().manual_seed(seed))
-
-
-def _remote_hits(sm: StorageManager) -> int:
-    return int(sm.stats()["tiers"]["remote"]["hits"])
-
-
-def _wait_recovered(sm: StorageManager, start: int, deadline_s: float = 60.0) -> int:
-    """Put/flush/get fresh keys until the remote tier serves one again; returns the next seed."""
-    deadline = time.monotonic() + deadline_s
-    i = start
-    while time.monotonic() < deadline:
-        key = make_key(i)
-        t = _tensor(i)
-        assert sm.put_sync(key, t)
-        sm.flush_sync(30)
-        hits = _remote_hits(sm)
-        got = sm.get_sync(key)
-        i += 1
-        if got is not None:
-            with got:
-                assert torch.equal(got.tensor, t)
-            if _remote_hits(sm) > hits:
-                return i
-        time.sleep(0.2)
-    raise AssertionError(f"remote tier did not recover: {sm.stats()['tiers']['remote']}")
-
-
-@pytest.mark.chaos
-def test_killed_master_gives_misses_within_twice_the_timeout_then_recovers(
-    own_store: MooncakeServers, make_manager: Callable[..., StorageManager], prefix: str
-) -> None:
-    timeout = 1.0
-    sm = make_manager(**own_store.config(remote_timeout_s=timeout, remote_key_prefix=prefix, local_cpu=False))
-    k = make_key(1)
-    assert sm.put_sync(k, _tensor(1))
-    sm.flush_sync(30)
-    got = sm.get_sync(k)
-    assert got is not None
-    with got:
-        assert torch.equal(got.tensor, _tensor(1))
-    own_store.kill_master()
-    for i in range(5):
-        t0 = time.monotonic()
-        assert sm.get_sync(make_key(100 + i)) is None
-        assert time.monotonic() - t0 < 2 * timeout
-        t0 = time.monotonic()
-        assert sm.contains_sync(make_key(100 + i)) is False
-        assert sm.prefix_len_sync([k, make_key(100 + i)]) == 0
-        assert time.monotonic() - t0 < 2 * 2 * timeout  # two calls, each within twice the timeout
-    assert sm.put_sync(make_key(200), _tensor(200))  # accepted; its write-through fails quietly
-    sm.flush_sync(30)
-    remote = sm.stats()["tiers"]["remote"]
-    assert remote["errors"] + remote["skipped"] > 0
-    own_store.restart_master()
-    _wait_recovered(sm, 300)
-    remote = sm.stats()["tiers"]["remote"]
-    assert remote["circuit"] == "closed" and remote["corrupt"] == 0 and remote["setups"] >= 2
-
-
-@pytest.mark.chaos
-def test_hung_master_calls_return_within_twice_the_timeout_then_recover(
-    own_store: MooncakeServers, make_manager: Callable[..., StorageManager], prefix: str
-) -> None:
-    timeout = 0.5
-    sm = make_manager(**own_store.config(remote_timeout_s=timeout, remote_key_prefix=prefix, local_cpu=False))
-    k = make_key(1)
-    assert sm.put_sync(k, _tensor(1))
-    sm.flush_sync(30)
-    own_store.pause_master()
-    try:
-        for i in range(4):
-            t0 = time.monotonic()
-            assert sm.get_sync(make_key(10 + i)) is None
-            assert time.monotonic() - t0 < 2 * timeout
-            t0 = time.monotonic()
-            assert sm.contains_sync(make_key(10 + i)) is False
-            assert time.monotonic() - t0 < 2 * timeout
-    finally:
-        own_store.resume_master()
-    _wait_recovered(sm, 50)
-    got = sm.get_sync(k)  # written before the pause, still there
-    assert got is not None
-    with got:
-        assert torch.equal(got.tensor, _tensor(1))
-
-
-def test_two_managers_share_entries_through_the_store(
-    mooncake_store: MooncakeServers, make_manager: Callable[..., StorageManager], prefix: str
-) -> None:
-    a = make_manager(**mooncake_store.config(remote_key_prefix=prefix, remote_timeout_s=30.0))
-    b = make_manager(**mooncake_store.config(remote_key_prefix=prefix, remote_timeout_s=30.0))
-    keys = [make_key(i) for i in range(6)]
-    for i, k in enumerate(keys):
-        assert a.put_sync(k, _tensor(i))
-    a.flush_sync(30)
-    assert b.prefix_len_sync(keys) == 6
-    for i, k in enumerate(keys):
-        got = b.get_sync(k)
-        assert got is not None
-        with got:
-            assert torch.equal(got.tensor, _tensor(i))
-    assert _remote_hits(b) == 6
-
-
-# ---- configuration (no store needed) -----------------------------------------------------------------
-def test_mooncake_url_names_the_master_with_a_default_port() -> None:
-    from lmcache_async.remote import parse_remote_url
-
-    assert parse_remote_url("mooncake://10.0.0.5").hosts == (("10.0.0.5", 50051),)
-    assert parse_remote_url("mooncake://10.0.0.5:6000").hosts == (("10.0.0.5", 6000),)
-    assert parse_remote_url("mooncake://[::1]").hosts == (("::1", 50051),)
-    for bad in ("mooncake://", "mooncake://a:1,b:2", "mooncake://h:1/db", "mooncake://h?x=1", "mooncake://u:p@h"):
-        with pytest.raises(ValueError):
-            parse_remote_url(bad)
-
-
-async def test_remote_tier_of_a_mooncake_url_is_the_mooncake_backend(make_ctx: Any) -> None:
-    from lmcache_async.remote import create
-    from lmcache_async.remote.mooncake import MooncakeBackend
-
-    ctx = make_ctx()
-    ctx.config = LMCacheEngineConfig.from_defaults(remote_url="mooncake://127.0.0.1:1234", mooncake_replica_num=2)
-    be = create(ctx)
-    try:
-        assert isinstance(be, MooncakeBackend) and be.is_remote and be.name == "remote"
-        st = be.stats()
-        assert st["scheme"] == "mooncake" and st["store_down"] and st["setups"] == 0  # nothing connected yet
-    finally:
-        assert be is not None
-        await be.close()
-
-
-def test_mooncake_settings_come_from_the_config_keys(make_ctx: Any) -> None:
-    from lmcache_async.remote.mooncake import mooncake_settings
-
-    ctx = make_ctx()
-    ctx.config = LMCacheEngineConfig.from_defaults(remote_url="mooncake://m.example:7000")
-    s = mooncake_settings(ctx, "mooncake://m.example:7000")
-    assert s.master == "m.example:7000" and s.metadata_server == "http://m.example:8080/metadata"
-    assert s.protocol == "tcp" and s.local_hostname == "127.0.0.1" and s.global_segment_size == 0
-    ctx.config = LMCacheEngineConfig.from_defaults(mooncake_protocol="carrier-pigeon")
-    with pytest.raises(ValueError, match="mooncake_protocol"):
-        mooncake_settings(ctx, "mooncake://m.example:7000")
-
-
+# ---- record headers (no store needed) ---------------------------------------------------------------
 def test_headers_are_padded_to_a_length_known_from_the_key(src_pool: PoolAllocator) -> None:
     from lmcache_async.remote.mooncake import header_room, padded_header
 

@@ -28,6 +28,7 @@ import random
 import signal
 import sys
 import time
+from collections.abc import Callable
 from unittest import mock
 
 import torch
@@ -67,100 +68,142 @@ def check(obj: MemoryObj, i: int) -> bool:
     return obj.shape == shape_of(i) and obj.dtype == torch.float32 and torch.equal(obj.tensor, expected(i))
 
 
+def _put(client: ServerClient, pool: PoolAllocator, argv: list[str]) -> None:
+    """``put N``: store entries 0..N-1 and print ``stored <count>``."""
+    n = int(argv[3])
+    stored = 0
+    for i in range(n):
+        obj = fill(pool, i)
+        res = client.put([(key_of(i), obj)])
+        obj.ref_count_down()
+        stored += bool(res and res[0])
+    print(f"stored {stored}", flush=True)
+
+
+def _wait_get(client: ServerClient, pool: PoolAllocator, argv: list[str]) -> None:
+    """``wait-get N``: print ``ready``, wait for a line on stdin, then get entries 0..N-1."""
+    n = int(argv[3])
+    print("ready", flush=True)
+    sys.stdin.readline()
+    hits = wrong = 0
+    got = client.get([key_of(i) for i in range(n)], pool.allocate) or []
+    for i, hit in enumerate(got):
+        if hit is not None:
+            hits += 1
+            wrong += not check(hit, i)
+            hit.ref_count_down()
+    print(f"got {hits} wrong {wrong}", flush=True)
+
+
+def _first_put(client: ServerClient, pool: PoolAllocator, argv: list[str]) -> None:
+    """``first-put N``: one put of the 1 MiB entries BIG..BIG+N-1, with its latency."""
+    objs = [fill(pool, BIG + i) for i in range(int(argv[3]))]
+    t0 = time.perf_counter()
+    res = client.put([(key_of(BIG + i), o) for i, o in enumerate(objs)]) or []
+    ms = (time.perf_counter() - t0) * 1e3
+    for o in objs:
+        o.ref_count_down()
+    print(f"stored {sum(map(bool, res))} ms {ms:.1f}", flush=True)
+
+
+def _get_big(client: ServerClient, pool: PoolAllocator, argv: list[str]) -> None:
+    """``get-big N``: one get of the 1 MiB entries BIG..BIG+N-1."""
+    n = int(argv[3])
+    got_big = client.get([key_of(BIG + i) for i in range(n)], pool.allocate) or []
+    hits = sum(o is not None for o in got_big)
+    wrong = sum(not check(o, BIG + i) for i, o in enumerate(got_big) if o is not None)
+    for hit in got_big:
+        if hit is not None:
+            hit.ref_count_down()
+    print(f"got {hits} wrong {wrong}", flush=True)
+
+
+def _stall(client: ServerClient, pool: PoolAllocator, argv: list[str], count: int) -> None:
+    """Put ``count`` entries from ``argv[3]`` on, each stopping itself before its copy."""
+    first = int(argv[3])
+    copy = connection.copy_bytes  # a put copies in client_writes, with connection's copy_bytes
+
+    def stalled_copy(*args: object, **kw: object) -> None:
+        if argv[4:] == ["partial"]:  # the server then closes the connection (frame timeout)
+            conn = client._conn
+            assert conn is not None
+            conn.sock.send(FRAME.pack(64, int(Op.PING), 0) + b"half")
+        os.kill(os.getpid(), signal.SIGSTOP)  # a writer stalled inside its put
+        copy(*args, **kw)  # type: ignore[arg-type]
+
+    mock.patch.object(client_writes, "copy_bytes", stalled_copy).start()  # the name client_writes calls
+    stored = 0
+    for i in range(first, first + count):
+        obj = fill(pool, i)
+        res = client.put([(key_of(i), obj)])
+        obj.ref_count_down()
+        stored += bool(res and res[0])
+        print(f"put {int(bool(res and res[0]))}", flush=True)
+    print(f"stored {stored}", flush=True)
+
+
+def _stall_put(client: ServerClient, pool: PoolAllocator, argv: list[str]) -> None:
+    """``stall-put I [partial]``: put entry ``I``, stopping itself before the copy."""
+    _stall(client, pool, argv, 1)
+
+
+def _stall_loop(client: ServerClient, pool: PoolAllocator, argv: list[str]) -> None:
+    """``stall-loop FIRST COUNT``: put COUNT entries, each stopping itself before its copy."""
+    _stall(client, pool, argv, int(argv[4]))
+
+
+def _load(client: ServerClient, pool: PoolAllocator, argv: list[str]) -> None:
+    """``load SECONDS SEED``: mixed put/get/remove/contains for SECONDS; print one JSON line."""
+    seconds, seed = float(argv[3]), int(argv[4])
+    rng = random.Random(seed)
+    ops = errors = wrong = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        batch = [rng.randrange(400) for _ in range(rng.randint(1, 6))]
+        op = rng.random()
+        if op < 0.3:
+            objs = [fill(pool, i) for i in batch]
+            res = client.put([(key_of(i), o) for i, o in zip(batch, objs, strict=True)])
+            for o in objs:
+                o.ref_count_down()
+            errors += res is None
+        elif op < 0.75:
+            fetched = client.get([key_of(i) for i in batch], pool.allocate)
+            if fetched is None:
+                errors += 1
+            else:
+                for i, hit in zip(batch, fetched, strict=True):
+                    if hit is not None:
+                        wrong += not check(hit, i)
+                        hit.ref_count_down()
+        elif op < 0.85:  # freed blocks are granted again, for other keys' bytes
+            errors += client.remove([key_of(i) for i in batch]) is None
+        else:
+            errors += client.contains([key_of(i) for i in batch], touch=op > 0.92) is None
+        ops += 1
+    print(json.dumps({"ops": ops, "errors": errors, "wrong": wrong, "client": client.stats()}), flush=True)
+
+
+#: The worker's modes (argv[2]): each runs with the client, its pool and the whole argv.
+MODES: dict[str, Callable[[ServerClient, PoolAllocator, list[str]], None]] = {
+    "put": _put,
+    "wait-get": _wait_get,
+    "first-put": _first_put,
+    "get-big": _get_big,
+    "stall-put": _stall_put,
+    "stall-loop": _stall_loop,
+    "load": _load,
+}
+
+
 def main(argv: list[str]) -> int:
     torch.set_num_threads(1)
     sock, ns, mode = argv[0], argv[1], argv[2]
     client = ServerClient(sock, ns, timeout_s=float(os.environ.get("LMCACHE_TEST_WORKER_TIMEOUT_S", "5")))
     pool = PoolAllocator(64 << 20, name="worker", pretouch=False)
-    if mode == "put":
-        n = int(argv[3])
-        stored = 0
-        for i in range(n):
-            obj = fill(pool, i)
-            res = client.put([(key_of(i), obj)])
-            obj.ref_count_down()
-            stored += bool(res and res[0])
-        print(f"stored {stored}", flush=True)
-    elif mode == "wait-get":
-        n = int(argv[3])
-        print("ready", flush=True)
-        sys.stdin.readline()
-        hits = wrong = 0
-        got = client.get([key_of(i) for i in range(n)], pool.allocate) or []
-        for i, hit in enumerate(got):
-            if hit is not None:
-                hits += 1
-                wrong += not check(hit, i)
-                hit.ref_count_down()
-        print(f"got {hits} wrong {wrong}", flush=True)
-    elif mode == "first-put":
-        objs = [fill(pool, BIG + i) for i in range(int(argv[3]))]
-        t0 = time.perf_counter()
-        res = client.put([(key_of(BIG + i), o) for i, o in enumerate(objs)]) or []
-        ms = (time.perf_counter() - t0) * 1e3
-        for o in objs:
-            o.ref_count_down()
-        print(f"stored {sum(map(bool, res))} ms {ms:.1f}", flush=True)
-    elif mode == "get-big":
-        n = int(argv[3])
-        got_big = client.get([key_of(BIG + i) for i in range(n)], pool.allocate) or []
-        hits = sum(o is not None for o in got_big)
-        wrong = sum(not check(o, BIG + i) for i, o in enumerate(got_big) if o is not None)
-        for hit in got_big:
-            if hit is not None:
-                hit.ref_count_down()
-        print(f"got {hits} wrong {wrong}", flush=True)
-    elif mode in ("stall-put", "stall-loop"):
-        first = int(argv[3])
-        count = int(argv[4]) if mode == "stall-loop" else 1
-        copy = connection.copy_bytes  # a put copies in client_writes, with connection's copy_bytes
-
-        def stalled_copy(*args: object, **kw: object) -> None:
-            if argv[4:] == ["partial"]:  # the server then closes the connection (frame timeout)
-                conn = client._conn
-                assert conn is not None
-                conn.sock.send(FRAME.pack(64, int(Op.PING), 0) + b"half")
-            os.kill(os.getpid(), signal.SIGSTOP)  # a writer stalled inside its put
-            copy(*args, **kw)  # type: ignore[arg-type]
-
-        mock.patch.object(client_writes, "copy_bytes", stalled_copy).start()  # the name client_writes calls
-        stored = 0
-        for i in range(first, first + count):
-            obj = fill(pool, i)
-            res = client.put([(key_of(i), obj)])
-            obj.ref_count_down()
-            stored += bool(res and res[0])
-            print(f"put {int(bool(res and res[0]))}", flush=True)
-        print(f"stored {stored}", flush=True)
-    elif mode == "load":
-        seconds, seed = float(argv[3]), int(argv[4])
-        rng = random.Random(seed)
-        ops = errors = wrong = 0
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            batch = [rng.randrange(400) for _ in range(rng.randint(1, 6))]
-            op = rng.random()
-            if op < 0.3:
-                objs = [fill(pool, i) for i in batch]
-                res = client.put([(key_of(i), o) for i, o in zip(batch, objs, strict=True)])
-                for o in objs:
-                    o.ref_count_down()
-                errors += res is None
-            elif op < 0.75:
-                fetched = client.get([key_of(i) for i in batch], pool.allocate)
-                if fetched is None:
-                    errors += 1
-                else:
-                    for i, hit in zip(batch, fetched, strict=True):
-                        if hit is not None:
-                            wrong += not check(hit, i)
-                            hit.ref_count_down()
-            elif op < 0.85:  # freed blocks are granted again, for other keys' bytes
-                errors += client.remove([key_of(i) for i in batch]) is None
-            else:
-                errors += client.contains([key_of(i) for i in batch], touch=op > 0.92) is None
-            ops += 1
-        print(json.dumps({"ops": ops, "errors": errors, "wrong": wrong, "client": client.stats()}), flush=True)
+    run = MODES.get(mode)
+    if run is not None:  # an unknown mode does nothing
+        run(client, pool, argv)
     client.close()
     return 0
 
