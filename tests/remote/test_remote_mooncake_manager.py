@@ -16,39 +16,14 @@ from lmcache_async.config import LMCacheEngineConfig
 from lmcache_async.testing import make_key
 from lmcache_async.testing.servers import MooncakeServers
 
+from .manager_support import remote_hits as _remote_hits
+from .manager_support import tensor as _tensor
+from .manager_support import wait_recovered
+
 pytestmark = pytest.mark.mooncake
 
 
 # ---- the store failing, through the manager ------------------------------------------------------------
-def _tensor(seed: int) -> torch.Tensor:
-    return torch.randn(128, 256, generator=torch.Generator().manual_seed(seed))
-
-
-def _remote_hits(sm: StorageManager) -> int:
-    return int(sm.stats()["tiers"]["remote"]["hits"])
-
-
-def _wait_recovered(sm: StorageManager, start: int, deadline_s: float = 60.0) -> int:
-    """Put/flush/get fresh keys until the remote tier serves one again; returns the next seed."""
-    deadline = time.monotonic() + deadline_s
-    i = start
-    while time.monotonic() < deadline:
-        key = make_key(i)
-        t = _tensor(i)
-        assert sm.put_sync(key, t)
-        sm.flush_sync(30)
-        hits = _remote_hits(sm)
-        got = sm.get_sync(key)
-        i += 1
-        if got is not None:
-            with got:
-                assert torch.equal(got.tensor, t)
-            if _remote_hits(sm) > hits:
-                return i
-        time.sleep(0.2)
-    raise AssertionError(f"remote tier did not recover: {sm.stats()['tiers']['remote']}")
-
-
 @pytest.mark.chaos
 def test_killed_master_gives_misses_within_twice_the_timeout_then_recovers(
     own_store: MooncakeServers, make_manager: Callable[..., StorageManager], prefix: str
@@ -76,7 +51,7 @@ def test_killed_master_gives_misses_within_twice_the_timeout_then_recovers(
     remote = sm.stats()["tiers"]["remote"]
     assert remote["errors"] + remote["skipped"] > 0
     own_store.restart_master()
-    _wait_recovered(sm, 300)
+    wait_recovered(sm, 300)
     remote = sm.stats()["tiers"]["remote"]
     assert remote["circuit"] == "closed" and remote["corrupt"] == 0 and remote["setups"] >= 2
 
@@ -101,7 +76,7 @@ def test_hung_master_calls_return_within_twice_the_timeout_then_recover(
             assert time.monotonic() - t0 < 2 * timeout
     finally:
         own_store.resume_master()
-    _wait_recovered(sm, 50)
+    wait_recovered(sm, 50)
     got = sm.get_sync(k)  # written before the pause, still there
     assert got is not None
     with got:

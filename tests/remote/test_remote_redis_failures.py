@@ -17,39 +17,13 @@ from lmcache_async.memory import PoolAllocator
 from lmcache_async.testing import make_key, make_obj
 from lmcache_async.testing.servers import RedisClusterServers, RedisServer
 
+from .manager_support import remote_hits as _remote_hits
+from .manager_support import tensor as _tensor
+from .manager_support import wait_recovered
 from .redis_support import same
 
 
 # ---- failures of the server, through the manager ---------------------------------------------------
-def _tensor(seed: int) -> torch.Tensor:
-    return torch.randn(128, 256, generator=torch.Generator().manual_seed(seed))
-
-
-def _remote_hits(sm: StorageManager) -> int:
-    return int(sm.stats()["tiers"]["remote"]["hits"])
-
-
-def _wait_recovered(sm: StorageManager, start: int, deadline_s: float = 40.0) -> int:
-    """Put/flush/get fresh keys until the remote tier serves one again; returns the next seed."""
-    deadline = time.monotonic() + deadline_s
-    i = start
-    while time.monotonic() < deadline:
-        key = make_key(i)
-        t = _tensor(i)
-        assert sm.put_sync(key, t)
-        sm.flush_sync(30)
-        hits = _remote_hits(sm)
-        got = sm.get_sync(key)
-        i += 1
-        if got is not None:
-            with got:
-                assert torch.equal(got.tensor, t)
-            if _remote_hits(sm) > hits:
-                return i
-        time.sleep(0.2)
-    raise AssertionError(f"remote tier did not recover: {sm.stats()['tiers']['remote']}")
-
-
 @pytest.mark.chaos
 def test_killed_server_gives_misses_within_twice_the_timeout_then_recovers(
     own_server: RedisServer, make_manager: Callable[..., StorageManager], prefix: str
@@ -74,7 +48,7 @@ def test_killed_server_gives_misses_within_twice_the_timeout_then_recovers(
     remote = sm.stats()["tiers"]["remote"]
     assert remote["errors"] + remote["skipped"] > 0
     own_server.restart()
-    _wait_recovered(sm, 300)
+    wait_recovered(sm, 300, deadline_s=40.0)
     assert sm.stats()["tiers"]["remote"]["circuit"] == "closed"
 
 
@@ -99,7 +73,7 @@ def test_hung_server_calls_return_within_twice_the_timeout_then_recover(
         assert sm.stats()["tiers"]["remote"]["timeouts"] + sm.stats()["tiers"]["remote"]["skipped"] >= 4
     finally:
         own_server.resume()
-    _wait_recovered(sm, 50)
+    wait_recovered(sm, 50, deadline_s=40.0)
     got = sm.get_sync(k)  # written before the pause, still there
     assert got is not None
     with got:

@@ -25,6 +25,8 @@ from lmcache_async.testing import PersistentBackendConformanceTests, make_key, m
 from lmcache_async.testing.servers import SeaweedServer
 from lmcache_async.tiers import BackendContext, StorageBackend
 
+from .manager_support import tensor as _tensor
+from .manager_support import wait_recovered
 from .s3_support import objects, raw_store, records
 
 pytestmark = pytest.mark.s3
@@ -339,35 +341,6 @@ def test_a_key_file_readable_by_others_is_refused(tmp_path: Path) -> None:
 
 
 # ---- failures of the server, through the manager ---------------------------------------------------
-def _tensor(seed: int) -> torch.Tensor:
-    return torch.randn(128, 256, generator=torch.Generator().manual_seed(seed))
-
-
-def _remote_hits(sm: StorageManager) -> int:
-    return int(sm.stats()["tiers"]["remote"]["hits"])
-
-
-def _wait_recovered(sm: StorageManager, start: int, deadline_s: float = 60.0) -> int:
-    """Put/flush/get fresh keys until the remote tier serves one again; returns the next seed."""
-    deadline = time.monotonic() + deadline_s
-    i = start
-    while time.monotonic() < deadline:
-        key = make_key(i)
-        t = _tensor(i)
-        assert sm.put_sync(key, t)
-        sm.flush_sync(30)
-        hits = _remote_hits(sm)
-        got = sm.get_sync(key)
-        i += 1
-        if got is not None:
-            with got:
-                assert torch.equal(got.tensor, t)
-            if _remote_hits(sm) > hits:
-                return i
-        time.sleep(0.1)
-    raise AssertionError(f"s3 tier did not recover: {sm.stats()['tiers']['remote']}")
-
-
 @pytest.mark.chaos
 def test_killed_server_gives_misses_then_the_tier_recovers_after_a_restart(
     own_seaweed: SeaweedServer, make_manager: Callable[..., StorageManager], prefix: str,
@@ -391,7 +364,7 @@ def test_killed_server_gives_misses_then_the_tier_recovers_after_a_restart(
     t0 = time.monotonic()
     own_seaweed.restart()
     up = time.monotonic() - t0
-    _wait_recovered(sm, 300)
+    wait_recovered(sm, 300, pause_s=0.1)
     recovered = time.monotonic() - t0
     record_property("server_restart_s", round(up, 2))
     record_property("tier_recovered_after_restart_s", round(recovered, 2))
@@ -420,7 +393,7 @@ def test_paused_server_calls_give_misses_then_recover(
         assert remote["timeouts"] + remote["skipped"] >= 4
     finally:
         own_seaweed.resume()
-    _wait_recovered(sm, 50)
+    wait_recovered(sm, 50, pause_s=0.1)
     got = sm.get_sync(k)  # written before the pause, still there
     assert got is not None
     with got:
