@@ -216,6 +216,15 @@ def compare(session: nox.Session) -> None:
 VLLM_VENV = ".venv-vllm"
 
 
+def _engine_modules(session: nox.Session, python: str, engine: str, env: dict[str, str]) -> None:
+    """The public-module checks (``__all__``) of the modules that import ``engine``, in the
+    engine's own environment: skipped where the engine is absent, required here."""
+    session.run(
+        python, "-m", "pytest", "tests/core/test_public_modules.py", "-k", engine, "-p", "no:cacheprovider", "-rs",
+        "-W", "ignore::pytest.PytestConfigWarning", external=True, env=env,
+    )  # fmt: skip
+
+
 @nox.session(venv_backend="none")
 def vllm(session: nox.Session) -> None:
     """The encoder-cache connector inside real vLLM 0.33.0 (CPU build).
@@ -243,6 +252,8 @@ def vllm(session: nox.Session) -> None:
         external=True,
         env={"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
     )
+    python = os.path.join(venv, "bin", "python")
+    _engine_modules(session, python, "vllm", {"LMCACHE_ASYNC_REQUIRE_VLLM": "1", "VLLM_TARGET_DEVICE": "cpu"})
 
 
 @nox.session(venv_backend="none")
@@ -262,6 +273,7 @@ def sglang(session: nox.Session) -> None:
         external=True,
         env={"LMCACHE_ASYNC_REQUIRE_SGLANG": "1", "LMCACHE_ASYNC_REQUIRE_SERVERS": "1"},
     )  # fmt: skip
+    _engine_modules(session, python, "sglang", {"LMCACHE_ASYNC_REQUIRE_SGLANG": "1"})
 
 
 @nox.session(venv_backend="none")
@@ -281,6 +293,7 @@ def omni(session: nox.Session) -> None:
         env={"LMCACHE_ASYNC_REQUIRE_OMNI": "1", "LMCACHE_ASYNC_REQUIRE_SERVERS": "1",
              "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "WARNING"},
     )  # fmt: skip
+    _engine_modules(session, python, "omni", {"LMCACHE_ASYNC_REQUIRE_OMNI": "1", "VLLM_TARGET_DEVICE": "cpu"})
 
 
 @nox.session
