@@ -7,6 +7,7 @@ Part of :mod:`lmcache_async.memory` (the public face); the pool is :mod:`lmcache
 
 from __future__ import annotations
 
+import abc
 import ctypes
 import enum
 import threading
@@ -246,8 +247,9 @@ class MemoryObj:
         )
 
 
-class AllocatorBase:
-    """Common surface of pooled and unpooled allocators."""
+class AllocatorBase(abc.ABC):
+    """Common surface of pooled and unpooled allocators; a subclass implements
+    :meth:`allocate`, :meth:`byte_view` and :meth:`_free_locked`."""
 
     pooled: bool = False
     base_ptr: int = 0
@@ -256,20 +258,24 @@ class AllocatorBase:
         self.name = name
         self.lock = threading.Lock()
 
+    @abc.abstractmethod
     def allocate(
         self, shape: Sequence[int], dtype: torch.dtype, fmt: MemoryFormat = MemoryFormat.UNDEFINED
-    ) -> MemoryObj | None:  # pragma: no cover - abstract
-        raise NotImplementedError
+    ) -> MemoryObj | None:
+        """A block holding ``shape`` of ``dtype`` (one reference, the caller's), or None when the
+        allocator has no room."""
 
-    def byte_view(self, offset: int, nbytes: int) -> memoryview:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def byte_view(self, offset: int, nbytes: int) -> memoryview:
+        """Writable bytes ``offset .. offset + nbytes`` of the allocator's memory."""
 
     def address(self, offset: int) -> int:
         """Address of the block at ``offset``."""
         return self.base_ptr + offset
 
-    def _free_locked(self, offset: int, size: int) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _free_locked(self, offset: int, size: int) -> None:
+        """Return the block at ``offset`` of ``size`` bytes (the caller holds :attr:`lock`)."""
 
     def _view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The typed view of a block whose :class:`MemoryObj` was made without one (only
