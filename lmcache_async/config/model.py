@@ -168,7 +168,9 @@ class LMCacheEngineConfig(BaseModel):
     cache_server_lease_ttl_s: float = Field(
         30.0, gt=0, le=86400, description="Cache server: lifetime of a read lease or uncommitted grant (seconds)."
     )
-    cache_server_max_leases: int = Field(4096, gt=0, description="Cache server: most leases one client may hold.")
+    cache_server_max_leases: int = Field(
+        4096, gt=0, description="Cache server: most leases one client process may hold (all its connections)."
+    )
     cache_server_max_grants: int = Field(
         64, gt=0, description="Cache server: most uncommitted write grants one client may hold."
     )
@@ -185,7 +187,7 @@ class LMCacheEngineConfig(BaseModel):
     )
     cache_server_max_holds: int = Field(4096, gt=0, description="Cache server: most holds in one namespace.")
     cache_server_max_client_holds: int = Field(
-        1024, gt=0, description="Cache server: most live holds one client connection may take."
+        1024, gt=0, description="Cache server: most live holds one client process may take (all its connections)."
     )
     cache_server_max_namespace_leases: int = Field(
         16384, gt=0, description="Cache server: most leases all clients of one namespace may hold at once."

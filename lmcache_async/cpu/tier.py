@@ -8,11 +8,14 @@ index -> allocator, and no copy happens under the lock.
 
 The index (:class:`~lmcache_async.lru.LruIndex`, by block bytes) holds one reference per
 entry. An entry with any other reference (a reader, an in-flight write-through, a lease) is
-*held*: eviction passes it over and frees only what nobody else holds.
+*held*: eviction passes it over and frees only what nobody else holds. An entry whose block was
+freed behind the index's back (a caller released its reference twice, giving back the index's)
+is never served: the next lookup finds it released, drops it and counts ``over_released``.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,9 +26,13 @@ from lmcache_async.errors import ManagerClosedError
 from lmcache_async.keys import CacheEngineKey
 from lmcache_async.lru import LruIndex
 from lmcache_async.memory import MemoryFormat, MemoryObj, PoolAllocator
+from lmcache_async.ratelog import RateLimitedLog
 from lmcache_async.tiers import Allocate, BackendContext, RemovalReason, StorageBackend
 
 __all__ = ["CPUBackend", "create"]
+
+logger = logging.getLogger(__name__)
+_log = RateLimitedLog(logger)
 
 
 class CPUBackend(StorageBackend):
@@ -49,6 +56,8 @@ class CPUBackend(StorageBackend):
         self._closed = False
         self._on_evict = on_evict
         self.evictions = 0
+        #: Entries found released behind the index's back (dropped; a miss each).
+        self.over_released = 0
 
     @property
     def bytes(self) -> int:
@@ -83,8 +92,13 @@ class CPUBackend(StorageBackend):
             obj = self._index.lookup(key, self._lru)
             if obj is None:
                 return None
-            obj.ref_count_up()
-            return obj
+            if obj.try_ref_count_up():
+                return obj
+            self._index.pop(key)  # its block was freed under us: never serve it
+            self.over_released += 1
+        _log.warning("cpu tier: entry %s was released once too often by a caller; dropped (a miss)", key)
+        self.report_removed([key], RemovalReason.DAMAGED)
+        return None
 
     def lookup_many(self, keys: Sequence[CacheEngineKey], alloc: Allocate | None = None) -> list[MemoryObj | None]:
         """:meth:`lookup` of each key (the caller owns one reference of each entry returned);
@@ -162,7 +176,7 @@ class CPUBackend(StorageBackend):
         cb = self._on_evict
         for k, o in victims:
             self.evictions += 1
-            o.ref_count_down()
+            o.try_ref_count_down()  # False: freed already by a caller's extra release
             if cb is not None:
                 cb(k)
         self.report_removed([k for k, _ in victims], RemovalReason.EVICTED)
@@ -194,7 +208,7 @@ class CPUBackend(StorageBackend):
             obj = self._index.pop(key)
             if obj is None:
                 return False
-        obj.ref_count_down()
+        obj.try_ref_count_down()
         self.report_removed([key], RemovalReason.DELETED)
         return True
 
@@ -208,7 +222,7 @@ class CPUBackend(StorageBackend):
             objs = list(self._index.values())
             self._index.clear()
         for o in objs:
-            o.ref_count_down()
+            o.try_ref_count_down()
         if report:
             self.report_removed(keys, RemovalReason.DELETED)
 
@@ -271,12 +285,18 @@ class CPUBackend(StorageBackend):
         self.close_nowait()
 
     def stats(self) -> dict[str, Any]:
-        return {"entries": len(self._index), "bytes": self._index.bytes, "evictions": self.evictions}
+        return {
+            "entries": len(self._index),
+            "bytes": self._index.bytes,
+            "evictions": self.evictions,
+            "over_released": self.over_released,
+        }
 
 
 def _held(_key: CacheEngineKey, obj: MemoryObj) -> bool:
-    """Not evictable: someone besides the index holds a reference (a reader, a write-through)."""
-    return obj.get_ref_count() != 1
+    """Not evictable: someone besides the index holds a reference (a reader, a write-through).
+    An entry with no reference left (freed by a caller's extra release) is evictable."""
+    return obj.get_ref_count() > 1
 
 
 def _held_or_protected(
@@ -285,7 +305,7 @@ def _held_or_protected(
     """:func:`_held`, and every key of ``protect`` besides."""
 
     def held(key: CacheEngineKey, obj: MemoryObj) -> bool:
-        return obj.get_ref_count() != 1 or key in protect
+        return obj.get_ref_count() > 1 or key in protect
 
     return held
 

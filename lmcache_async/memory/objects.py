@@ -218,13 +218,30 @@ class MemoryObj:
     def release(self) -> None:
         """Give back the reference a ``get``/``batched_get`` handed you (the same as
         :meth:`ref_count_down`; ``with obj:`` does it at the end of the block). Read or copy
-        ``obj.tensor`` before: the pool may reuse the memory at once. Raises
-        :class:`DoubleReleaseError` when released more often than acquired."""
+        ``obj.tensor`` before: the pool may reuse the memory at once.
+
+        Release exactly once. References are counted, not named: a second release while a tier
+        still indexes the entry gives back the tier's reference instead (nothing is raised then;
+        the tier finds its entry released at its next lookup and drops it as a counted miss,
+        ``over_released``). :class:`DoubleReleaseError` is raised only once no reference is left."""
         self.ref_count_down()
 
     def get_ref_count(self) -> int:
         """Current number of references (0 once released)."""
         return self._refs
+
+    def try_ref_count_down(self) -> bool:
+        """Give one reference back unless none is left: False then, and nothing changes (for an
+        owner that must not raise when someone else released its reference already)."""
+        alloc = self._alloc
+        with alloc.lock:
+            if self._refs <= 0:
+                return False
+            self._refs -= 1
+            if self._refs == 0:
+                self._tensor = None
+                alloc._free_locked(self.offset, self.size)
+            return True
 
     def try_ref_count_up(self) -> bool:
         """Take a reference unless the object was already released (returns False then)."""

@@ -22,9 +22,10 @@ makes the pool safe to share with the thread that grows it); nothing here blocks
   and metadata stay readable through the token (``lease_held``) after the key was removed or
   evicted, until the hold is dropped (by any client of the namespace) or its TTL passes. Holds
   outlive the connection that took them (they exist for readers in other processes).
-* **Caps**, so one client cannot take every slot: per client, leases (``max_leases``), holds
-  (``max_client_holds``), uncommitted grants (``max_grants``), the block bytes its leases pin
-  (``max_pinned_fraction`` of the pool) and those its holds pin (half of that); per namespace,
+* **Caps**, so one client cannot take every slot: per client process (all of its connections
+  together, told apart by the pid ``SO_PEERCRED`` gives), leases (``max_leases``), holds
+  (``max_client_holds``), the block bytes its leases pin (``max_pinned_fraction`` of the pool)
+  and those its holds pin (half of that); per connection, uncommitted grants (``max_grants``); per namespace,
   leases (``max_namespace_leases``), holds (``max_holds``) and the bytes of the distinct blocks
   holds pin (``max_pinned_fraction`` of the pool).
 * The index is an :class:`~lmcache_async.lru.LruIndex` sized by payload bytes; eviction takes
@@ -51,6 +52,7 @@ from lmcache_async.server.namespace_records import (
     Grant,
     Hold,
     Lease,
+    ProcessShare,
     pinned_elsewhere,
 )
 from lmcache_async.server.protocol import COMMIT_FAILED, COMMIT_PRESENT, COMMIT_STORED, EntryMeta
@@ -107,7 +109,8 @@ class Namespace:
         self._ids = itertools.count(1)
         self.clients: dict[int, ClientState] = {}
         self._holds: dict[int, Hold] = {}
-        self._hold_owners: dict[int, ClientState] = {}  # live clients that took holds, by ident
+        #: What each client process holds, by pid (-ident when the kernel could not tell).
+        self._shares: dict[int, ProcessShare] = {}
         self._held_bytes = 0  # bytes of the distinct blocks holds pin
         self._held_blocks: dict[int, int] = {}  # block offset -> holds on it
         self._leases = 0  # leases of every client
@@ -145,7 +148,10 @@ class Namespace:
 
     # ---- clients ----------------------------------------------------------------------------
     def add_client(self, ident: int, pid: int = 0) -> ClientState:
-        st = ClientState(ident, pid)
+        key = pid if pid > 0 else -ident
+        share = self._shares.setdefault(key, ProcessShare(key))
+        share.conns += 1
+        st = ClientState(ident, pid, share=share)
         self.clients[ident] = st
         self.idle_since = None
         return st
@@ -158,6 +164,10 @@ class Namespace:
         for lease in st.leases.values():
             lease.obj.ref_count_down()
         self._leases -= len(st.leases)
+        st.share.leases -= len(st.leases)
+        st.share.pinned -= st.pinned
+        st.share.conns -= 1
+        self._forget_share(st.share)
         self.reclaimed_leases += len(st.leases)
         self.reclaimed_grants += len(st.grants)
         blocks = [g.obj for g in st.grants.values()]
@@ -170,7 +180,6 @@ class Namespace:
             for obj in blocks:
                 obj.ref_count_down()
         self.clients.pop(st.ident, None)
-        self._hold_owners.pop(st.ident, None)
         if not self.clients:
             self.idle_since = self._clock()
 
@@ -196,12 +205,17 @@ class Namespace:
         return [k in idx for k in keys]
 
     # ---- reads ---------------------------------------------------------------------------------
+    def _forget_share(self, share: ProcessShare) -> None:
+        """Drop a process's record once it has no connection and no hold left."""
+        if not share.conns and not share.holds and self._shares.get(share.key) is share:
+            del self._shares[share.key]
+
     def _may_lease(self, st: ClientState, obj: MemoryObj) -> bool:
         """The lease caps: per client (count and pinned bytes) and per namespace (count)."""
         if (
-            len(st.leases) >= self.max_leases
+            st.share.leases >= self.max_leases
             or self._leases >= self.max_namespace_leases
-            or (st.pinned and st.pinned + obj.size > self.max_pinned_bytes)  # one lease always fits
+            or (st.share.pinned and st.share.pinned + obj.size > self.max_pinned_bytes)  # one lease always fits
         ):
             self.refused_leases += 1
             return False
@@ -212,6 +226,8 @@ class Namespace:
         lid = next(self._ids)
         st.leases[lid] = Lease(obj, self._clock() + self.lease_ttl_s)
         st.pinned += obj.size
+        st.share.leases += 1
+        st.share.pinned += obj.size
         self._leases += 1
         self.hits += 1
         return lid
@@ -250,6 +266,8 @@ class Namespace:
 
     def _end_lease(self, st: ClientState, lease: Lease) -> None:
         st.pinned -= lease.obj.size
+        st.share.leases -= 1
+        st.share.pinned -= lease.obj.size
         self._leases -= 1
         lease.obj.ref_count_down()
 
@@ -268,8 +286,8 @@ class Namespace:
         if (
             len(self._holds) >= self.max_holds
             or (new_block and self._held_bytes and self._held_bytes + size > self.max_pinned_bytes)
-            or (st is not None and st.holds >= self.max_client_holds)
-            or (st is not None and st.held and st.held + size > self.max_pinned_bytes // 2)
+            or (st is not None and st.share.holds >= self.max_client_holds)
+            or (st is not None and st.share.held and st.share.held + size > self.max_pinned_bytes // 2)
         ):
             self.refused_holds += 1
             return None
@@ -278,13 +296,11 @@ class Namespace:
             token = secrets.randbits(63) | 1
         entry.obj.ref_count_up()
         self._index.touch(key)
-        owner = 0
-        if st is not None:
-            owner = st.ident
-            st.holds += 1
-            st.held += size
-            self._hold_owners[st.ident] = st
-        self._holds[token] = Hold(entry.obj, entry.meta, self._clock() + ttl_s, owner)
+        share = st.share if st is not None else None
+        if share is not None:
+            share.holds += 1
+            share.held += size
+        self._holds[token] = Hold(entry.obj, entry.meta, self._clock() + ttl_s, share)
         self._held_blocks[entry.obj.offset] = self._held_blocks.get(entry.obj.offset, 0) + 1
         self._held_bytes += size if new_block else 0
         self.holds_taken += 1
@@ -306,10 +322,10 @@ class Namespace:
         else:
             del self._held_blocks[off]
             self._held_bytes -= h.obj.size
-        owner = self._hold_owners.get(h.owner)
-        if owner is not None:
-            owner.holds -= 1
-            owner.held -= h.obj.size
+        if h.share is not None:
+            h.share.holds -= 1
+            h.share.held -= h.obj.size
+            self._forget_share(h.share)
         h.obj.ref_count_down()
 
     def lease_held(self, st: ClientState, token: int) -> tuple[int, MemoryObj, EntryMeta] | None:

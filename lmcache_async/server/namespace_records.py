@@ -2,7 +2,8 @@
 
 One job: the plain data of :class:`~lmcache_async.server.namespace.Namespace` — a committed
 :class:`Entry`, a reader's :class:`Lease`, a writer's :class:`Grant`, a namespace-wide
-:class:`Hold` and what one connection holds (:class:`ClientState`) — plus the
+:class:`Hold`, what one connection holds (:class:`ClientState`) and what all connections of one
+process hold together (:class:`ProcessShare`) — plus the
 :class:`EntryListener` protocol and eviction's rule (:func:`pinned_elsewhere`). No behaviour
 beyond that: the namespace owns every invariant between them. Loop thread only.
 """
@@ -22,6 +23,7 @@ __all__ = [
     "Grant",
     "Hold",
     "Lease",
+    "ProcessShare",
     "pinned_elsewhere",
 ]
 
@@ -77,15 +79,34 @@ class Hold:
     obj: MemoryObj
     meta: EntryMeta
     expires: float
-    owner: int
+    #: The process that took it (its holds count against that process until it ends), or None.
+    share: ProcessShare | None
+
+
+@dataclass
+class ProcessShare:
+    """What all connections of one client process hold in a namespace, so the per-client caps
+    bind a process, not a connection (eight connections of one process share one allowance).
+
+    ``leases``/``pinned``: its live leases and their block bytes; ``holds``/``held``: its live
+    holds and their block bytes (a block held twice counted twice); ``conns``: its open
+    connections; ``key``: its pid (-connection id when the kernel could not tell). Kept while it
+    has a connection or a hold."""
+
+    key: int = 0
+    leases: int = 0
+    pinned: int = 0
+    holds: int = 0
+    held: int = 0
+    conns: int = 0
 
 
 @dataclass
 class ClientState:
     """What one connection holds in its namespace; reclaimed by :meth:`Namespace.drop_client`.
 
-    ``pinned``: block bytes of its leases; ``holds``/``held``: holds it took that still live, and
-    their block bytes (a block held twice counted twice)."""
+    ``pinned``: block bytes of its leases; ``share``: what its process holds over all of its
+    connections (the caps are checked there)."""
 
     ident: int
     pid: int = 0
@@ -93,5 +114,4 @@ class ClientState:
     grants: dict[int, Grant] = field(default_factory=dict)
     requests: int = 0
     pinned: int = 0
-    holds: int = 0
-    held: int = 0
+    share: ProcessShare = field(default_factory=ProcessShare)

@@ -123,3 +123,35 @@ def test_allocate_into_a_full_pool_evicts_only_what_it_needs():
     again.ref_count_down()
     assert cpu.allocate((64 * 1024,), torch.float32) is None  # can never fit: nothing evicted
     assert cpu.evictions == 1
+
+
+def test_an_entry_released_once_too_often_is_dropped_as_a_miss_never_served(make_manager) -> None:
+    """References are counted, not named: a caller's second release gives back the CPU tier's own
+    reference and frees the block. The tier must then neither serve the freed block (another
+    key's bytes once the pool reuses it) nor raise on its next lookup, eviction or close."""
+    sm = make_manager(tier_order=["cpu"])
+    a, b = make_key(1), make_key(2)
+    assert sm.put_sync(a, torch.full((256,), 1.0))
+    obj = sm.get_sync(a)
+    assert obj is not None
+    obj.release()
+    obj.release()  # the caller's mistake: the tier's reference goes with it
+    assert sm.put_sync(b, torch.full((256,), 2.0))  # may reuse a's freed block
+    assert sm.get_sync(a) is None  # a counted miss, not b's bytes and not an exception
+    got = sm.get_sync(b)
+    assert got is not None and bool((got.tensor == 2.0).all())
+    got.release()
+    assert sm.backend("cpu").stats()["over_released"] == 1
+    assert not sm.contains_sync(a)
+    sm.close_sync()  # no DoubleReleaseError from the tier's close
+
+
+def test_an_over_released_entry_is_evictable_and_its_eviction_does_not_raise() -> None:
+    pool = PoolAllocator(2 * 4096, name="t-over", pretouch=False, align=256)
+    cpu = CPUBackend(pool, "LRU")
+    obj = _fill(cpu, make_key(1))
+    obj.ref_count_down()  # the index's reference, given back by someone else
+    for i in range(2, 6):  # fills past the pool: the freed entry is taken out of the index
+        _fill(cpu, make_key(i))
+    assert make_key(1) not in cpu
+    assert obj.get_ref_count() == 0

@@ -1,4 +1,4 @@
-"""The server against stalled, hostile and careless clients (issue 34): every case here broke a
+"""The server against stalled, hostile and careless clients: every case here broke a
 promise of docs/server.md before.
 
 Stalled writers (``SIGSTOP`` past the grant's TTL), a pool file a client tries to resize, namespace

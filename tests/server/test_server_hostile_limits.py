@@ -1,13 +1,16 @@
-"""The server's limits against hostile and careless clients (issue 34): an allocation checks it
+"""The server's limits against hostile and careless clients: an allocation checks it
 can fit before evicting, namespaces are released, holds and leases are capped per client and per
 namespace, stalled frames and idle connections are closed, the connection cap answers full, and CLEAR
-clears every tier. The first part of the issue is tested in test_server_hostile.py."""
+clears every tier. Stalled writers, pool files, namespace crossing and fake servers are tested in
+test_server_hostile.py."""
 
 from __future__ import annotations
 
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -89,18 +92,56 @@ def test_a_namespace_with_no_client_is_released_after_its_idle_time(make_server)
 
 
 # ---- 7. holds and leases are capped per client and per namespace ---------------------------------------
-def test_one_client_cannot_take_every_hold(make_server) -> None:
+#: Another process of the namespace asks for one hold of test entry 1 and prints how many it got.
+_HOLD_ONE = """
+import sys
+from lmcache_async.server.client import ServerClient
+from lmcache_async.testing.conformance import make_key
+client = ServerClient(sys.argv[1], "holds", timeout_s=10.0)
+tokens = client.hold([make_key(1).to_string().encode()], ttl_s=60) or []
+print("held", sum(1 for t in tokens if t))
+client.close()
+"""
+
+
+def test_one_client_process_cannot_take_every_hold_even_over_many_connections(make_server) -> None:
     srv = make_server(cache_server_max_client_holds=100).start()
     pool = PoolAllocator(4 << 20, name="t-holds", pretouch=False)
-    greedy = ServerClient(srv.socket, "holds", timeout_s=10.0)
-    polite = ServerClient(srv.socket, "holds", timeout_s=10.0)
-    assert put_entry(greedy, pool, 1)
-    tokens = greedy.hold([key_bytes(1)] * 4096, ttl_s=3600)
-    assert tokens is not None and sum(1 for t in tokens if t) == 100
-    mine = polite.hold([key_bytes(1)], ttl_s=60)
-    assert mine is not None and mine[0] != 0
-    greedy.close()
-    polite.close()
+    greedy = [ServerClient(srv.socket, "holds", timeout_s=10.0) for _ in range(8)]
+    try:
+        assert put_entry(greedy[0], pool, 1)
+        taken = []
+        for client in greedy:  # eight connections of one process share one allowance
+            tokens = client.hold([key_bytes(1)] * 4096, ttl_s=3600)
+            taken.append(sum(1 for t in tokens or [] if t))
+        assert sum(taken) == 100 and taken[0] == 100, taken
+        polite = subprocess.run(
+            [sys.executable, "-c", _HOLD_ONE, srv.socket], capture_output=True, text=True, timeout=60, check=False
+        )
+        assert polite.stdout.strip() == "held 1", polite.stderr  # another process still holds
+    finally:
+        for client in greedy:
+            client.close()
+
+
+def test_a_processs_connections_share_its_lease_caps_and_its_record_goes_with_it() -> None:
+    ns = Namespace("t", 1 << 20, lease_ttl_s=60.0, max_leases=2, max_grants=8, pretouch=False)
+    try:
+        meta = EntryMeta.of((256,), torch.uint8, MemoryFormat.KV_2LTD)
+        a1, a2, b = ns.add_client(1, pid=100), ns.add_client(2, pid=100), ns.add_client(3, pid=200)
+        got = ns.grant(b, 256)
+        assert got is not None
+        ns.commit(b, got[0], b"k", meta)
+        assert ns.lease(a1, b"k") and ns.lease(a2, b"k")
+        assert ns.lease(a2, b"k") is None and ns.refused_leases == 1  # pid 100 holds its two
+        assert ns.lease(b, b"k")  # pid 200 has its own allowance
+        assert ns.hold(b"k", 60.0, a1) is not None
+        ns.drop_client(a1)
+        ns.drop_client(a2)
+        assert ns.lease(ns.add_client(4, pid=100), b"k")  # its leases ended with its connections
+        assert len(ns._shares) == 2  # pid 100 (a hold and a connection) and pid 200
+    finally:
+        ns.close()
 
 
 def test_a_killed_holder_pins_at_most_its_share_of_the_pool(make_server) -> None:
