@@ -7,6 +7,8 @@ connection); nothing here retries, counts or logs: callers turn the exceptions i
   the one configured) before it sends anything, runs the handshake and maps the namespace pool
   handed over as a memfd; ``ServerUnavailable`` when the server is not who we expect, refuses us
   or answers something else, ``OSError`` when it cannot be reached, all bounded by the deadline.
+  A server that refused us before reading our hello (its connection cap) is still heard: when
+  the hello cannot be sent, its answer is read and its refusal raised.
 * :func:`exchange` sends one request (after any unanswered frames) and reads its answer;
   ``ConnectionError`` when the server closed the connection (a server that stopped or
   restarted), ``TimeoutError`` at the deadline, ``ProtocolError`` for an answer of another request.
@@ -26,6 +28,7 @@ import os
 import socket
 import struct
 import time
+from typing import NoReturn
 
 import torch
 
@@ -158,24 +161,13 @@ def connect(
             raise ServerUnavailable(f"{path} is served by uid {got}, not by uid {mine}{also} (nothing sent)")
         ns = namespace.encode("utf-8")
         tok = (token or "").encode("utf-8")
-        sock.sendall(HELLO.pack(MAGIC, VERSION, int(mode), len(ns), len(tok)) + ns + tok)
-        sock.settimeout(max(deadline - time.monotonic(), 0.001))
-        msg, fds, _flags, _addr = socket.recv_fds(sock, WELCOME.size, 1)
         try:
-            if len(msg) < 6:
-                raise ServerUnavailable("short handshake answer")
-            if msg[:4] != MAGIC:
-                raise ServerUnavailable("not a cache server")
-            version = struct.unpack_from("<H", msg, 4)[0]
-            if version != VERSION:
-                raise ServerUnavailable(f"cache server speaks protocol version {version}, this client {VERSION}")
-            if len(msg) != WELCOME.size:
-                raise ServerUnavailable("short handshake answer")
-            _magic, _version, status, gen, pool_bytes, data_off, align, _ml, _mg, ttl_ms = WELCOME.unpack(msg)
-            if status != Status.OK:
-                names = {int(v): v.name for v in Status}
-                why = REFUSALS.get(Status(status)) if status in names else None
-                raise ServerUnavailable(f"admission refused: {names.get(status, status)}" + (f": {why}" if why else ""))
+            sock.sendall(HELLO.pack(MAGIC, VERSION, int(mode), len(ns), len(tok)) + ns + tok)
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            _raise_answer(sock, deadline, exc)  # a server that refused us before reading: its answer
+        msg, fds = _recv_welcome(sock, deadline)
+        try:
+            gen, pool_bytes, data_off, align, ttl_ms = _check_welcome(msg)
             mapping = None
             if mode == Mode.CLIENT:
                 if len(fds) != 1:
@@ -193,6 +185,46 @@ def connect(
     except BaseException:
         sock.close()
         raise
+
+
+def _recv_welcome(sock: socket.socket, deadline: float) -> tuple[bytes, list[int]]:
+    """The server's WELCOME (at most its size) and the descriptors that came with it."""
+    sock.settimeout(max(deadline - time.monotonic(), 0.001))
+    msg, fds, _flags, _addr = socket.recv_fds(sock, WELCOME.size, 1)
+    return msg, fds
+
+
+def _raise_answer(sock: socket.socket, deadline: float, send_error: OSError) -> NoReturn:
+    """Our hello could not be sent: raise the refusal the server sent before it closed (a
+    server at its connection cap may answer FULL and close without reading), else ``send_error``."""
+    try:
+        msg, fds = _recv_welcome(sock, deadline)
+    except OSError:
+        raise send_error from None
+    for fd in fds:
+        os.close(fd)
+    _check_welcome(msg)  # raises the refusal when there is one
+    raise send_error
+
+
+def _check_welcome(msg: bytes) -> tuple[int, int, int, int, int]:
+    """(generation, pool_bytes, data_offset, align, lease_ttl_ms) of an OK WELCOME;
+    ``ServerUnavailable`` saying why for a refusal or an answer that is not a WELCOME."""
+    if len(msg) < 6:
+        raise ServerUnavailable("short handshake answer")
+    if msg[:4] != MAGIC:
+        raise ServerUnavailable("not a cache server")
+    version = struct.unpack_from("<H", msg, 4)[0]
+    if version != VERSION:
+        raise ServerUnavailable(f"cache server speaks protocol version {version}, this client {VERSION}")
+    if len(msg) != WELCOME.size:
+        raise ServerUnavailable("short handshake answer")
+    _magic, _version, status, gen, pool_bytes, data_off, align, _ml, _mg, ttl_ms = WELCOME.unpack(msg)
+    if status != Status.OK:
+        names = {int(v): v.name for v in Status}
+        why = REFUSALS.get(Status(status)) if status in names else None
+        raise ServerUnavailable(f"admission refused: {names.get(status, status)}" + (f": {why}" if why else ""))
+    return gen, pool_bytes, data_off, align, ttl_ms
 
 
 def peer_open(conn: Connection) -> bool:

@@ -108,6 +108,7 @@ class Status(enum.IntEnum):
     OK = 0
     BAD_VERSION = 1
     BAD_TOKEN = 2
+    """The peer's uid/gid may join, but its token is not the one wanted."""
     BAD_NAMESPACE = 3
     FULL = 4
     """The server holds its cap of connections (``cache_server_max_connections``)."""
@@ -115,6 +116,9 @@ class Status(enum.IntEnum):
     """The namespace's pool could not be created (the server's log says why)."""
     TOO_MANY_NAMESPACES = 6
     """The server holds its cap of namespaces in use (``cache_server_max_namespaces``)."""
+    NOT_ALLOWED = 7
+    """The peer's uid/gid may not join the namespace (or open a status connection), whatever its
+    token (``cache_server_namespaces``; unbound namespaces admit the server's user and root)."""
 
 
 #: What a refused client is told, by status.
@@ -125,6 +129,7 @@ REFUSALS = {
     Status.FULL: "the server holds its cap of connections (cache_server_max_connections)",
     Status.NO_POOL: "the server could not create this namespace's pool (its log says why)",
     Status.TOO_MANY_NAMESPACES: "the server holds its cap of namespaces in use (cache_server_max_namespaces)",
+    Status.NOT_ALLOWED: "this user may not join the namespace (its uid/gid binding in cache_server_namespaces)",
 }
 
 

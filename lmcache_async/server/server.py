@@ -18,68 +18,72 @@ uid are one trust domain (they can read each other's memory). Every offset, size
 client sends is checked before it is used; a client can only release its own leases and commit its
 own grants.
 
-Limits: a connection cap (``cache_server_max_connections``: beyond it a client is answered FULL),
+Limits: a connection cap (``cache_server_max_connections``: beyond it a client is answered FULL
+once its hello is read; status connections of our user or root have a small reserve past it),
 a timeout on partial frames and on idle connections, and a server-wide bound on the bytes of
 partial frames held (a connection over it stops being read until others drain). Namespaces with
 no client are released after ``cache_server_namespace_idle_s`` (at once when they hold nothing and
 a new namespace needs the slot).
 
-Layout: this module accepts, admits and serves connections; each request's handler is
-:mod:`~lmcache_async.server.ops`'s, who may join a namespace :mod:`~lmcache_async.server.policies`',
-and where the socket lives :mod:`~lmcache_async.server.socket_dir`'s.
+Layout: this module accepts and serves connections; each request's handler is
+:mod:`~lmcache_async.server.ops`'s, who may join a namespace :mod:`~lmcache_async.server.policies`'
+and :mod:`~lmcache_async.server.admission`'s (which also reads and answers the handshake), and
+where the socket lives :mod:`~lmcache_async.server.socket_dir`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import itertools
 import logging
 import os
 import resource
 import signal
 import socket
-import struct
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from lmcache_async.ratelog import RateLimitedLog
+from lmcache_async.server.admission import (
+    HELLO_WAIT_S,
+    OVER_CAP_PENDING,
+    STATUS_RESERVE,
+    Admission,
+    Hello,
+    WelcomeLimits,
+    answer_full,
+    peer_credentials,
+    read_hello,
+    send_welcome,
+)
 from lmcache_async.server.frames import MAY_WAIT, Conn, FrameProtocol
 from lmcache_async.server.growth import PoolGrowth, check_pool_size
 from lmcache_async.server.lower import LowerStore, wants_lower_tiers
 from lmcache_async.server.namespace import Namespace
 from lmcache_async.server.ops import RequestHandlers
 from lmcache_async.server.policies import NamespacePolicy, parse_namespace_policies
-from lmcache_async.server.protocol import (
-    HELLO,
-    MAGIC,
-    MAX_NAMESPACE_BYTES,
-    MAX_TOKEN_BYTES,
-    REFUSALS,
-    VERSION,
-    WELCOME,
-    Mode,
-    Op,
-    ProtocolError,
-    Reader,
-    Status,
-)
-from lmcache_async.server.shm import HEADER_BYTES
+from lmcache_async.server.protocol import REFUSALS, VERSION, Mode, Op, ProtocolError, Reader, Status
 from lmcache_async.server.socket_dir import default_socket_path, prepare_socket_dir
 
 if TYPE_CHECKING:
     from lmcache_async.config import LMCacheEngineConfig
     from lmcache_async.server.events import ServerEvents
 
-__all__ = ["CacheServer", "NamespacePolicy", "default_socket_path", "parse_namespace_policies", "prepare_socket_dir"]
+__all__ = [
+    "STATUS_RESERVE",
+    "CacheServer",
+    "NamespacePolicy",
+    "default_socket_path",
+    "parse_namespace_policies",
+    "prepare_socket_dir",
+]
 
 logger = logging.getLogger(__name__)
 
 _HANDSHAKE_TIMEOUT_S = 5.0
-_PEERCRED = struct.Struct("3i")
 
 
 class CacheServer:
@@ -123,6 +127,9 @@ class CacheServer:
         self._budget_waiting: set[FrameProtocol] = set()
         self.policies = parse_namespace_policies(config.cache_server_namespaces)
         self._uid = os.getuid()
+        #: Who may join what (the namespaces' uid/gid bindings and tokens).
+        self.admission = Admission(self.policies, self.token, self._uid)
+        self._welcome = WelcomeLimits(self.max_leases, self.max_grants, self.lease_ttl_s)
         #: Whether a namespace admits users other than ours (the socket is then open to all).
         self.shared_socket = any((p.uids - {self._uid}) or p.gids for p in self.policies.values())
         self._reserve = None if config.memory_reserve_size is None else gib_to_bytes(config.memory_reserve_size)
@@ -133,6 +140,9 @@ class CacheServer:
         self._conns: dict[int, Conn] = {}
         self._protos: dict[int, FrameProtocol] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        #: Connections past the cap: waiting for their hello, or status ones in the reserve.
+        self._over: set[asyncio.Task[None]] = set()
+        self._reserve_used = 0
         self._ids = itertools.count(1)
         self._listener: socket.socket | None = None
         self._stopping: asyncio.Event | None = None
@@ -198,9 +208,10 @@ class CacheServer:
             self._listener = None
             with contextlib.suppress(OSError):
                 self.socket_path.unlink()
-        for task in list(self._tasks):
+        tasks = [*self._tasks, *self._over]
+        for task in tasks:
             task.cancel()
-        for task in list(self._tasks):
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         if self.lower is not None:  # flush the write-through (bounded) before the pools go
@@ -266,26 +277,58 @@ class CacheServer:
                 self._log.warning("cache server: accept failed: %s", exc, key="accept")
                 await asyncio.sleep(0.05)
                 continue
-            if len(self._tasks) >= self.max_connections:
-                self.refused_connections += 1
-                self._log.warning("cache server: %d connections, refusing one more", len(self._tasks), key="cap")
-                with contextlib.suppress(OSError):
-                    self._send_welcome(conn, Status.FULL, None)
-                conn.close()
+            if len(self._tasks) < self.max_connections:
+                tasks, task = self._tasks, asyncio.ensure_future(self._handle(loop, conn))
+            elif len(self._over) < OVER_CAP_PENDING + STATUS_RESERVE:
+                tasks, task = self._over, asyncio.ensure_future(self._over_cap(loop, conn))
+            else:  # too many waiting already: answered without reading its hello (the client reads it)
+                self._refuse_full(conn)
                 continue
-            task = asyncio.ensure_future(self._handle(loop, conn))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    async def _over_cap(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+        """A connection past the cap: its hello is read (for at most :data:`HELLO_WAIT_S`) before
+        it is answered FULL, so the client's send never meets a closed socket; a status connection
+        of our user or root is served within the reserve (:data:`STATUS_RESERVE`) instead."""
+        try:
+            hello: Hello | None = await asyncio.wait_for(read_hello(loop, sock), HELLO_WAIT_S)
+        except (OSError, EOFError, ProtocolError, TimeoutError):
+            hello = None
+        except asyncio.CancelledError:
+            sock.close()
+            raise
+        uid = peer_credentials(sock)[0]
+        if (
+            hello is None
+            or hello.mode != Mode.STATUS
+            or self._reserve_used >= STATUS_RESERVE
+            or (not self.admission.may_use_reserve(uid))
+        ):
+            self._refuse_full(sock)
+            return
+        self._reserve_used += 1
+        try:
+            await self._handle(loop, sock, hello)
+        finally:
+            self._reserve_used -= 1
+
+    def _refuse_full(self, sock: socket.socket) -> None:
+        self.refused_connections += 1
+        self._log.warning("cache server: %d connections, refusing one more", len(self._tasks), key="cap")
+        answer_full(sock, self._welcome)
 
     # ---- one connection --------------------------------------------------------------------------
-    async def _handle(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    async def _handle(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, hello: Hello | None = None) -> None:
+        """Admit and serve one connection until it closes (``hello``: already read)."""
         conn: Conn | None = None
         proto: FrameProtocol | None = None
         try:
-            conn = await asyncio.wait_for(self._handshake(loop, sock), _HANDSHAKE_TIMEOUT_S)
+            conn = await asyncio.wait_for(self._handshake(loop, sock, hello), _HANDSHAKE_TIMEOUT_S)
             if conn is None:
                 return
-            self.connections_total += 1
+            if conn.ns is not None:  # client connections only: status queries are not counted
+                self.connections_total += 1
             self._conns[conn.ident] = conn
             closed: asyncio.Future[None] = loop.create_future()
             proto = FrameProtocol(self, conn, closed)
@@ -314,68 +357,37 @@ class CacheServer:
             with contextlib.suppress(OSError):
                 sock.close()
 
-    async def _recv_exact(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = await loop.sock_recv(sock, n - len(buf))
-            if not chunk:
-                raise EOFError("peer closed during the handshake")
-            buf += chunk
-        return bytes(buf)
-
     def admits(self, name: str, uid: int, gid: int, token: bytes) -> bool:
         """Whether a peer of ``uid``/``gid`` presenting ``token`` may join (and see) namespace
-        ``name`` (see :class:`NamespacePolicy`; unbound namespaces admit our user and root)."""
-        pol = self.policies.get(name)
-        if pol is None or not (pol.uids or pol.gids):
-            uid_ok = uid in (self._uid, 0)
-        else:
-            uid_ok = uid == 0 or uid in pol.uids or gid in pol.gids
-        want = pol.token if pol is not None and pol.token is not None else self.token
-        return uid_ok and (want is None or hmac.compare_digest(token, want.encode()))
+        ``name`` (see :class:`~lmcache_async.server.admission.Admission`)."""
+        return self.admission.admits(name, uid, gid, token)
 
-    def _admits_status(self, uid: int, gid: int, token: bytes) -> bool:
-        """A status connection: our user or root with the server token, or a peer some bound
-        namespace admits (it then sees only those)."""
-        if self.admits("", uid, gid, token):
-            return True
-        return any(self.admits(name, uid, gid, token) for name in self.policies)
-
-    async def _handshake(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Conn | None:
-        uid, gid, pid = self._peer(sock)
-        head = await self._recv_exact(loop, sock, HELLO.size)
-        magic, version, mode, ns_len, tok_len = HELLO.unpack(head)
-        if magic != MAGIC:
-            raise ProtocolError("bad handshake magic")
-        if ns_len > MAX_NAMESPACE_BYTES or tok_len > MAX_TOKEN_BYTES or mode not in (Mode.CLIENT, Mode.STATUS):
-            raise ProtocolError("bad handshake fields")
-        rest = await self._recv_exact(loop, sock, ns_len + tok_len)
-        ns_name_b, token = rest[:ns_len], rest[ns_len:]
-        status = Status.OK
+    async def _handshake(
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, hello: Hello | None = None
+    ) -> Conn | None:
+        """Read the hello (unless given), decide and answer it: the admitted connection, or None
+        after a refusal was sent. ``ProtocolError`` for a malformed hello."""
+        uid, gid, pid = peer_credentials(sock)
+        if hello is None:
+            hello = await read_hello(loop, sock)
+        status: Status | None = None
         ns: Namespace | None = None
-        if version != VERSION:
+        name = hello.name()
+        if hello.version != VERSION:
             status = Status.BAD_VERSION
-        elif mode == Mode.STATUS:
-            if not self._admits_status(uid, gid, token):
-                status = Status.BAD_TOKEN
+        elif hello.mode == Mode.STATUS:
+            status = self.admission.status_refusal(uid, gid, hello.token)
+        elif name is None:
+            status = Status.BAD_NAMESPACE
         else:
-            try:
-                ns_name = ns_name_b.decode("utf-8")
-            except UnicodeDecodeError:
-                ns_name = ""
-            if not ns_name or any(ord(c) < 32 for c in ns_name):
-                status = Status.BAD_NAMESPACE
-            elif not self.admits(ns_name, uid, gid, token):
-                status = Status.BAD_TOKEN
-            else:
-                ns = self.namespaces.get(ns_name)
-                if ns is None:
-                    ns, status = self._new_namespace(ns_name)
-        if status is not Status.OK:
+            status = self.admission.refusal(name, uid, gid, hello.token)
+            if status is None and (ns := self.namespaces.get(name)) is None:
+                ns, status = self._new_namespace(name)
+        if status is not None and status is not Status.OK:
             self.rejected += 1
             logger.info(
                 "cache server: refused pid %d (uid %d, namespace %r): %s",
-                pid, uid, ns_name_b.decode("utf-8", "replace"), REFUSALS.get(status, status.name),
+                pid, uid, hello.namespace.decode("utf-8", "replace"), REFUSALS.get(status, status.name),
             )  # fmt: skip
             self._send_welcome(sock, status, None)
             return None
@@ -384,12 +396,12 @@ class CacheServer:
             logger.info("cache server: admitted pid %d (uid %d) to namespace %r", pid, uid, ns.name)
         state = ns.add_client(ident, pid) if ns is not None else None
         try:
-            self._send_welcome(sock, status, ns)
+            self._send_welcome(sock, Status.OK, ns)
         except BaseException:
             if ns is not None and state is not None:
                 ns.drop_client(state)
             raise
-        return Conn(ident, ns, state, uid, pid, gid, token)
+        return Conn(ident, ns, state, uid, pid, gid, hello.token)
 
     def _new_namespace(self, name: str) -> tuple[Namespace | None, Status]:
         """A new namespace (its pool created) and OK; or None and why not: the server holds its
@@ -426,36 +438,8 @@ class CacheServer:
         )
         return ns, Status.OK
 
-    @staticmethod
-    def _peer(sock: socket.socket) -> tuple[int, int, int]:
-        """(uid, gid, pid) of the peer (-1, -1, 0 when the kernel cannot tell)."""
-        try:
-            pid, uid, gid = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-        except OSError:
-            return -1, -1, 0
-        return uid, gid, pid
-
     def _send_welcome(self, sock: socket.socket, status: Status, ns: Namespace | None) -> None:
-        gen = ns.generation if ns is not None else 0
-        size = ns.pool.capacity if ns is not None else 0
-        align = ns.pool.align if ns is not None else 0
-        msg = WELCOME.pack(
-            MAGIC,
-            VERSION,
-            int(status),
-            gen,
-            size,
-            HEADER_BYTES,
-            align,
-            self.max_leases,
-            self.max_grants,
-            int(self.lease_ttl_s * 1000),
-        )
-        # A fresh socket's send buffer is empty, so this small message never blocks.
-        if ns is not None:
-            socket.send_fds(sock, [msg], [ns.pool.fd])
-        else:
-            sock.send(msg)
+        send_welcome(sock, status, ns, self._welcome)
 
     def dispatch_now(self, conn: Conn, op: Op, r: Reader) -> bytes | None:
         """:meth:`dispatch` run to its end on the caller's stack; only for requests that
