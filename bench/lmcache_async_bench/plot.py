@@ -214,8 +214,15 @@ def _draw_size_panel(ax: Any, title: str, rs: list[Result], colors: dict[str, st
     if len(ticks) > 1:  # a little room left and right of the outermost sizes
         ax.set_xlim(ticks[0] / 1.4, ticks[-1] * 1.4)
     ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=7, loc="best", framealpha=0.85)
+    _, labels = ax.get_legend_handles_labels()
+    ncol = 2 if max(map(len, labels), default=0) <= LEGEND_WIDE else 1  # long labels: one column, no clipping
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=ncol)  # below: never over the data
     return drew_target
+
+
+LEGEND_WIDE = 48
+"""Legend labels longer than this many characters get a one-column legend (two would be wider
+than the panel)."""
 
 
 LOG_Y_SPAN = 20.0

@@ -344,7 +344,12 @@ def _size_figures(label: str, nbytes: int, conc: int, s: dict[str, list[float]])
                 target=0.85,
                 target_kind="min",
                 note=f"median of paired rounds {_paired(s[f'{op}_tier'], s[f'{op}_raw2']):.3f}",
-                params={"size": nbytes, "in_flight": conc},
+                params={
+                    "size": nbytes,
+                    "panel": "mooncake tier vs the raw calls it uses",
+                    "series": op,
+                    "in_flight": conc,
+                },
             )
         )
         if f"{op}_redis" in s:
@@ -358,7 +363,12 @@ def _size_figures(label: str, nbytes: int, conc: int, s: dict[str, list[float]])
                     med(s[f"{op}_redis"]),
                     higher_is_better=True,
                     note=f"informational; median of paired rounds {_paired(s[f'{op}_tier'], s[f'{op}_redis']):.3f}",
-                    params={"size": nbytes, "in_flight": conc},
+                    params={
+                        "size": nbytes,
+                        "panel": "mooncake tier vs the Redis tier",
+                        "series": op,
+                        "in_flight": conc,
+                    },
                 )
             )
     return out

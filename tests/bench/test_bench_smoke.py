@@ -109,6 +109,28 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     assert only_ratios.stat().st_size > 0
 
 
+def test_each_mooncake_figure_kind_has_a_panel_of_its_own_with_its_legend_below_the_data() -> None:
+    """Every Mooncake size figure names its panel and series, so no panel collects every kind
+    (one did: eighteen legend entries over the data); and the legend sits under the axes."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from lmcache_async_bench.plot import _draw_size_panel
+    from lmcache_async_bench.remote_mooncake import _size_figures
+
+    samples = {f"{op}_{kind}": [1e-3, 1.1e-3] for op in ("put", "get") for kind in ("tier", "raw", "raw2", "redis")}
+    rs = _size_figures("1 MiB", 1 << 20, 4, samples)
+    assert all({"panel", "series"} <= set(r.params) for r in rs), [r.name for r in rs]
+    panels = {r.params["panel"] for r in rs}
+    assert len(panels) == 3
+    fig, ax = plt.subplots()
+    try:
+        _draw_size_panel(ax, "p", [r for r in rs if r.params["panel"] == "mooncake tier"])
+        fig.canvas.draw()
+        legend = ax.get_legend().get_window_extent()
+        assert legend.y1 <= ax.get_window_extent().y0  # below the axes, never over the data
+    finally:
+        plt.close(fig)
+
+
 # ---- the comparison ----------------------------------------------------------------------------
 def _worker(system: str, *args: str, tmp: Path) -> dict[str, object]:
     cmd = [
