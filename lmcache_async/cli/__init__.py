@@ -1,7 +1,8 @@
 """The ``lmcache-async`` command: ``demo``, ``config``, ``bench``, ``inspect``, ``keys``, ``serve``, ``status``.
 
-Exit status: 0 success; 1 a check failed (the demo's, corrupt entries found by ``inspect``,
-nothing measured by ``bench``) or an unexpected error; 2 a usage or configuration error.
+Exit status: 0 success; 1 a check failed (the demo's, a configuration ``config`` finds wrong
+or cannot load, corrupt entries found by ``inspect``, nothing measured by ``bench``) or an
+unexpected error; 2 a usage error, or a configuration error of another command.
 Errors are one line on stderr: a usage or configuration error says what to change; an
 unexpected error names the file its traceback was written to (see :func:`error_log_dir`).
 """
@@ -175,8 +176,17 @@ def _load_config(args: argparse.Namespace) -> Any:
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
-    if args.explain is not None:
-        return _explain(args)
+    """``config``: 0 when the configuration loads and checks clean (warnings allowed), 1 when it
+    does not load or a check finds an error (one line each on stderr), 2 for a usage mistake."""
+    from lmcache_async.errors import ConfigError
+
+    try:
+        return _explain(args) if args.explain is not None else _show_config(args)
+    except ConfigError as exc:  # the configuration is what this command checks: a failed check
+        return _fail(f"{PROG} config", f"error: {exc}", 1)
+
+
+def _show_config(args: argparse.Namespace) -> int:
     from lmcache_async.config.check import check_config, redacted
 
     config = _load_config(args)
@@ -250,20 +260,21 @@ def _bounds_text(metadata: list[Any]) -> str:
 
 def _explain(args: argparse.Namespace) -> int:
     from lmcache_async.config import CONFIG_FILE_ENV, EC_ENV_PREFIX, ENV_PREFIX, LMCacheEngineConfig
+    from lmcache_async.config.check import redacted
     from lmcache_async.errors import ConfigError
 
     key = config_key(args.explain)
     info = LMCacheEngineConfig.model_fields[key]
     kind = _type_text(info.annotation)
     bounds = _bounds_text(info.metadata)
-    default = info.get_default(call_default_factory=True)
+    default = redacted(key, info.get_default(call_default_factory=True))
     set_with = [f"YAML key {key} (file: --file or ${CONFIG_FILE_ENV})", f"env {ENV_PREFIX}{key.upper()}"]
     if args.ec:
         set_with += [f"YAML key ec_{key} or ec: {{{key}: ...}}", f"env {EC_ENV_PREFIX}{key.upper()}"]
     problem: ConfigError | None = None
     try:
         cfg = _load_config(args)
-        value: Any = getattr(cfg, key)
+        value: Any = redacted(key, getattr(cfg, key))  # masked as the table and --json mask it
         source: str | None = cfg.source_of(key)
     except ConfigError as exc:  # explain the key all the same, then report why nothing loads
         problem, value, source = exc, None, None
@@ -317,80 +328,6 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- node cache server -------------------------------------------------------------------------
-def _cmd_serve(args: argparse.Namespace) -> int:
-    import logging
-
-    from lmcache_async.config import load_engine_config
-    from lmcache_async.server import run_server
-    from lmcache_async.server.server import default_socket_path
-
-    logging.getLogger().setLevel(getattr(logging, args.log_level))
-    config = load_engine_config(args.config)
-    if args.events is not None:
-        try:
-            import msgspec  # noqa: F401
-            import zmq  # noqa: F401
-        except ImportError as exc:
-            raise UsageError(f"--events needs pyzmq and msgspec ({exc}); pip install 'lmcache-async[events]'",
-                             f"{PROG} serve") from None  # fmt: skip
-    try:
-        return run_server(config, args.socket or default_socket_path(), args.events)
-    except ValueError as exc:  # socket directory not private, a server already there, bad sizes, events endpoint
-        raise UsageError(str(exc), f"{PROG} serve") from None
-
-
-def _human_bytes(n: object) -> str:
-    """``n`` bytes in binary units (``1.5 GiB``); ``?`` for a value that is not a number."""
-    if not isinstance(n, int | float):
-        return "?"
-    v = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(v) < 1024 or unit == "GiB":
-            return f"{int(v)} B" if unit == "B" else f"{v:.1f} {unit}"
-        v /= 1024
-    return f"{v:.1f} TiB"  # pragma: no cover
-
-
-def _cmd_status(args: argparse.Namespace) -> int:
-    from lmcache_async.server import query_status
-    from lmcache_async.server.server import default_socket_path
-
-    args.socket = args.socket or str(default_socket_path())
-    try:
-        st = query_status(args.socket, token=args.token, timeout_s=args.timeout)
-    except (OSError, ValueError) as exc:
-        msg = one_line(exc)
-        if msg.startswith("admission refused"):  # it answered, and said no
-            print(f"{PROG} status: the cache server on {args.socket} refused this query: {msg}", file=sys.stderr)
-        else:
-            print(f"{PROG} status: no cache server answers on {args.socket}: {msg}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(st, indent=2, sort_keys=True))
-        return 0
-    print(f"server   pid {st.get('pid')} on {st.get('socket')}, up {st.get('uptime_s', 0):.0f} s")
-    print(f"tiers    {', '.join(st.get('tiers', []))}")
-    print(
-        f"clients  {st.get('clients')} connected ({st.get('connections_total')} since start, "
-        f"{st.get('rejected')} refused, {st.get('protocol_errors')} closed for bad messages)"
-    )
-    namespaces = st.get("namespaces", {})
-    if not namespaces:
-        print("namespaces  none yet")
-    for name, ns in sorted(namespaces.items()):
-        used, cap = ns.get("pool_used_bytes", 0), ns.get("pool_capacity_bytes", 0)
-        committed = ns.get("pool_committed_bytes", cap)
-        print(
-            f"namespace {name!r}: {ns.get('entries')} entries, {_human_bytes(ns.get('bytes'))}, pool "
-            f"{_human_bytes(used)} used of {_human_bytes(committed)} committed (up to {_human_bytes(cap)}), "
-            f"{ns.get('clients')} clients, {ns.get('leases')} leases, {ns.get('grants')} grants, "
-            f"hit rate {ns.get('hit_rate', 0.0):.1%} ({ns.get('hits')} hits, {ns.get('misses')} misses), "
-            f"{ns.get('evictions')} evictions, generation {ns.get('generation', 0):x}"
-        )
-    return 0
-
-
 # ---- the parser --------------------------------------------------------------------------------
 def _add_inspect(sub: Any) -> None:
     """Add ``inspect`` (a disk-tier directory's entries, :mod:`lmcache_async.disk.tools`) to ``sub``."""
@@ -418,7 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_demo, _add_config, _add_bench, _add_serve, _add_status, _add_keygen, _add_inspect):
+    from lmcache_async.cli.serve import add_serve_parser, add_status_parser
+
+    for add in (_add_demo, _add_config, _add_bench, add_serve_parser, add_status_parser, _add_keygen, _add_inspect):
         add(sub)
     from lmcache_async.cli.keys import add_keys_parser
 
@@ -487,46 +426,6 @@ def _add_bench(sub: Any) -> None:
     b.set_defaults(func=_cmd_bench)
 
 
-def _add_serve(sub: Any) -> None:
-    """Add ``serve`` (the node cache server, in the foreground) to ``sub``."""
-    sv = sub.add_parser(
-        "serve",
-        help="run the node cache server (foreground)",
-        description="Serve one shared-memory cache pool per namespace (model) to every process on this "
-        "machine over a Unix socket (clients use tier 'server' with cache_server_socket). Runs in the "
-        "foreground and logs to stderr; SIGTERM stops accepting, closes clients and exits 0.",
-    )
-    sv.add_argument(
-        "--socket",
-        help="Unix socket path (its directory must be 0700; created if absent). Default: "
-        "$XDG_RUNTIME_DIR/lmcache-async/cache.sock, else <temp dir>/lmcache-async-<uid>/cache.sock",
-    )
-    sv.add_argument("--config", help="YAML file (default: $LMCACHE_CONFIG_FILE); max_local_cpu_size sizes each pool")
-    sv.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    sv.add_argument(
-        "--events",
-        metavar="tcp://HOST:PORT",
-        help="publish the pools' KV events (vLLM's format, ZMQ PUB) there, with replay and snapshots on the "
-        "next port (docs: Routing on the cache); needs the events extra",
-    )
-    sv.set_defaults(func=_cmd_serve)
-
-
-def _add_status(sub: Any) -> None:
-    """Add ``status`` (a running cache server's figures) to ``sub``."""
-    st = sub.add_parser(
-        "status",
-        help="print a running cache server's tiers, clients, namespaces and leases",
-        description="Ask the cache server on --socket for its figures: tiers, clients, namespaces with "
-        "entries, bytes, hit rates, leases and grants. Exit status 1 when no server answers.",
-    )
-    st.add_argument("--socket", help="the server's Unix socket (default: the one serve uses by default)")
-    st.add_argument("--token", help="token, when the server requires one (cache_server_token)")
-    st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer (default 5)")
-    st.add_argument("--json", action="store_true", help="print JSON")
-    st.set_defaults(func=_cmd_status)
-
-
 def _add_keygen(sub: Any) -> None:
     """Add ``keygen`` (write a new encryption key file) to ``sub``."""
     kg = sub.add_parser(
@@ -540,6 +439,17 @@ def _add_keygen(sub: Any) -> None:
     kg.set_defaults(func=_cmd_keygen)
 
 
+def _suite_hint(argv: Sequence[str], message: str) -> str | None:
+    """``did you mean --suite NAME?`` when ``message`` (a usage error of command line ``argv``)
+    rejects words after ``bench`` that name suites; None otherwise."""
+    prefix = "unrecognized arguments: "
+    if not argv or argv[0] != "bench" or not message.startswith(prefix):
+        return None
+    words = message[len(prefix) :].split(" (see ")[0].split()
+    suites = [w for w in words if w in BENCH_SUITES or w in OPT_IN_SUITES]
+    return f"did you mean {' '.join(f'--suite {w}' for w in suites)}?" if suites else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``lmcache-async``; returns the exit status (see the module docstring)."""
     import logging
@@ -549,13 +459,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser()
     prog = PROG
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parser.parse_args(argv)
         prog = f"{PROG} {args.command}"
         rc: int = args.func(args)
         return rc
     except UsageError as exc:
-        return _fail(exc.prog or prog, f"error: {exc}", 2)
+        status = _fail(exc.prog or prog, f"error: {exc}", 2)
+        hint = _suite_hint(argv, str(exc))
+        if hint:
+            print(f"{PROG} bench: {hint}", file=sys.stderr, flush=True)
+        return status
     except (ConfigError, BackendUnavailableError) as exc:
         return _fail(prog, f"error: {exc}", 2)
     except KeyboardInterrupt:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from lmcache_async.config import LMCacheEngineConfig
+from lmcache_async.config.units import human_bytes
 from lmcache_async.metadata import LMCacheEngineMetadata
 
 __all__ = ["CHUNK", "KV_WIDTH", "LAYERS", "PROMPTS", "PROMPT_TOKENS", "MiB", "run_demo", "run_kv_demo", "tier_rows"]
@@ -42,14 +43,6 @@ def _table(rows: list[dict[str, Any]], cols: list[str]) -> str:
     return "\n".join([head, sep, *body])
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} GiB"  # pragma: no cover
-
-
 def tier_rows(stats: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per tier of a ``StorageManager.stats()`` result."""
     rows = []
@@ -58,7 +51,7 @@ def tier_rows(stats: dict[str, Any]) -> list[dict[str, Any]]:
             {
                 "tier": name,
                 "entries": t.get("entries", ""),
-                "bytes": _human(t.get("bytes", 0)),
+                "bytes": human_bytes(t.get("bytes", 0)),
                 "hits": t.get("hits", 0),
                 "misses": t.get("misses", 0),
                 "evictions": t.get("evictions", 0),
@@ -88,7 +81,7 @@ def run_kv_demo(workdir: Path, out: Callable[[str], None] = print) -> dict[str, 
     nbytes = sum(kv.numel() * kv.element_size() for kv in kvs)
     out(
         f"KV cache: {PROMPTS} prompts x {PROMPT_TOKENS} tokens, chunk {CHUNK} tokens = "
-        f"{_human(chunk_bytes)} per chunk; CPU pool holds half of the {total_chunks} chunks, "
+        f"{human_bytes(chunk_bytes)} per chunk; CPU pool holds half of the {total_chunks} chunks, "
         f"the disk tier ({workdir / 'kv'}) holds all of them."
     )
     figures: dict[str, Any] = {}
@@ -115,7 +108,7 @@ def run_kv_demo(workdir: Path, out: Callable[[str], None] = print) -> dict[str, 
         st = sm.stats()
         out(_table(tier_rows(st), ["tier", "entries", "bytes", "hits", "misses", "evictions", "errors"]))
         out(
-            f"stored {stored} chunks ({_human(nbytes)}) in {t_store * 1e3:.0f} ms "
+            f"stored {stored} chunks ({human_bytes(nbytes)}) in {t_store * 1e3:.0f} ms "
             f"({nbytes / t_store / 1e9:.2f} GB/s incl. disk write-through); restored "
             f"{restored} tokens in {t_get * 1e3:.0f} ms ({nbytes / t_get / 1e9:.2f} GB/s), bit-exact: {exact}"
         )

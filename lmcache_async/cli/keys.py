@@ -117,16 +117,10 @@ def _delete_disk(root: str, doomed: list[tuple[int, Any]]) -> int:
     return removed
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"  # pragma: no cover
-
-
 def add_keys_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``keys`` on the CLI's subparsers."""
+    from lmcache_async.cli.serve import add_server_options
+
     p: argparse.ArgumentParser = subparsers.add_parser(
         "keys",
         help="list, show or delete entries of a node-server namespace or a disk-tier directory",
@@ -136,9 +130,8 @@ def add_keys_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("action", choices=["list", "show", "delete"])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--dir", help="a disk-tier directory")
-    src.add_argument("--namespace", help="a node-server namespace (with --socket, default: serve's default)")
-    p.add_argument("--socket", help="the node server's socket (default: the one serve uses by default)")
-    p.add_argument("--token", help="token, when the server requires one (cache_server_token)")
+    src.add_argument("--namespace", help="a node-server namespace (on the server --socket names)")
+    add_server_options(p, token=True)
     p.add_argument("--model", help="only entries of this model")
     p.add_argument("--hash", dest="hash_prefix", help="only entries whose chunk hash (hex) starts with this")
     p.add_argument("--all", action="store_true", help="delete: every entry (no filter needed)")
@@ -175,11 +168,14 @@ def _run_disk(args: argparse.Namespace, prog: str) -> int:
 
 
 def _run_server(args: argparse.Namespace, prog: str) -> int:
+    from lmcache_async.cli.serve import server_settings
     from lmcache_async.server.client import ServerClient
-    from lmcache_async.server.server import default_socket_path
 
-    sock = args.socket or str(default_socket_path())
-    client = ServerClient(sock, args.namespace, token=args.token, timeout_s=args.timeout)
+    settings = server_settings(args)  # --socket/--token, else the configuration's, as clients have them
+    sock = settings.socket
+    client = ServerClient(
+        sock, args.namespace, token=settings.token, timeout_s=args.timeout, server_uid=settings.server_uid
+    )
     try:
         try:
             infos = list(server_entries(client, args.namespace, args.model, args.hash_prefix))
@@ -206,6 +202,8 @@ def _report_deleted(args: argparse.Namespace, n: int, where: str) -> int:
 
 
 def _print(args: argparse.Namespace, infos: list[KeyInfo]) -> int:
+    from lmcache_async.config.units import human_bytes
+
     if args.json:
         print(json.dumps([asdict(i) for i in infos], indent=2))
         return 0
@@ -217,7 +215,7 @@ def _print(args: argparse.Namespace, infos: list[KeyInfo]) -> int:
                     print(f"  {k:14} {v}")
         else:
             shape = "x".join(map(str, i.shape))
-            print(f"{i.key}  {_human(i.payload_bytes)}  {shape} {i.dtype}  {i.tier}")
+            print(f"{i.key}  {human_bytes(i.payload_bytes)}  {shape} {i.dtype}  {i.tier}")
     total = sum(i.payload_bytes for i in infos)
-    print(f"{len(infos)} entries, {_human(total)}")
+    print(f"{len(infos)} entries, {human_bytes(total)}")
     return 0

@@ -14,6 +14,9 @@ This module is the public face; the work is split by job:
   key's type;
 * :mod:`lmcache_async.config.load`: entries from mappings, files and the environment, the base
   config and the encoder-cache overlay.
+* :mod:`lmcache_async.config.check`: what a loaded configuration will do, checked before anything
+  is built from it;
+* :mod:`lmcache_async.config.units`: byte counts in binary units, as messages print them.
 """
 
 from __future__ import annotations

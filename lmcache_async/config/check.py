@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from lmcache_async.config import LMCacheEngineConfig
+from lmcache_async.config.units import human_bytes
 from lmcache_async.memory import memory_total_bytes
 from lmcache_async.tiers import BUILTIN_TIER_KEYS
 
@@ -100,13 +101,17 @@ def _sizes(config: LMCacheEngineConfig) -> list[Finding]:
         if any(getattr(config, k, None) for k in TIER_KEYS.values()):  # staging backs lower-tier I/O
             pools.append(("staging_size", config.staging_size))
         need = sum(v for _, v in pools) * GIB
-        if need > total:
-            named = " + ".join(f"{k} {v:g}" for k, v in pools if v > 0)
+        used = [(k, v) for k, v in pools if v > 0]
+        if need > total and used:
+            # the finding names the first pool as its key; the message names the others beside it
+            (key, first), rest = used[0], used[1:]
+            named = f"{first:g} GiB" + "".join(f" + {k} {v:g} GiB" for k, v in rest)
+            what = "of pools" if rest else "pool"
             out.append(
                 Finding(
                     "error",
-                    pools[0][0],
-                    f"{named} GiB of pools can never fit in this machine's {total / GIB:.1f} GiB of memory",
+                    key,
+                    f"{named} {what} can never fit in this machine's {human_bytes(total)} of memory",
                 )
             )
     disk = config.local_disk
@@ -124,7 +129,8 @@ def _sizes(config: LMCacheEngineConfig) -> list[Finding]:
                 Finding(
                     "warning",
                     "max_local_disk_size",
-                    f"{config.max_local_disk_size:g} GiB budget on a filesystem of {capacity / GIB:.2f} GiB "
+                    f"{human_bytes(config.max_local_disk_size * GIB)} budget on a filesystem of "
+                    f"{human_bytes(capacity)} "
                     f"({probe}): writes will fail for lack of space (counted as no_space) long before the "
                     "budget evicts anything",
                 )

@@ -502,13 +502,18 @@ class CacheServer:
 
 
 def run_server(
-    config: LMCacheEngineConfig, socket_path: str | os.PathLike[str], events_endpoint: str | None = None
+    config: LMCacheEngineConfig,
+    socket_path: str | os.PathLike[str],
+    events_endpoint: str | None = None,
+    on_listening: Callable[[str, int, int], None] | None = None,
 ) -> int:
     """Run a server in the foreground until SIGTERM or SIGINT; returns the exit status (0).
 
     Uses uvloop when it is installed, unless ``LMCACHE_ASYNC_SERVER_LOOP=asyncio``
     (``uvloop`` there requires it). Logs go to the root logger (stderr under the CLI).
     ``events_endpoint``: publish the pools' KV events there (:mod:`lmcache_async.server.events`).
+    ``on_listening(socket_path, pid, pool_bytes)``: called once the socket accepts clients, on
+    the server's loop (None: nobody is told).
     """
     events = None
     if events_endpoint is not None:
@@ -516,13 +521,13 @@ def run_server(
 
         events = ServerEvents(events_endpoint)
     try:
-        return _run(CacheServer(config, socket_path, events))
+        return _run(CacheServer(config, socket_path, events), on_listening)
     finally:
         if events is not None:
             events.close()
 
 
-def _run(server: CacheServer) -> int:
+def _run(server: CacheServer, on_listening: Callable[[str, int, int], None] | None = None) -> int:
     """Bind ``server`` and serve it in the foreground (see :func:`run_server`)."""
     _raise_descriptor_limit(server.max_connections)
     server.bind()
@@ -537,6 +542,8 @@ def _run(server: CacheServer) -> int:
             os.getpid(),
             server.pool_bytes / (1 << 30),
         )
+        if on_listening is not None:
+            on_listening(str(server.socket_path), os.getpid(), server.pool_bytes)
         await server.serve()
         logger.info("cache server stopped")
 
