@@ -111,7 +111,8 @@ __all__ = [
 SUITE = "vllm_kv"
 HERE = Path(__file__).resolve().parent
 CHILD = HERE / "vllm_kv_child.py"
-TINY_LLAMA = HERE.parent / "scripts" / "tiny_llama.py"
+REPO = HERE.parents[1]  # a source checkout: bench/lmcache_async_bench/ -> the repository
+TINY_LLAMA = REPO / "scripts" / "tiny_llama.py"
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "lmcache-async" / "tiny-llama-8x1024-fp32"
 
 ENGINE_ENV = {

@@ -243,3 +243,15 @@ def test_driver_ratio_and_targets() -> None:
     assert evict.met is True
     table = format_rows([row, evict])
     assert "3.00x" in table and "LMCache 0/8 hit (miss)" in table
+
+
+def test_paths_into_the_source_checkout_point_into_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The KV bench builds its model with the checkout's scripts/tiny_llama.py, and the
+    comparison looks for the LMCache venv at the checkout's root (both pointed one level too
+    shallow once the bench moved into bench/lmcache_async_bench/)."""
+    from lmcache_async_bench import vllm_kv
+    from lmcache_async_bench.compare import worker
+
+    assert vllm_kv.TINY_LLAMA == REPO / "scripts" / "tiny_llama.py" and vllm_kv.TINY_LLAMA.is_file()
+    monkeypatch.delenv("LMCACHE_PYTHON", raising=False)
+    assert worker.default_lmcache_python() == str(REPO / ".venv-lmcache" / "bin" / "python")

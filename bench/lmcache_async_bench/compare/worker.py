@@ -25,7 +25,7 @@ def default_lmcache_python() -> str:
     env = os.environ.get("LMCACHE_PYTHON")
     if env:
         return env
-    return str(Path(__file__).resolve().parents[2] / ".venv-lmcache" / "bin" / "python")
+    return str(Path(__file__).resolve().parents[3] / ".venv-lmcache" / "bin" / "python")  # the repository's
 
 
 def main(argv: list[str] | None = None) -> int:
