@@ -11,6 +11,7 @@ how long one read of a lower tier takes (:meth:`TierMap.probe`).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 from collections.abc import Sequence
@@ -159,7 +160,10 @@ class TierMap:
         if obj is None:
             return None
         try:
-            obj.tensor.zero_()
+            # memset, not a torch op: a torch fill of a large block on this (the manager's
+            # loop) thread would start an OpenMP team of its own there, threads that then
+            # compete with the engine's intra-op threads for the CPUs.
+            ctypes.memset(obj.data_ptr, 0, obj.nbytes)
             ok = await guard.call("probe", guard.backend.put, key, obj)
         finally:
             obj.ref_count_down()
