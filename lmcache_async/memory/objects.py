@@ -205,15 +205,8 @@ class MemoryObj:
 
         Raises :class:`DoubleReleaseError` when no reference is left to give back.
         """
-        alloc = self._alloc
-        with alloc.lock:
-            refs = self._refs - 1
-            if refs < 0:
-                raise DoubleReleaseError("MemoryObj released more times than it was acquired")
-            self._refs = refs
-            if refs == 0:
-                self._tensor = None
-                alloc._free_locked(self.offset, self.size)
+        if not self.try_ref_count_down():
+            raise DoubleReleaseError("MemoryObj released more times than it was acquired")
 
     def release(self) -> None:
         """Give back the reference a ``get``/``batched_get`` handed you (the same as

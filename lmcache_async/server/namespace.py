@@ -165,7 +165,7 @@ class Namespace:
             lease.obj.ref_count_down()
         self._leases -= len(st.leases)
         st.share.leases -= len(st.leases)
-        st.share.pinned -= st.pinned
+        st.share.pinned -= sum(lease.obj.size for lease in st.leases.values())
         st.share.conns -= 1
         self._forget_share(st.share)
         self.reclaimed_leases += len(st.leases)
@@ -173,7 +173,6 @@ class Namespace:
         blocks = [g.obj for g in st.grants.values()]
         st.leases.clear()
         st.grants.clear()
-        st.pinned = 0
         if blocks and not writer_gone:
             self._quarantine_blocks(st.pid, blocks)
         else:
@@ -204,12 +203,12 @@ class Namespace:
             return [idx.touch(k) for k in keys]
         return [k in idx for k in keys]
 
-    # ---- reads ---------------------------------------------------------------------------------
     def _forget_share(self, share: ProcessShare) -> None:
         """Drop a process's record once it has no connection and no hold left."""
         if not share.conns and not share.holds and self._shares.get(share.key) is share:
             del self._shares[share.key]
 
+    # ---- reads ---------------------------------------------------------------------------------
     def _may_lease(self, st: ClientState, obj: MemoryObj) -> bool:
         """The lease caps: per client (count and pinned bytes) and per namespace (count)."""
         if (
@@ -225,7 +224,6 @@ class Namespace:
         obj.ref_count_up()
         lid = next(self._ids)
         st.leases[lid] = Lease(obj, self._clock() + self.lease_ttl_s)
-        st.pinned += obj.size
         st.share.leases += 1
         st.share.pinned += obj.size
         self._leases += 1
@@ -265,7 +263,6 @@ class Namespace:
         return True
 
     def _end_lease(self, st: ClientState, lease: Lease) -> None:
-        st.pinned -= lease.obj.size
         st.share.leases -= 1
         st.share.pinned -= lease.obj.size
         self._leases -= 1

@@ -105,13 +105,12 @@ class ProcessShare:
 class ClientState:
     """What one connection holds in its namespace; reclaimed by :meth:`Namespace.drop_client`.
 
-    ``pinned``: block bytes of its leases; ``share``: what its process holds over all of its
-    connections (the caps are checked there)."""
+    ``share``: what its process holds over all of its connections (the caps are checked
+    there)."""
 
     ident: int
     pid: int = 0
     leases: dict[int, Lease] = field(default_factory=dict)
     grants: dict[int, Grant] = field(default_factory=dict)
     requests: int = 0
-    pinned: int = 0
     share: ProcessShare = field(default_factory=ProcessShare)
